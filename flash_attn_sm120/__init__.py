@@ -1,0 +1,15 @@
+"""flash_attn_sm120: FlashAttention-4 (CuTe DSL) kernels tuned for SM120 GPUs.
+
+    from flash_attn_sm120 import flash_attn_func
+    out, lse = flash_attn_func(q, k, v, causal=True)
+
+On compute capability 12.x the calls run this package's kernels; on any other GPU they call
+upstream FA4 unchanged, unless FLASH_ATTN_SM120_EMULATE=1 selects SM120 emulation
+(see `execution_mode`).
+"""
+
+from flash_attn_sm120.device import EMULATE_ENV, device_info, execution_mode
+from flash_attn_sm120.interface import flash_attn_func, flash_attn_varlen_func
+
+__version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "execution_mode", "device_info", "EMULATE_ENV"]

@@ -1,0 +1,239 @@
+"""sm_120a code generation on any machine: compile a forward kernel with fake tensors, inspect it.
+
+No GPU is needed. The kernel is traced with CuTe fake tensors (symbolic batch/sequence sizes),
+compiled with `--gpu-arch=sm_120a`, and the cubin is read with `cuobjdump`:
+registers and stack from `--dump-resource-usage`, an opcode histogram from `--dump-sass`
+(which needs `nvdisasm`; both ship inside triton's wheel, cuobjdump also in nvidia-cuda-cuobjdump).
+Shared memory is the kernel's launch size (recorded by the kernel class at trace time) plus the
+cubin's static shared memory; CTAs per SM come from hardware.py's SM120 model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from flash_attn_sm120 import hardware
+from flash_attn_sm120.config import FwdConfig
+
+TARGET_ARCH = "sm_120a"
+
+
+@dataclass
+class CodegenResult:
+    name: str
+    shipped: bool
+    config: dict
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    dtype: str
+    regs: int
+    stack_bytes: int
+    local_loads: int
+    local_stores: int
+    spill_bytes: int
+    smem_bytes: int
+    smem_dynamic: int
+    smem_static: int
+    ctas_per_sm: int
+    ctas_limiter: str
+    warps_per_sm: int
+    sass: dict = field(default_factory=dict)
+    arch: str = TARGET_ARCH
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@lru_cache(maxsize=None)
+def find_tool(name: str) -> Optional[str]:
+    """cuobjdump / nvdisasm: PATH, then the nvidia-cuda-cuobjdump wheel, then triton's bundle."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = []
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            candidates += sorted(Path(base).glob(f"cu*/bin/{name}")) + sorted(Path(base).glob(f"cuda_*/bin/{name}"))
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    except ImportError:
+        pass
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return None
+
+
+_RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_SASS_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", re.M)
+
+
+def parse_resource_usage(text: str) -> dict:
+    """Largest kernel's REG/STACK/SHARED/LOCAL from `cuobjdump --dump-resource-usage` output."""
+    rows = [tuple(int(x) for x in m.groups()) for m in _RES_RE.finditer(text)]
+    if not rows:
+        raise ValueError("no resource usage found in cuobjdump output")
+    reg, stack, shared, local = max(rows)
+    return {"regs": reg, "stack": stack, "shared": shared, "local": local}
+
+
+def parse_sass_histogram(text: str, full: bool = False) -> dict:
+    """Opcode -> count from `cuobjdump --dump-sass`; the base opcode (before the first '.') unless full."""
+    counts = Counter()
+    for m in _SASS_RE.finditer(text):
+        op = m.group(1)
+        counts[op if full else op.split(".")[0]] += 1
+    return dict(sorted(counts.items()))
+
+
+def inspect_cubin(cubin: bytes) -> tuple[dict, dict, str]:
+    """(resource usage, opcode histogram, raw SASS) of a cubin."""
+    cuobjdump = find_tool("cuobjdump")
+    if cuobjdump is None:
+        raise RuntimeError("cuobjdump not found: pip install nvidia-cuda-cuobjdump (or triton)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        res = subprocess.run([cuobjdump, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True)
+        env = dict(os.environ)
+        nvdisasm = find_tool("nvdisasm")
+        if nvdisasm is None:
+            raise RuntimeError("nvdisasm not found (it ships in triton/backends/nvidia/bin)")
+        env["PATH"] = str(Path(nvdisasm).parent) + os.pathsep + env.get("PATH", "")
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(path)], capture_output=True, text=True, check=True, env=env)
+    return parse_resource_usage(res.stdout), parse_sass_histogram(sass.stdout), sass.stdout
+
+
+def compile_fwd_cubin(
+    config: FwdConfig,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    causal: bool = False,
+    local: bool = False,
+    dtype: str = "bfloat16",
+    qhead_per_kvhead: int = 1,
+    pack_gqa: bool = False,
+    has_lse: bool = True,
+    arch: str = TARGET_ARCH,
+    upstream_class: bool = False,
+) -> tuple[bytes, int]:
+    """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
+
+    upstream_class=True builds upstream's own FlashAttentionForwardSm120 (the reference row).
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120
+    from flash_attn.cute.utils import AuxData
+    from quack.compile_utils import make_fake_tensor
+
+    from flash_attn_sm120 import driver
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
+    statics = driver.FwdStatics(
+        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, qhead_per_kvhead=qhead_per_kvhead,
+        causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse, has_cu_seqlens_q=False,
+        has_cu_seqlens_k=False, has_seqused_q=False, has_seqused_k=False, has_window_left=local,
+        has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
+        broadcast=(), config=config, emulate_host_smem=None,
+    )
+    if upstream_class:
+        kernel = FlashAttentionForwardSm120(
+            cdtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=causal, is_local=local,
+            pack_gqa=pack_gqa, tile_m=config.tile_m, tile_n=config.tile_n, num_stages=config.num_stages,
+            num_threads=config.num_threads, Q_in_regs=config.q_in_regs,
+        )
+    else:
+        kernel = driver.make_kernel(statics)
+    b, sq, sk = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    h = cute.sym_int()
+    hk = h if qhead_per_kvhead == 1 else cute.sym_int()
+    div = 16 // (cdtype.width // 8)
+    q = make_fake_tensor(cdtype, (b, sq, h, head_dim), divisibility=div)
+    k = make_fake_tensor(cdtype, (b, sk, hk, head_dim), divisibility=div)
+    v = make_fake_tensor(cdtype, (b, sk, hk, head_dim_v), divisibility=div)
+    o = make_fake_tensor(cdtype, (b, sq, h, head_dim_v), divisibility=div)
+    lse = make_fake_tensor(cutlass.Float32, (b, h, sq), divisibility=1) if has_lse else None
+    window = cutlass.Int32(0) if local else None
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = driver.compile_kernel(
+            kernel, q, k, v, o, lse, None, None, None, None, window, window, AuxData(None, None),
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+        )
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, str):  # some DSL builds return the dump path instead of bytes
+            cubin = Path(cubin).read_bytes()
+    smem = getattr(kernel, "smem_bytes_launched", None)
+    if smem is None:
+        smem = config.smem_bytes(head_dim, head_dim_v)
+    return cubin, smem
+
+
+def report_row(
+    config: FwdConfig,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    name: Optional[str] = None,
+    shipped: bool = False,
+    causal: bool = False,
+    dtype: str = "bfloat16",
+    upstream_class: bool = False,
+    note: str = "",
+    keep_sass: Optional[dict] = None,
+) -> CodegenResult:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cubin, smem_dyn = compile_fwd_cubin(config, head_dim, head_dim_v, causal=causal, dtype=dtype, upstream_class=upstream_class)
+    res, hist, sass_text = inspect_cubin(cubin)
+    if keep_sass is not None:
+        keep_sass["text"] = sass_text
+    smem_total = smem_dyn + res["shared"]
+    occ = hardware.sm120_occupancy(smem_total, config.num_threads, res["regs"])
+    lds, sts = hist.get("LDL", 0), hist.get("STL", 0)
+    return CodegenResult(
+        name=name or f"{config.name}-d{head_dim}{'-causal' if causal else ''}",
+        shipped=shipped,
+        config=config.to_dict(),
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        causal=causal,
+        dtype=dtype,
+        regs=res["regs"],
+        stack_bytes=res["stack"],
+        local_loads=lds,
+        local_stores=sts,
+        spill_bytes=res["stack"] + res["local"],
+        smem_bytes=smem_total,
+        smem_dynamic=smem_dyn,
+        smem_static=res["shared"],
+        ctas_per_sm=occ.ctas_per_sm,
+        ctas_limiter=occ.limiter,
+        warps_per_sm=occ.ctas_per_sm * config.num_warps,
+        sass=hist,
+        note=note,
+    )
+
+
+def max_cp_async_wait_depth(sass_text: str) -> int:
+    """Largest N in `DEPBAR.LE SB0, N` (cp.async groups left in flight at a wait); 0 if none."""
+    depths = [int(x, 0) for x in re.findall(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", sass_text)]
+    return max(depths, default=0)

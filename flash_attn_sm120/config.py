@@ -1,0 +1,169 @@
+"""Forward kernel configs: a dataclass, the TOML table in configs/, and a pure selection rule.
+
+The table (configs/sm120_fwd.toml) is data: one entry per (head_dim bucket, mask kind) with the
+kernel family, warps, tiles, stages and the provenance of the measurement that chose it.
+`select_fwd_config` is a pure function of the table and the problem's static properties, so it is
+tested on a CPU; the driver calls it once per compile key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from flash_attn_sm120.kernels.fwd_cpasync import sm120_config_error, smem_bytes
+
+HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
+MASK_KINDS = ("none", "causal", "local")
+FAMILIES = ("cpasync",)
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+FWD_TABLE_PATH = CONFIG_DIR / "sm120_fwd.toml"
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Static tiling of one forward kernel."""
+
+    num_threads: int = 128
+    tile_m: int = 128
+    tile_n: int = 64
+    num_stages: int = 1
+    q_in_regs: bool = False
+    family: str = "cpasync"
+
+    @property
+    def num_warps(self) -> int:
+        return self.num_threads // 32
+
+    @property
+    def name(self) -> str:
+        q = "-qreg" if self.q_in_regs else ""
+        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}"
+
+    def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
+        if self.family not in FAMILIES:
+            return f"unknown kernel family {self.family!r} (known: {', '.join(FAMILIES)})"
+        return sm120_config_error(
+            head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.num_threads, self.q_in_regs
+        )
+
+    def smem_bytes(self, head_dim: int, head_dim_v: int) -> int:
+        return smem_bytes(head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# upstream's own SM120 choice (flash_attn/cute/interface.py, _get_fwd_config): 4 warps, 1 stage
+def upstream_fwd_config(head_dim: int) -> FwdConfig:
+    return FwdConfig(128, 128, 128 if head_dim <= 64 else 64, 1, False)
+
+
+# Tried in order when the table has no entry that fits a head dim: all fit 99 KB up to d=256.
+_FALLBACKS = (
+    FwdConfig(128, 128, 64, 1, False),
+    FwdConfig(128, 64, 64, 1, False),
+    FwdConfig(128, 64, 32, 1, False),
+    FwdConfig(128, 64, 32, 1, True),
+)
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    head_dim: int  # bucket upper bound
+    mask: str
+    config: FwdConfig
+    provenance: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def head_dim_bucket(head_dim: int, head_dim_v: int) -> int:
+    d = max(head_dim, head_dim_v)
+    for b in HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"head dim {d} is above the largest supported bucket {HEAD_DIM_BUCKETS[-1]}")
+
+
+def mask_kind(causal: bool, local: bool) -> str:
+    return "local" if local else "causal" if causal else "none"
+
+
+def parse_fwd_table(data: dict) -> list[TableEntry]:
+    """Validate and convert a parsed TOML document into entries (raises ValueError on bad data)."""
+    if data.get("schema") != 1:
+        raise ValueError(f"config table schema must be 1, got {data.get('schema')!r}")
+    entries = []
+    seen = set()
+    for i, raw in enumerate(data.get("fwd", [])):
+        where = f"fwd entry {i}"
+        try:
+            head_dim, mask = int(raw["head_dim"]), str(raw["mask"])
+            cfg = FwdConfig(
+                num_threads=int(raw["num_threads"]),
+                tile_m=int(raw["tile_m"]),
+                tile_n=int(raw["tile_n"]),
+                num_stages=int(raw.get("num_stages", 1)),
+                q_in_regs=bool(raw.get("q_in_regs", False)),
+                family=str(raw.get("family", "cpasync")),
+            )
+        except KeyError as e:
+            raise ValueError(f"{where}: missing key {e}") from None
+        if head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"{where}: head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+        if mask not in MASK_KINDS:
+            raise ValueError(f"{where}: mask {mask!r} not in {MASK_KINDS}")
+        err = cfg.error(head_dim, head_dim)
+        if err:
+            raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
+        prov = raw.get("provenance")
+        if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
+            raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
+        if (head_dim, mask) in seen:
+            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask})")
+        seen.add((head_dim, mask))
+        entries.append(TableEntry(head_dim, mask, cfg, dict(prov)))
+    return entries
+
+
+def load_fwd_table(path: Path | str | None = None) -> tuple[TableEntry, ...]:
+    return _load_cached(str(path or FWD_TABLE_PATH))
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str) -> tuple[TableEntry, ...]:
+    with open(path, "rb") as f:
+        return tuple(parse_fwd_table(tomllib.load(f)))
+
+
+def select_fwd_config(
+    table: Iterable[TableEntry],
+    head_dim: int,
+    head_dim_v: int,
+    causal: bool,
+    local: bool,
+) -> FwdConfig:
+    """The table's config for this problem, or the first fallback that fits; pure.
+
+    Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
+    entry; then the fallbacks. A config that cannot run the actual head dims is skipped.
+    """
+    bucket = head_dim_bucket(head_dim, head_dim_v)
+    kind = mask_kind(causal, local)
+    by_key = {(e.head_dim, e.mask): e.config for e in table}
+    order = [kind] + (["causal"] if kind == "local" else []) + ["none"]
+    for m in order:
+        cfg = by_key.get((bucket, m))
+        if cfg is not None and cfg.error(head_dim, head_dim_v) is None:
+            return cfg
+    for cfg in (upstream_fwd_config(max(head_dim, head_dim_v)),) + _FALLBACKS:
+        if cfg.error(head_dim, head_dim_v) is None:
+            return cfg
+    raise ValueError(f"no SM120 forward config fits head dims ({head_dim}, {head_dim_v})")

@@ -1,0 +1,105 @@
+"""Which kernels a device gets: this package's (real SM120, or SM120 emulation) or upstream FA4's.
+
+* `sm120`:    compute capability 12.x. This package's kernels, no padding.
+* `emulated`: any SM80+ GPU with FLASH_ATTN_SM120_EMULATE=1. This package's SM120 kernels, each
+              CTA's shared memory padded so the GPU keeps no more CTAs per SM than an SM120 would
+              (hardware.py). Timings in this mode are labelled *emulated*, never SM120.
+* `upstream`: any other CUDA GPU. Calls go to `flash_attn.cute` unchanged.
+
+The variable is this package's own; FA4's FLASH_ATTENTION_ARCH / FLASH_ATTENTION_NUM_SMS are
+neither read nor written here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from flash_attn_sm120 import hardware
+
+EMULATE_ENV = "FLASH_ATTN_SM120_EMULATE"
+
+# H200 / H100 values, used only if torch does not report them
+_FALLBACK_SMEM_PER_SM = {9: 233472, 8: 167936, 10: 233472}
+_FALLBACK_SMEM_PER_BLOCK = {9: 232448, 8: 166912, 10: 232448}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    capability: tuple[int, int]
+    num_sms: int
+    smem_per_sm: int
+    smem_per_block_max: int
+    mode: str  # "sm120" | "emulated" | "upstream"
+
+    @property
+    def is_emulated(self) -> bool:
+        return self.mode == "emulated"
+
+    @property
+    def uses_sm120_kernels(self) -> bool:
+        return self.mode in ("sm120", "emulated")
+
+    @property
+    def emulate_host_smem(self) -> Optional[tuple[int, int]]:
+        """What the SM120 kernels need to pad for, or None on a real SM120."""
+        return (self.smem_per_sm, self.smem_per_block_max) if self.is_emulated else None
+
+    def label(self) -> str:
+        cc = f"{self.capability[0]}.{self.capability[1]}"
+        if self.mode == "emulated":
+            return f"SM120 emulated on {self.name} (cc {cc}, {self.num_sms} SMs, smem padded to SM120 occupancy)"
+        if self.mode == "sm120":
+            return f"SM120 native: {self.name} (cc {cc}, {self.num_sms} SMs)"
+        return f"upstream FA4 on {self.name} (cc {cc}, {self.num_sms} SMs)"
+
+
+def emulation_requested() -> bool:
+    return os.environ.get(EMULATE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def mode_for_capability(capability: tuple[int, int], emulate: bool) -> str:
+    """Pure dispatch rule (CPU-tested)."""
+    major = capability[0]
+    if major == 12:
+        return "sm120"
+    if emulate and major >= 8:
+        return "emulated"
+    return "upstream"
+
+
+@lru_cache(maxsize=None)
+def _device_props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def device_info(device: torch.device | int | None = None, *, emulate: Optional[bool] = None) -> DeviceInfo:
+    """Describe a CUDA device and the mode this package runs it in."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is available")
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    props = _device_props(index)
+    cap = (props.major, props.minor)
+    mode = mode_for_capability(cap, emulation_requested() if emulate is None else emulate)
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or _FALLBACK_SMEM_PER_SM.get(props.major, 0)
+    smem_block = getattr(props, "shared_memory_per_block_optin", 0) or _FALLBACK_SMEM_PER_BLOCK.get(props.major, 0)
+    if cap[0] == 12:
+        smem_per_sm, smem_block = hardware.SMEM_PER_SM, hardware.SMEM_PER_BLOCK_MAX
+    return DeviceInfo(props.name, cap, props.multi_processor_count, smem_per_sm, smem_block, mode)
+
+
+def execution_mode(device: torch.device | int | None = None) -> str:
+    """'sm120', 'emulated' or 'upstream' for a device (default: the current one); 'cpu' without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return device_info(device).mode

@@ -1,0 +1,229 @@
+"""The SM120 forward driver: allocation, compile cache keyed by (problem statics, config), launch.
+
+A thin replacement for the SM120 branch of upstream's `_flash_attn_fwd`, which hard-codes its
+kernel class, 4 warps and two tiles. It imports upstream's helpers (tensor conversion, causal /
+local resolution, softcap score_mod, callable hashing) and never touches upstream's globals or
+environment variables, so upstream FA4 keeps working unchanged in the same process.
+
+Compiled kernels live in an in-process cache; with FLASH_ATTN_SM120_CACHE_DIR set they are also
+exported to (and loaded from) that directory through upstream's JITPersistentCache, which lets
+several processes compile in parallel and a later process skip compilation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.cache_utils import JITCache, JITPersistentCache
+from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
+from flash_attn.cute.interface import _resolve_causal_local_window
+from flash_attn.cute.utils import AuxData
+
+from flash_attn_sm120.config import FwdConfig, load_fwd_table, select_fwd_config
+from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync
+
+CACHE_DIR_ENV = "FLASH_ATTN_SM120_CACHE_DIR"
+
+_TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+KERNEL_FAMILIES = {"cpasync": FlashAttentionForwardSm120CpAsync}
+
+
+@dataclass(frozen=True)
+class FwdStatics:
+    """Everything a compiled forward kernel is specialized on (the compile key)."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int
+    causal: bool
+    local: bool
+    pack_gqa: bool
+    has_lse: bool
+    has_cu_seqlens_q: bool
+    has_cu_seqlens_k: bool
+    has_seqused_q: bool
+    has_seqused_k: bool
+    has_window_left: bool
+    has_window_right: bool
+    score_mod_hash: object
+    mask_mod_hash: object
+    aux_metadata: object
+    broadcast: tuple
+    config: FwdConfig
+    emulate_host_smem: Optional[tuple]
+
+
+def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False):
+    """The kernel object for a compile key (no compilation)."""
+    cfg = statics.config
+    cls = KERNEL_FAMILIES[cfg.family]
+    return cls(
+        _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
+        statics.head_dim,
+        statics.head_dim_v,
+        statics.qhead_per_kvhead,
+        is_causal=statics.causal,
+        is_local=statics.local,
+        pack_gqa=statics.pack_gqa,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        num_stages=cfg.num_stages,
+        num_threads=cfg.num_threads,
+        Q_in_regs=cfg.q_in_regs,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        has_aux_tensors=has_aux_tensors,
+        emulate_host_smem=statics.emulate_host_smem,
+    )
+
+
+def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_left, window_right, aux: AuxData, options: str = ""):
+    """cute.compile with upstream's SM80/SM120 forward call convention (cute tensors or fakes)."""
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, q, k, v, o, lse, 1.0,
+        cu_q, cu_k, used_q, used_k,
+        None,  # page table
+        window_left, window_right,
+        None,  # learnable sink
+        None,  # block sparsity
+        aux,
+        None, None,  # varlen tile-count hints (optional)
+        stream,
+        options=("--enable-tvm-ffi " + options).strip(),
+    )
+
+
+def _make_cache():
+    path = os.environ.get(CACHE_DIR_ENV)
+    return JITPersistentCache(Path(path) / "fwd") if path else JITCache()
+
+
+_compile_cache = _make_cache()
+# compile events, for tests and benchmarks that must see whether a call compiled
+compile_count = {"fwd": 0}
+
+
+def clear_cache() -> None:
+    global _compile_cache
+    _compile_cache = _make_cache()
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_size_left: Optional[int],
+    window_size_right: Optional[int],
+    softcap: Optional[float],
+    pack_gqa: Optional[bool],
+    need_lse: bool,
+    emulate_host_smem: Optional[tuple],
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    aux_tensors: Optional[list] = None,
+    aux_scalars: Optional[tuple] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+    config: Optional[FwdConfig] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the SM120 forward on validated inputs; returns (out, lse or None)."""
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_kv, head_dim_v = v.shape[-2:]
+    qhead_per_kvhead = num_heads // num_heads_kv
+    varlen_q = cu_seqlens_q is not None
+    q_rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if softcap == 0.0:
+        softcap = None
+    causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
+        causal, window_size_left, window_size_right, mask_mod
+    )
+    if pack_gqa is None:
+        pack_gqa = qhead_per_kvhead > 1
+    if qhead_per_kvhead == 1:
+        pack_gqa = False
+
+    if out is None:
+        out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[0], num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
+    if lse is None and need_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if k.shape[-3] == 0 or out.numel() == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+
+    if config is None:
+        config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
+    if softcap is not None:
+        if score_mod is not None:
+            raise ValueError("softcap and score_mod cannot be used together")
+        score_mod = fa_utils.create_softcap_scoremod(softcap)
+
+    statics = FwdStatics(
+        dtype=str(q.dtype).replace("torch.", ""),
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        qhead_per_kvhead=qhead_per_kvhead,
+        causal=causal,
+        local=local,
+        pack_gqa=pack_gqa,
+        has_lse=lse is not None,
+        has_cu_seqlens_q=varlen_q,
+        has_cu_seqlens_k=cu_seqlens_k is not None,
+        has_seqused_q=seqused_q is not None,
+        has_seqused_k=seqused_k is not None,
+        has_window_left=window_size_left is not None,
+        has_window_right=window_size_right is not None,
+        score_mod_hash=fa_utils.hash_callable(score_mod) if score_mod is not None else False,
+        mask_mod_hash=fa_utils.hash_callable(mask_mod) if mask_mod is not None else False,
+        aux_metadata=get_aux_tensor_metadata(aux_tensors) if aux_tensors is not None else None,
+        broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
+        config=config,
+        emulate_host_smem=emulate_host_smem,
+    )
+    aux_scalars = tuple(aux_scalars) if aux_scalars else None
+    key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
+    if key not in _compile_cache:
+        kernel = make_kernel(statics, score_mod, mask_mod, aux_tensors is not None)
+        index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
+                 for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
+        cute_aux = [to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None
+        _compile_cache[key] = compile_kernel(
+            kernel,
+            *(to_cute_tensor(t) for t in (q, k, v, out)),
+            to_cute_tensor(lse, assumed_align=4) if lse is not None else None,
+            *index,
+            window_size_left,
+            window_size_right,
+            AuxData(cute_aux, aux_scalars),
+        )
+        compile_count["fwd"] += 1
+    _compile_cache[key](
+        q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        None, window_size_left, window_size_right, None, None,
+        AuxData(aux_tensors, aux_scalars),
+        None, None,
+    )
+    return out, lse

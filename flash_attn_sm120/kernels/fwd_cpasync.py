@@ -1,0 +1,204 @@
+"""SM120 forward, cp.async family: upstream's SM120 kernel opened up to 4 or 8 warps, any tile, 1-3 stages.
+
+Algorithm (inherited, not copied): FlashAttention-2 on warp-level tensor cores. A CTA owns a
+tile_m x head_dim block of Q, walks the K/V sequence in tile_n blocks, and for each block
+computes S = Q K^T with `mma.sync.m16n8k16` (operands fed by `ldmatrix`), applies masks, an
+online softmax in registers, and accumulates O += P V with P kept in registers. K and V arrive in
+shared memory through `cp.async` (LDGSTS) in a ring of `num_stages` buffers; with two or more
+stages the next tiles' loads stay in flight while the current tile's MMAs run.
+
+Warps are stacked along M (each warp owns 16 rows of the tile per MMA row step), so 8 warps on a
+128-row tile halve the per-thread accumulators compared with 4 warps. That is what removes
+upstream's register spills on sm_120a (255 registers + 104 B of stack at 4 warps, 128x64, d=128).
+
+This module adds, by subclassing upstream's `FlashAttentionForwardSm120`:
+  * SM120 feasibility rules with a reason for each refusal (`sm120_config_error`);
+  * the exact shared-memory footprint (`smem_bytes`), checked against the 99 KB per-block limit;
+  * optional shared-memory padding for SM120 emulation on bigger GPUs (see hardware.py).
+Everything else (mainloop, masking, softmax, epilogue, GQA packing, varlen) is upstream's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120
+
+from flash_attn_sm120 import hardware
+
+_SMEM_ALIGN = 1024  # upstream aligns each of sQ, sK, sV to 1 KB
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def smem_bytes(
+    head_dim: int,
+    head_dim_v: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    q_in_regs: bool,
+    elem_bytes: int = 2,
+) -> int:
+    """Dynamic shared memory of one CTA, as upstream's SharedStorage lays it out.
+
+    sV, sQ, sK in that order, each 1 KB aligned; with Q in registers sQ and sV share one buffer.
+    head_dim is padded to a multiple of 16 as the kernel's tiles are.
+    """
+    hd, hdv = _round_up(head_dim, 16), _round_up(head_dim_v, 16)
+    q = tile_m * hd * elem_bytes
+    k = tile_n * hd * num_stages * elem_bytes
+    v = tile_n * hdv * num_stages * elem_bytes
+    if q_in_regs:
+        return _round_up(_round_up(max(q, v), _SMEM_ALIGN) + k, _SMEM_ALIGN)
+    return _round_up(_round_up(_round_up(v, _SMEM_ALIGN) + q, _SMEM_ALIGN) + k, _SMEM_ALIGN)
+
+
+def _smem_k_block(head_dim: int) -> int:
+    """Columns of upstream's swizzled smem atom (ampere_helpers.get_smem_layout_atom), bf16/fp16."""
+    hd = _round_up(head_dim, 16)
+    return 64 if hd % 64 == 0 else 32 if hd % 32 == 0 else 16
+
+
+def sm120_config_error(
+    head_dim: int,
+    head_dim_v: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    num_threads: int,
+    q_in_regs: bool = False,
+) -> Optional[str]:
+    """Why a cp.async config cannot run on SM120, or None if it can."""
+    if num_threads not in (128, 256):
+        return f"num_threads={num_threads}: only 128 (4 warps) or 256 (8 warps) are supported"
+    if head_dim % 8 or head_dim_v % 8:
+        return f"head dims ({head_dim}, {head_dim_v}) must be multiples of 8"
+    if not (8 <= head_dim <= 256 and 8 <= head_dim_v <= 256):
+        return f"head dims ({head_dim}, {head_dim_v}) must be in [8, 256]"
+    rows_per_step = (num_threads // 32) * 16  # warps stacked along M, 16 rows each
+    if tile_m % rows_per_step:
+        return f"tile_m={tile_m} must be a multiple of {rows_per_step} for {num_threads // 32} warps"
+    if tile_n % 16 or tile_n <= 0:
+        return f"tile_n={tile_n} must be a positive multiple of 16"
+    if not 1 <= num_stages <= 3:
+        return f"num_stages={num_stages} must be 1, 2 or 3"
+    # Q and O copies: each thread moves 8 elements, a row is split over (smem k-block / 8) threads
+    for d in (head_dim, head_dim_v):
+        rows_per_copy = num_threads // (_smem_k_block(d) // 8)
+        if tile_m % rows_per_copy:
+            return f"tile_m={tile_m} must be a multiple of {rows_per_copy} (rows one Q/O copy covers at d={d})"
+    smem = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages, q_in_regs) + hardware.DSL_STATIC_SMEM
+    if smem > hardware.SMEM_PER_BLOCK_MAX:
+        return f"needs {smem} B of shared memory, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
+    return None
+
+
+class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
+    """Upstream's SM120 forward with free warps/tiles/stages, SM120 limits, and emulation padding.
+
+    `emulate_host_smem`: (smem per SM, max smem per block) of the GPU that runs the kernel when it
+    is not an SM120; the CTA's shared memory is then padded so that the host fits no more CTAs
+    per SM than SM120 would. None on a real SM120.
+    """
+
+    family = "cpasync"
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        head_dim_v: int,
+        qhead_per_kvhead: int = 1,
+        *,
+        is_causal: bool = False,
+        is_local: bool = False,
+        pack_gqa: bool = False,
+        tile_m: int = 128,
+        tile_n: int = 64,
+        num_stages: int = 1,
+        num_threads: int = 128,
+        Q_in_regs: bool = False,
+        score_mod=None,
+        mask_mod=None,
+        has_aux_tensors: bool = False,
+        emulate_host_smem: Optional[tuple[int, int]] = None,
+    ):
+        error = sm120_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs)
+        if error is not None:
+            raise ValueError(f"SM120 forward config not implementable: {error}")
+        super().__init__(
+            dtype,
+            head_dim,
+            head_dim_v,
+            qhead_per_kvhead,
+            is_causal=is_causal,
+            is_local=is_local,
+            pack_gqa=pack_gqa,
+            tile_m=tile_m,
+            tile_n=tile_n,
+            num_stages=num_stages,
+            num_threads=num_threads,
+            Q_in_regs=Q_in_regs,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            has_aux_tensors=has_aux_tensors,
+        )
+        self.emulate_host_smem = emulate_host_smem
+        # filled in at trace time, read by the codegen report and the tests
+        self.smem_bytes_unpadded: Optional[int] = None
+        self.smem_bytes_launched: Optional[int] = None
+
+    @staticmethod
+    def can_implement(
+        dtype,
+        head_dim,
+        head_dim_v,
+        tile_m,
+        tile_n,
+        num_stages,
+        num_threads,
+        is_causal,
+        Q_in_regs=False,
+    ) -> bool:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            return False
+        return sm120_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs) is None
+
+    def _get_shared_storage_cls(self):
+        storage = super()._get_shared_storage_cls()
+        self.smem_bytes_unpadded = storage.size_in_bytes()
+        self.smem_bytes_launched = self.smem_bytes_unpadded
+        if self.emulate_host_smem is None:
+            return storage
+        host_per_sm, host_per_block = self.emulate_host_smem
+        padded = hardware.emulation_padded_smem(
+            self.smem_bytes_unpadded,
+            self.num_threads,
+            static_smem=hardware.DSL_STATIC_SMEM,
+            host_smem_per_sm=host_per_sm,
+            host_smem_per_block_max=host_per_block,
+        )
+        if padded == self.smem_bytes_unpadded:
+            return storage
+        return _padded_struct(storage, padded)
+
+
+def _padded_struct(storage, total_bytes: int):
+    """A copy of a cute.struct with a trailing byte array so that its size is `total_bytes`."""
+    pad = total_bytes - storage.size_in_bytes()
+    fields = dict(storage._annotations) if hasattr(storage, "_annotations") else dict(storage.__annotations__)
+    fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad]
+    padded = cute.struct(type("SharedStoragePadded", (), {"__annotations__": fields}))
+    # struct alignment may round the size up; trim the pad once if it overshot
+    over = padded.size_in_bytes() - total_bytes
+    if over > 0 and over < pad:
+        fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad - over]
+        padded = cute.struct(type("SharedStoragePadded", (), {"__annotations__": fields}))
+    assert padded.size_in_bytes() >= total_bytes - 1023, (padded.size_in_bytes(), total_bytes)
+    return padded

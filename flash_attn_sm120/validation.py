@@ -1,0 +1,177 @@
+"""Input checks for the SM120 path: every bad input gets a TypeError/ValueError naming the problem.
+
+They run before any tensor is converted or kernel compiled, on CPU tensors too (so CPU tests
+cover them). Unsupported features raise NotImplementedError naming the feature.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    batch: int
+    seqlen_q: Optional[int]  # None for varlen q (total_q instead)
+    seqlen_k: int  # padded K length (dense) or total_k (varlen)
+    total_q: int
+    num_heads: int
+    num_heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.num_heads // self.num_heads_kv
+
+
+def _name_dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, ndim: int, want_device: Optional[torch.device]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {_name_dtype(t)}; SM120 kernels take float16 or bfloat16")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}; the kernels need CUDA tensors")
+    if want_device is not None and t.device != want_device:
+        raise ValueError(f"{name} is on {t.device} but q is on {want_device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}")
+
+
+def _check_index_tensor(name: str, t, shape: tuple, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {_name_dtype(t)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if t.dim() and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_head_dim(head_dim: int, head_dim_v: int) -> None:
+    for label, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if d % 8 != 0:
+            raise ValueError(f"{label}={d} is not a multiple of 8 (16-byte rows are required)")
+        if not 8 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{label}={d} is outside the supported range [8, {MAX_HEAD_DIM}] on SM120")
+
+
+def normalize_window(window_size) -> tuple[Optional[int], Optional[int]]:
+    """(left, right) with None meaning unbounded; -1 is accepted as unbounded too (FA2 style)."""
+    if window_size is None:
+        return None, None
+    if not isinstance(window_size, Sequence) or isinstance(window_size, (str, bytes)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
+    out = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int or None, got {w!r}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(f"window_size {side}={w} is invalid: use >= 0, or -1/None for unbounded")
+        out.append(None if w == -1 else w)
+    return out[0], out[1]
+
+
+def check_scalars(softmax_scale, softcap) -> None:
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be a float, got {softcap!r}")
+        if not math.isfinite(softcap) or softcap < 0:
+            raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
+
+
+def validate_dense(q, k, v) -> ProblemShape:
+    """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
+    _check_tensor("q", q, 4, None)
+    _check_tensor("k", k, 4, q.device)
+    _check_tensor("v", v, 4, q.device)
+    return _shape_common(q, k, v, batch=q.shape[0], seqlen_q=q.shape[1], total_q=q.shape[0] * q.shape[1])
+
+
+def validate_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k
+) -> ProblemShape:
+    """q (total_q, h, d) with cu_seqlens_q, or (b, sq, h, d); k/v likewise with cu_seqlens_k."""
+    q_ndim = 3 if cu_seqlens_q is not None else 4
+    k_ndim = 3 if cu_seqlens_k is not None else 4
+    _check_tensor("q", q, q_ndim, None)
+    _check_tensor("k", k, k_ndim, q.device)
+    _check_tensor("v", v, k_ndim, q.device)
+    if cu_seqlens_q is not None:
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+            raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of length batch + 1 (>= 2)")
+        batch = cu_seqlens_q.shape[0] - 1
+    elif cu_seqlens_k is not None:
+        if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 2:
+            raise ValueError("cu_seqlens_k must be a 1-D int32 tensor of length batch + 1 (>= 2)")
+        batch = q.shape[0]
+    else:
+        batch = q.shape[0]
+    if cu_seqlens_k is None and k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q describes {batch} sequences")
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
+    _check_index_tensor("seqused_q", seqused_q, (batch,), q.device)
+    _check_index_tensor("seqused_k", seqused_k, (batch,), q.device)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None and not isinstance(m, torch.Tensor):
+            if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+                raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
+    seqlen_q = None if cu_seqlens_q is not None else q.shape[1]
+    total_q = q.shape[0] if cu_seqlens_q is not None else q.shape[0] * q.shape[1]
+    return _shape_common(q, k, v, batch=batch, seqlen_q=seqlen_q, total_q=total_q)
+
+
+def _shape_common(q, k, v, *, batch: int, seqlen_q: Optional[int], total_q: int) -> ProblemShape:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {_name_dtype(q)}, {_name_dtype(k)}, {_name_dtype(v)}")
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_heads_kv, head_dim_v = v.shape[-2], v.shape[-1]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all but the last dimension")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k head dim {k.shape[-1]} does not match q head dim {head_dim}")
+    if num_heads_kv == 0 or num_heads % num_heads_kv != 0:
+        raise ValueError(f"nheads={num_heads} must be a multiple of nheads_kv={num_heads_kv} (GQA/MQA)")
+    check_head_dim(head_dim, head_dim_v)
+    seqlen_k = k.shape[-3]
+    return ProblemShape(batch, seqlen_q, seqlen_k, total_q, num_heads, num_heads_kv, head_dim, head_dim_v, q.dtype)
+
+
+def reject_unsupported(**features) -> None:
+    """NotImplementedError for features the SM120 path does not have yet (names in the message)."""
+    for feature, used in features.items():
+        if used:
+            raise NotImplementedError(
+                f"{feature.replace('_', ' ')} is not supported by the SM120 kernels yet"
+                " (upstream FA4 does not support it on SM120 either)"
+            )
