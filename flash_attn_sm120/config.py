@@ -19,11 +19,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from flash_attn_sm120.kernels.fwd_cpasync import sm120_config_error, smem_bytes
+from flash_attn_sm120.kernels import FAMILIES
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
-FAMILIES = ("cpasync",)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FWD_TABLE_PATH = CONFIG_DIR / "sm120_fwd.toml"
 
@@ -51,12 +50,14 @@ class FwdConfig:
     def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
         if self.family not in FAMILIES:
             return f"unknown kernel family {self.family!r} (known: {', '.join(FAMILIES)})"
-        return sm120_config_error(
+        return FAMILIES[self.family].config_error(
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.num_threads, self.q_in_regs
         )
 
     def smem_bytes(self, head_dim: int, head_dim_v: int) -> int:
-        return smem_bytes(head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs)
+        return FAMILIES[self.family].smem_bytes(
+            head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

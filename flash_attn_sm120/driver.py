@@ -29,12 +29,11 @@ from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120.config import FwdConfig, load_fwd_table, select_fwd_config
-from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync
+from flash_attn_sm120.kernels import FAMILIES
 
 CACHE_DIR_ENV = "FLASH_ATTN_SM120_CACHE_DIR"
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
-KERNEL_FAMILIES = {"cpasync": FlashAttentionForwardSm120CpAsync}
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class FwdStatics:
 def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False):
     """The kernel object for a compile key (no compilation)."""
     cfg = statics.config
-    cls = KERNEL_FAMILIES[cfg.family]
+    cls = FAMILIES[cfg.family].kernel_cls
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,

@@ -1,0 +1,371 @@
+"""Search SM120 forward configs: enumerate, prune on sm_120a codegen, time survivors, write winners.
+
+The SM120 counterpart of upstream's sm90_config_search.py:
+
+  1. enumerate (threads, tile_m, tile_n, stages, Q-in-registers) per head-dim bucket and mask that
+     fit SM120's 99 KB per block (`--stage enumerate`, pure);
+  2. prune (`--stage prune`, CPU only): compile each for sm_120a, drop any that spills or cannot
+     be resident; results go to a JSON file that later stages read;
+  3. time (`--stage time`, GPU): each survivor, gated for correctness against an fp32 reference with
+     a NaN-poisoned output, on the bucket's problems, next to upstream's SM120 config padded the
+     same way; results are appended to a JSONL file one candidate at a time, so an interrupted
+     search resumes where it stopped. `--gpus 0,1,..` runs one worker process per GPU;
+     `--compile-workers N` compiles the survivors in N processes first (persistent cache);
+  4. write (`--stage write`): the winner of each (bucket, mask) into configs/sm120_fwd.toml with
+     provenance (GPU, mode, date, TFLOPS, reference TFLOPS, command). Upstream's config wins ties
+     unless a candidate beats it by more than the measured spread.
+
+Examples:
+  python scripts/config_search.py --stage prune --out configs/measurements/search
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/config_search.py --stage time --out ... --gpus 0
+  python scripts/config_search.py --stage write --out configs/measurements/search
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flash_attn_sm120.bench import Problem, geomean  # noqa: E402
+from flash_attn_sm120.config import HEAD_DIM_BUCKETS, FwdConfig, upstream_fwd_config  # noqa: E402
+
+THREADS = (128, 256)
+TILE_M = (64, 128, 256)
+TILE_N = (32, 64, 80, 96, 112, 128)
+STAGES = (1, 2, 3)
+MASKS = ("none", "causal")
+
+
+def enumerate_candidates(head_dim: int, grid: dict | None = None) -> list[FwdConfig]:
+    """All configs of the grid that are implementable on SM120 at this head dim (pure)."""
+    g = dict(threads=THREADS, tile_m=TILE_M, tile_n=TILE_N, stages=STAGES, q_in_regs=(False, True))
+    g.update(grid or {})
+    out = []
+    for t in g["threads"]:
+        for m in g["tile_m"]:
+            for n in g["tile_n"]:
+                for s in g["stages"]:
+                    for qr in g["q_in_regs"]:
+                        cfg = FwdConfig(t, m, n, s, qr)
+                        if cfg.error(head_dim, head_dim) is None:
+                            out.append(cfg)
+    return out
+
+
+def keep_after_prune(row: dict, min_warps_per_sm: int = 4) -> bool:
+    """Survives codegen pruning: no spills, resident on SM120, enough warps to hide latency."""
+    return (
+        row["spill_bytes"] == 0
+        and row["local_loads"] == 0
+        and row["local_stores"] == 0
+        and row["ctas_per_sm"] >= 1
+        and row["warps_per_sm"] >= min_warps_per_sm
+    )
+
+
+def problems_for(bucket: int, mask: str) -> list[Problem]:
+    """Timing problems of a bucket: the seed shapes of that head dim, else a synthetic pair."""
+    from flash_attn_sm120.bench import problem_set
+
+    causal = mask == "causal"
+    seed = [p for p in problem_set("seed") if p.head_dim == bucket and p.causal == causal]
+    if seed:
+        return seed
+    heads = 16 if bucket <= 128 else 8
+    return [Problem(2, 4096, 4096, heads, heads, bucket, causal=causal, tag="search")]
+
+
+def _key(cfg: FwdConfig, bucket: int, mask: str) -> str:
+    return f"{bucket}/{mask}/{cfg.name}"
+
+
+# -------------------------------------------------------------------------------------- prune
+def _prune_one(args):
+    cfg_dict, bucket, mask = args
+    from flash_attn_sm120.codegen import report_row
+
+    cfg = FwdConfig(**cfg_dict)
+    try:
+        row = report_row(cfg, bucket, causal=mask == "causal").to_dict()
+    except Exception as e:  # a config the DSL refuses is simply not a candidate
+        row = {"error": f"{type(e).__name__}: {e}"[:300]}
+    row.update(bucket=bucket, mask=mask, key=_key(cfg, bucket, mask), config=cfg_dict)
+    return row
+
+
+def stage_prune(out: Path, buckets, masks, jobs: int, grid: dict | None) -> None:
+    path = out / "prune_sm120a.jsonl"
+    done = _read_keys(path)
+    todo, seen = [], set(done)
+    for b in buckets:
+        for m in masks:
+            for cfg in [upstream_fwd_config(b)] + enumerate_candidates(b, grid):
+                key = _key(cfg, b, m)
+                if key not in seen and cfg.error(b, b) is None:
+                    seen.add(key)
+                    todo.append((cfg.to_dict(), b, m))
+    print(f"prune: {len(todo)} compiles for sm_120a ({len(done)} already done)", flush=True)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_120a")
+    with ProcessPoolExecutor(max_workers=jobs) as pool, open(path, "a") as f:
+        for i, row in enumerate(pool.map(_prune_one, todo)):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            if "error" in row:
+                status = row["error"][:80]
+            else:
+                status = f"regs={row['regs']} spill={row['spill_bytes']} ctas/SM={row['ctas_per_sm']}"
+            print(f"[{i + 1}/{len(todo)}] {row['key']}: {status}", flush=True)
+
+
+def survivors(out: Path) -> dict:
+    """(bucket, mask) -> list of FwdConfig that passed pruning (upstream's config always kept)."""
+    res: dict = {}
+    for row in _read_rows(out / "prune_sm120a.jsonl"):
+        if "error" in row:
+            continue
+        cfg = FwdConfig(**row["config"])
+        if keep_after_prune(row) or cfg == upstream_fwd_config(row["bucket"]):
+            res.setdefault((row["bucket"], row["mask"]), []).append(cfg)
+    return res
+
+
+# --------------------------------------------------------------------------------------- time
+def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str) -> None:
+    """Time (bucket, mask, cfg) jobs on one GPU; append rows to times.jsonl."""
+    import torch
+
+    from flash_attn_sm120 import bench, driver
+    from flash_attn_sm120.device import device_info
+
+    torch.cuda.set_device(gpu)
+    info = device_info(gpu)
+    if not info.uses_sm120_kernels:
+        raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time SM120 kernels on this GPU")
+    path = out / f"times{label}.jsonl"
+    for bucket, mask, cfg, role in jobs:
+        row = dict(key=_key(cfg, bucket, mask), bucket=bucket, mask=mask, config=cfg.to_dict(), role=role,
+                   gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat())
+        try:
+            row["correct"], row["max_err"], row["ref_err"] = gate(cfg, bucket, mask == "causal", info)
+            if row["correct"]:
+                row["problems"] = []
+                for p in problems_for(bucket, mask):
+                    t = time_problem(p, cfg, info, reps)
+                    row["problems"].append(dict(name=p.name, ms=t.median_ms, spread=t.spread,
+                                                tflops=bench.attention_flops(p) / t.median_ms / 1e9))
+                row["geomean_tflops"] = geomean([x["tflops"] for x in row["problems"]])
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['key']:48s} {row.get('geomean_tflops', float('nan')):8.1f} TFLOPS "
+              f"{'ok' if row.get('correct') else 'INCORRECT' if 'correct' in row else row.get('error', '')[:60]}",
+              flush=True)
+
+
+def gate(cfg: FwdConfig, head_dim: int, causal: bool, info) -> tuple[bool, float, float]:
+    """Correct on random data vs fp32, with the output poisoned with NaN (upstream's 2x rule)."""
+    import torch
+
+    from flash_attn_sm120 import bench, driver
+
+    ok, worst, worst_ref = True, 0.0, 0.0
+    for (b, sq, sk, h, hk) in ((2, 333, 517, 4, 2), (1, 128, 128, 2, 2), (1, 1000, 1000, 2, 1)):
+        p = Problem(b, sq, sk, h, hk, head_dim, causal=causal)
+        x = bench.make_inputs(p, seed=sq)
+        out = torch.full_like(x["q"][..., : p.dv].expand(b, sq, h, p.dv).contiguous(), float("nan"))
+        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=causal, window_size_left=None,
+                       window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                       emulate_host_smem=info.emulate_host_smem, out=out, config=cfg)
+        ref, _ = bench.reference_attention(x["q"], x["k"], x["v"], causal=causal)
+        low, _ = bench.reference_attention(x["q"], x["k"], x["v"], causal=causal, upcast=False)
+        err, ref_err = bench.error_vs_reference(out, ref), bench.error_vs_reference(low, ref)
+        worst, worst_ref = max(worst, err), max(worst_ref, ref_err)
+        ok &= err <= 2 * ref_err + 1e-3
+    return ok, worst, worst_ref
+
+
+def time_problem(p: Problem, cfg: FwdConfig, info, reps: int):
+    from flash_attn_sm120 import bench, driver
+
+    n = bench.rotations_for(p)
+    sets = [bench.make_inputs(p, seed=i) for i in range(n)]
+    causal = p.causal
+
+    def run(i):
+        x = sets[i]
+        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=causal, window_size_left=None,
+                       window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                       emulate_host_smem=info.emulate_host_smem, config=cfg)
+
+    return bench.time_cuda(run, rotations=n, reps=reps)
+
+
+def _precompile(args):
+    cfg_dict, bucket, mask, gpu = args
+    import torch
+
+    from flash_attn_sm120 import bench, driver
+    from flash_attn_sm120.device import device_info
+
+    torch.cuda.set_device(gpu)
+    info = device_info(gpu)
+    p = Problem(1, 128, 128, 2, 2, bucket, causal=mask == "causal")
+    x = bench.make_inputs(p)
+    t = time.time()
+    try:
+        for need_lse in (False,):
+            driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
+                           window_size_right=None, softcap=None, pack_gqa=None, need_lse=need_lse,
+                           emulate_host_smem=info.emulate_host_smem, config=FwdConfig(**cfg_dict))
+        return f"{_key(FwdConfig(**cfg_dict), bucket, mask)} {time.time() - t:.1f}s"
+    except Exception as e:
+        return f"{_key(FwdConfig(**cfg_dict), bucket, mask)} FAILED {type(e).__name__}: {e}"[:300]
+
+
+def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int, limit: int) -> None:
+    cands = survivors(out)
+    done = _read_keys(out.glob("times*.jsonl"))
+    jobs = []
+    for b in buckets:
+        for m in masks:
+            ups = upstream_fwd_config(b)
+            group = cands.get((b, m), [])
+            if ups.error(b, b) is None and ups not in group:
+                group = [ups] + group
+            for cfg in group[: limit or None]:
+                if _key(cfg, b, m) not in done:
+                    jobs.append((b, m, cfg, "upstream" if cfg == ups else "candidate"))
+    print(f"time: {len(jobs)} candidates on GPUs {gpus} ({len(done)} already timed)", flush=True)
+    if not jobs:
+        return
+    if compile_workers > 0:
+        os.environ.setdefault("FLASH_ATTN_SM120_CACHE_DIR", str(out / "kernel_cache"))
+        t = time.time()
+        with ProcessPoolExecutor(max_workers=compile_workers) as pool:
+            for msg in pool.map(_precompile, [(c.to_dict(), b, m, gpus[i % len(gpus)]) for i, (b, m, c, _) in enumerate(jobs)]):
+                print("compiled", msg, flush=True)
+        print(f"precompiled {len(jobs)} kernels in {time.time() - t:.0f}s", flush=True)
+    if len(gpus) == 1:
+        _time_candidates(out, jobs, gpus[0], reps, "")
+        return
+    procs = []
+    for i, g in enumerate(gpus):
+        shard = out / f"shard{g}.json"
+        shard.write_text(json.dumps([(b, m, c.to_dict(), r) for b, m, c, r in jobs[i :: len(gpus)]]))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--stage", "time-shard", "--out", str(out),
+                                       "--shard", str(shard), "--gpus", str(g), "--reps", str(reps)]))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"worker exit codes {codes}")
+
+
+# -------------------------------------------------------------------------------------- write
+def pick_winners(rows: list[dict]) -> dict:
+    """(bucket, mask) -> (winner row, upstream row); upstream stays unless beaten beyond the spread."""
+    by_group: dict = {}
+    for r in rows:
+        if r.get("correct") and "geomean_tflops" in r:
+            by_group.setdefault((r["bucket"], r["mask"]), []).append(r)
+    winners = {}
+    for key, group in by_group.items():
+        ups = next((r for r in group if r["role"] == "upstream"), None)
+        best = max(group, key=lambda r: r["geomean_tflops"])
+        if ups is not None and best is not ups:
+            spread = max(max(x["spread"] for x in best["problems"]), max(x["spread"] for x in ups["problems"]))
+            if best["geomean_tflops"] <= ups["geomean_tflops"] * (1 + spread):
+                best = ups
+        winners[key] = (best, ups)
+    return winners
+
+
+def stage_write(out: Path, toml_path: Path, command: str) -> None:
+    rows = [r for f in sorted(out.glob("times*.jsonl")) for r in _read_rows(f)]
+    winners = pick_winners(rows)
+    lines = [l for l in toml_path.read_text().splitlines() if not l.startswith("[[fwd]]")]
+    header = []
+    for l in lines:
+        if l.startswith("[") or (l and not l.startswith("#") and not l.startswith("schema")):
+            break
+        header.append(l)
+    text = "\n".join(header).rstrip() + "\n"
+    for (bucket, mask), (best, ups) in sorted(winners.items()):
+        c = best["config"]
+        text += (
+            f"\n[[fwd]]\nhead_dim = {bucket}\nmask = \"{mask}\"\nfamily = \"{c['family']}\"\n"
+            f"num_threads = {c['num_threads']}\ntile_m = {c['tile_m']}\ntile_n = {c['tile_n']}\n"
+            f"num_stages = {c['num_stages']}\nq_in_regs = {str(c['q_in_regs']).lower()}\n"
+            f"[fwd.provenance]\ngpu = \"{best['gpu']}\"\nmode = \"{best['mode']}\"\ndate = \"{best['date']}\"\n"
+            f"tflops = {best['geomean_tflops']:.1f}\n"
+            + (f"upstream_tflops = {ups['geomean_tflops']:.1f}\n" if ups else "")
+            + f"problems = {json.dumps([p['name'] for p in best['problems']])}\n"
+            f"command = \"{command}\"\n"
+        )
+    toml_path.write_text(text)
+    print(f"wrote {len(winners)} entries to {toml_path}")
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _read_rows(path):
+    paths = [path] if isinstance(path, Path) else list(path)
+    rows = []
+    for p in paths:
+        if Path(p).exists():
+            for line in Path(p).read_text().splitlines():
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass  # a line cut by an interruption
+    return rows
+
+
+def _read_keys(path) -> set:
+    return {r["key"] for r in _read_rows(path) if "key" in r}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["enumerate", "prune", "time", "time-shard", "write"], required=True)
+    ap.add_argument("--out", type=Path, default=ROOT / "configs" / "measurements" / "search")
+    ap.add_argument("--buckets", type=int, nargs="*", default=list(HEAD_DIM_BUCKETS))
+    ap.add_argument("--masks", nargs="*", default=list(MASKS))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--gpus", default="0")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--compile-workers", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=0, help="time at most this many survivors per group")
+    ap.add_argument("--shard", type=Path)
+    ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
+    ap.add_argument("--grid", type=json.loads, default=None, help='JSON overrides, e.g. {"threads": [256]}')
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpus = [int(g) for g in args.gpus.split(",") if g != ""]
+    if args.stage == "enumerate":
+        for b in args.buckets:
+            cands = enumerate_candidates(b, args.grid)
+            print(f"d{b}: {len(cands)} implementable configs")
+    elif args.stage == "prune":
+        stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
+    elif args.stage == "time":
+        stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.limit)
+    elif args.stage == "time-shard":
+        jobs = [(b, m, FwdConfig(**c), r) for b, m, c, r in json.loads(args.shard.read_text())]
+        _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}")
+    else:
+        cmd = "python scripts/config_search.py --stage time --out " + os.path.relpath(args.out, ROOT)
+        stage_write(args.out, args.toml, cmd)
+
+
+if __name__ == "__main__":
+    main()
