@@ -109,6 +109,26 @@ def _make_cache():
 
 
 _compile_cache = _make_cache()
+_forced_config: list[FwdConfig] = []
+
+
+class force_config:
+    """Context manager: every forward inside uses `config` instead of the table's choice.
+
+    For tests (the fuzz registry forces each kernel path) and the research loop.
+    """
+
+    def __init__(self, config: FwdConfig):
+        self.config = config
+
+    def __enter__(self):
+        _forced_config.append(self.config)
+        return self.config
+
+    def __exit__(self, *exc):
+        _forced_config.pop()
+
+
 # compile events, for tests and benchmarks that must see whether a call compiled
 compile_count = {"fwd": 0}
 
@@ -172,6 +192,8 @@ def forward(
             lse.fill_(float("-inf"))
         return out, lse
 
+    if config is None and _forced_config:
+        config = _forced_config[-1]
     if config is None:
         config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
     if softcap is not None:
