@@ -235,23 +235,27 @@ def reference_attention(q, k, v, causal=False, window=(None, None), softmax_scal
     if left is not None:
         mask |= cols < rows + shift - left
     group = h // hk
+    chunk = max(1, (1 << 26) // max(sk, 1))  # query rows per step: ~256 MB of fp32 scores
     for bi in range(b):
         for hi in range(h):
-            qq, kk, vv = q[bi, :, hi], k[bi, :, hi // group], v[bi, :, hi // group]
+            kk, vv = k[bi, :, hi // group], v[bi, :, hi // group]
             if upcast:
-                qq, kk, vv = qq.float(), kk.float(), vv.float()
-            s = (qq @ kk.T).float() * scale
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            s = s.masked_fill(mask, float("-inf"))
-            m = s.amax(dim=-1, keepdim=True).clamp_min(-1e30)
-            pexp = torch.exp(s - m)
-            denom = pexp.sum(-1, keepdim=True)
-            lse[bi, hi] = (m + torch.log(denom)).squeeze(-1)
-            pr = (pexp / denom.clamp_min(1e-30))
-            if not upcast:
-                pr = pr.to(q.dtype)
-            out[bi, :, hi] = (pr @ vv).to(out.dtype)
+                kk, vv = kk.float(), vv.float()
+            for r0 in range(0, sq, chunk):
+                r1 = min(sq, r0 + chunk)
+                qq = q[bi, r0:r1, hi].float() if upcast else q[bi, r0:r1, hi]
+                s = (qq @ kk.T).float() * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                s = s.masked_fill(mask[r0:r1], float("-inf"))
+                m = s.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+                pexp = torch.exp(s - m)
+                denom = pexp.sum(-1, keepdim=True)
+                lse[bi, hi, r0:r1] = (m + torch.log(denom)).squeeze(-1)
+                pr = pexp / denom.clamp_min(1e-30)
+                if not upcast:
+                    pr = pr.to(q.dtype)
+                out[bi, r0:r1, hi] = (pr @ vv).to(out.dtype)
     empty_rows = mask.all(dim=-1)
     if empty_rows.any():
         out[:, empty_rows] = 0

@@ -134,6 +134,8 @@ def compile_fwd_cubin(
     has_lse: bool = True,
     arch: str = TARGET_ARCH,
     upstream_class: bool = False,
+    emulate_host_smem: Optional[tuple] = None,
+    kernel_out: Optional[list] = None,
 ) -> tuple[bytes, int]:
     """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
 
@@ -154,7 +156,7 @@ def compile_fwd_cubin(
         causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse, has_cu_seqlens_q=False,
         has_cu_seqlens_k=False, has_seqused_q=False, has_seqused_k=False, has_window_left=local,
         has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
-        broadcast=(), config=config, emulate_host_smem=None,
+        broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
     )
     if upstream_class:
         kernel = FlashAttentionForwardSm120(
@@ -182,6 +184,8 @@ def compile_fwd_cubin(
         cubin = compiled.artifacts.CUBIN
         if isinstance(cubin, str):  # some DSL builds return the dump path instead of bytes
             cubin = Path(cubin).read_bytes()
+    if kernel_out is not None:
+        kernel_out.append(kernel)
     smem = getattr(kernel, "smem_bytes_launched", None)
     if smem is None:
         smem = config.smem_bytes(head_dim, head_dim_v)

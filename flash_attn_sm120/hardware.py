@@ -82,9 +82,10 @@ def emulation_padded_smem(
     host_fit = host_smem_per_sm // (smem_bytes + per_cta_extra)
     if host_fit <= target:
         return smem_bytes
-    # smallest size (128 B granules) with floor(host / (size + static + reserved)) == target
+    # smallest size in 1 KB granules (the shared-storage struct's alignment) that leaves room for
+    # no more than `target` CTAs: floor(host / (size + static + reserved)) == target
     size = host_smem_per_sm // (target + 1) - per_cta_extra + 1
-    size = -(-size // 128) * 128
+    size = -(-size // 1024) * 1024
     size = max(size, smem_bytes)
     if size > host_smem_per_block_max:
         raise ValueError(

@@ -1,7 +1,9 @@
 """Input checks for the SM120 path: every bad input gets a TypeError/ValueError naming the problem.
 
-They run before any tensor is converted or kernel compiled, on CPU tensors too (so CPU tests
-cover them). Unsupported features raise NotImplementedError naming the feature.
+They run before any tensor is converted or kernel compiled. Order: types, dtypes and ranks;
+shapes, head dims and GQA; 16-byte alignment; devices last (mismatches first, then "not CUDA"),
+so CPU and meta tensors reach every other check and CPU tests cover them all.
+Unsupported features raise NotImplementedError naming the feature.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -38,19 +42,38 @@ def _name_dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, ndim: int, want_device: Optional[torch.device]) -> None:
+def _check_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {_name_dtype(t)}; SM120 kernels take float16 or bfloat16")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}; the kernels need CUDA tensors")
-    if want_device is not None and t.device != want_device:
-        raise ValueError(f"{name} is on {t.device} but q is on {want_device}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}")
+
+
+def _check_alignment(name: str, t: torch.Tensor) -> None:
+    """The kernels assume 16-byte aligned rows (upstream's ABI; upstream copies, we refuse)."""
+    # meta and fake tensors have no address: their storage offset tells the same thing
+    no_address = t.device.type == "meta" or isinstance(t, FakeTensor)
+    address = t.storage_offset() * t.element_size() if no_address else t.data_ptr()
+    if address % ALIGN_BYTES:
+        raise ValueError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})")
+    step = ALIGN_BYTES // t.element_size()
+    if any(s % step for s in t.stride()[:-1]):
+        raise ValueError(
+            f"{name}'s strides {t.stride()} must be multiples of {step} elements ({ALIGN_BYTES}-byte aligned rows)"
+        )
+
+
+def _check_devices(q, *others: tuple[str, Optional[torch.Tensor]]) -> None:
+    """All tensors on q's device (mismatches named first), and that device a CUDA one."""
+    for name, t in others:
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q is on {q.device}; the kernels need CUDA tensors")
 
 
 def _check_index_tensor(name: str, t, shape: tuple, device: torch.device) -> None:
@@ -96,6 +119,19 @@ def normalize_window(window_size) -> tuple[Optional[int], Optional[int]]:
     return out[0], out[1]
 
 
+def check_flags(**flags) -> None:
+    """Boolean options: a bool (or 0/1); pack_gqa may also be None. A string such as "False"
+    would otherwise be truthy and silently switch the option on."""
+    for name, value in flags.items():
+        if value is None and name == "pack_gqa":
+            continue
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            continue
+        if isinstance(value, numbers.Integral) and value in (0, 1):
+            continue
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def check_scalars(softmax_scale, softcap) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -111,10 +147,14 @@ def check_scalars(softmax_scale, softcap) -> None:
 
 def validate_dense(q, k, v) -> ProblemShape:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
-    _check_tensor("q", q, 4, None)
-    _check_tensor("k", k, 4, q.device)
-    _check_tensor("v", v, 4, q.device)
-    return _shape_common(q, k, v, batch=q.shape[0], seqlen_q=q.shape[1], total_q=q.shape[0] * q.shape[1])
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    shape = _shape_common(q, k, v, batch=q.shape[0], seqlen_q=q.shape[1], total_q=q.shape[0] * q.shape[1])
+    _check_devices(q, ("k", k), ("v", v))
+    return shape
 
 
 def validate_varlen(
@@ -123,9 +163,9 @@ def validate_varlen(
     """q (total_q, h, d) with cu_seqlens_q, or (b, sq, h, d); k/v likewise with cu_seqlens_k."""
     q_ndim = 3 if cu_seqlens_q is not None else 4
     k_ndim = 3 if cu_seqlens_k is not None else 4
-    _check_tensor("q", q, q_ndim, None)
-    _check_tensor("k", k, k_ndim, q.device)
-    _check_tensor("v", v, k_ndim, q.device)
+    _check_tensor("q", q, q_ndim)
+    _check_tensor("k", k, k_ndim)
+    _check_tensor("v", v, k_ndim)
     if cu_seqlens_q is not None:
         if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
             raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of length batch + 1 (>= 2)")
@@ -148,7 +188,9 @@ def validate_varlen(
                 raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
     seqlen_q = None if cu_seqlens_q is not None else q.shape[1]
     total_q = q.shape[0] if cu_seqlens_q is not None else q.shape[0] * q.shape[1]
-    return _shape_common(q, k, v, batch=batch, seqlen_q=seqlen_q, total_q=total_q)
+    shape = _shape_common(q, k, v, batch=batch, seqlen_q=seqlen_q, total_q=total_q)
+    _check_devices(q, ("k", k), ("v", v))
+    return shape
 
 
 def _shape_common(q, k, v, *, batch: int, seqlen_q: Optional[int], total_q: int) -> ProblemShape:
@@ -163,6 +205,8 @@ def _shape_common(q, k, v, *, batch: int, seqlen_q: Optional[int], total_q: int)
     if num_heads_kv == 0 or num_heads % num_heads_kv != 0:
         raise ValueError(f"nheads={num_heads} must be a multiple of nheads_kv={num_heads_kv} (GQA/MQA)")
     check_head_dim(head_dim, head_dim_v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_alignment(name, t)
     seqlen_k = k.shape[-3]
     return ProblemShape(batch, seqlen_q, seqlen_k, total_q, num_heads, num_heads_kv, head_dim, head_dim_v, q.dtype)
 

@@ -6,10 +6,11 @@ The SM120 counterpart of upstream's sm90_config_search.py:
      fit SM120's 99 KB per block (`--stage enumerate`, pure);
   2. prune (`--stage prune`, CPU only): compile each for sm_120a, drop any that spills or cannot
      be resident; results go to a JSON file that later stages read;
-  3. time (`--stage time`, GPU): each survivor, gated for correctness against an fp32 reference with
-     a NaN-poisoned output, on the bucket's problems, next to upstream's SM120 config padded the
-     same way; results are appended to a JSONL file one candidate at a time, so an interrupted
-     search resumes where it stopped. `--gpus 0,1,..` runs one worker process per GPU;
+  3. time (`--stage time`, GPU): screen every survivor on the bucket's first problem (few reps), then
+     gate the best `--finalists` per group for correctness against an fp32 reference with a
+     NaN-poisoned output and time them on all the bucket's problems, next to upstream's SM120
+     config padded the same way; results are appended to a JSONL file one candidate at a time, so
+     an interrupted search resumes where it stopped. `--gpus 0,1,..` runs one worker process per GPU;
      `--compile-workers N` compiles the survivors in N processes first (persistent cache);
   4. write (`--stage write`): the winner of each (bucket, mask) into configs/sm120_fwd.toml with
      provenance (GPU, mode, date, TFLOPS, reference TFLOPS, command). Upstream's config wins ties
@@ -40,7 +41,7 @@ from flash_attn_sm120.bench import Problem, geomean  # noqa: E402
 from flash_attn_sm120.config import HEAD_DIM_BUCKETS, FwdConfig, upstream_fwd_config  # noqa: E402
 
 THREADS = (128, 256)
-TILE_M = (64, 128, 256)
+TILE_M = (64, 128)
 TILE_N = (32, 64, 80, 96, 112, 128)
 STAGES = (1, 2, 3)
 MASKS = ("none", "causal")
@@ -140,11 +141,15 @@ def survivors(out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------- time
-def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str) -> None:
-    """Time (bucket, mask, cfg) jobs on one GPU; append rows to times.jsonl."""
+def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str, rnd: str) -> None:
+    """Time (bucket, mask, cfg, role) jobs on one GPU; append rows to times*.jsonl.
+
+    rnd="screen": first problem of the group only, few reps, no gate (cheap ranking).
+    rnd="final": correctness gate, then every problem of the group.
+    """
     import torch
 
-    from flash_attn_sm120 import bench, driver
+    from flash_attn_sm120 import bench
     from flash_attn_sm120.device import device_info
 
     torch.cuda.set_device(gpu)
@@ -152,15 +157,22 @@ def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str) -> 
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time SM120 kernels on this GPU")
     path = out / f"times{label}.jsonl"
+    inputs: dict = {}
     for bucket, mask, cfg, role in jobs:
-        row = dict(key=_key(cfg, bucket, mask), bucket=bucket, mask=mask, config=cfg.to_dict(), role=role,
-                   gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat())
+        row = dict(key=f"{rnd}/{_key(cfg, bucket, mask)}", round=rnd, bucket=bucket, mask=mask, config=cfg.to_dict(),
+                   role=role, gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat())
         try:
-            row["correct"], row["max_err"], row["ref_err"] = gate(cfg, bucket, mask == "causal", info)
-            if row["correct"]:
+            if rnd == "final":
+                row["correct"], row["max_err"], row["ref_err"] = gate(cfg, bucket, mask == "causal", info)
+            if row.get("correct", True):
+                probs = problems_for(bucket, mask)[: 1 if rnd == "screen" else None]
                 row["problems"] = []
-                for p in problems_for(bucket, mask):
-                    t = time_problem(p, cfg, info, reps)
+                for p in probs:
+                    if p.name not in inputs:
+                        inputs.clear()  # one problem's inputs in memory at a time
+                        n = bench.rotations_for(p)
+                        inputs[p.name] = [bench.make_inputs(p, seed=i) for i in range(n)]
+                    t = time_problem(p, cfg, info, reps, inputs[p.name])
                     row["problems"].append(dict(name=p.name, ms=t.median_ms, spread=t.spread,
                                                 tflops=bench.attention_flops(p) / t.median_ms / 1e9))
                 row["geomean_tflops"] = geomean([x["tflops"] for x in row["problems"]])
@@ -168,22 +180,25 @@ def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str) -> 
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{row['key']:48s} {row.get('geomean_tflops', float('nan')):8.1f} TFLOPS "
-              f"{'ok' if row.get('correct') else 'INCORRECT' if 'correct' in row else row.get('error', '')[:60]}",
-              flush=True)
+        status = "" if row.get("correct", True) else "INCORRECT"
+        print(f"{row['key']:56s} {row.get('geomean_tflops', float('nan')):8.1f} TFLOPS {status} "
+              f"{row.get('error', '')[:80]}", flush=True)
 
 
 def gate(cfg: FwdConfig, head_dim: int, causal: bool, info) -> tuple[bool, float, float]:
-    """Correct on random data vs fp32, with the output poisoned with NaN (upstream's 2x rule)."""
+    """Correct on random data vs fp32, with the output poisoned with NaN (upstream's 2x rule).
+
+    Uses nheads == nheads_kv so the kernel compiled for timing is the one checked.
+    """
     import torch
 
     from flash_attn_sm120 import bench, driver
 
     ok, worst, worst_ref = True, 0.0, 0.0
-    for (b, sq, sk, h, hk) in ((2, 333, 517, 4, 2), (1, 128, 128, 2, 2), (1, 1000, 1000, 2, 1)):
-        p = Problem(b, sq, sk, h, hk, head_dim, causal=causal)
+    for (b, sq, sk, h) in ((2, 333, 517, 2), (1, 128, 128, 2), (1, 1000, 1000, 1)):
+        p = Problem(b, sq, sk, h, h, head_dim, causal=causal)
         x = bench.make_inputs(p, seed=sq)
-        out = torch.full_like(x["q"][..., : p.dv].expand(b, sq, h, p.dv).contiguous(), float("nan"))
+        out = torch.full((b, sq, h, p.dv), float("nan"), dtype=x["q"].dtype, device=x["q"].device)
         driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=causal, window_size_left=None,
                        window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
                        emulate_host_smem=info.emulate_host_smem, out=out, config=cfg)
@@ -195,20 +210,16 @@ def gate(cfg: FwdConfig, head_dim: int, causal: bool, info) -> tuple[bool, float
     return ok, worst, worst_ref
 
 
-def time_problem(p: Problem, cfg: FwdConfig, info, reps: int):
+def time_problem(p: Problem, cfg: FwdConfig, info, reps: int, sets: list):
     from flash_attn_sm120 import bench, driver
-
-    n = bench.rotations_for(p)
-    sets = [bench.make_inputs(p, seed=i) for i in range(n)]
-    causal = p.causal
 
     def run(i):
         x = sets[i]
-        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=causal, window_size_left=None,
+        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
                        window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
                        emulate_host_smem=info.emulate_host_smem, config=cfg)
 
-    return bench.time_cuda(run, rotations=n, reps=reps)
+    return bench.time_cuda(run, rotations=len(sets), reps=reps)
 
 
 def _precompile(args):
@@ -223,51 +234,77 @@ def _precompile(args):
     p = Problem(1, 128, 128, 2, 2, bucket, causal=mask == "causal")
     x = bench.make_inputs(p)
     t = time.time()
+    name = _key(FwdConfig(**cfg_dict), bucket, mask)
     try:
-        for need_lse in (False,):
-            driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
-                           window_size_right=None, softcap=None, pack_gqa=None, need_lse=need_lse,
-                           emulate_host_smem=info.emulate_host_smem, config=FwdConfig(**cfg_dict))
-        return f"{_key(FwdConfig(**cfg_dict), bucket, mask)} {time.time() - t:.1f}s"
+        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
+                       window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                       emulate_host_smem=info.emulate_host_smem, config=FwdConfig(**cfg_dict))
+        return f"{name} {time.time() - t:.1f}s"
     except Exception as e:
-        return f"{_key(FwdConfig(**cfg_dict), bucket, mask)} FAILED {type(e).__name__}: {e}"[:300]
+        return f"{name} FAILED {type(e).__name__}: {e}"[:300]
 
 
-def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int, limit: int) -> None:
+def _groups(out: Path, buckets, masks) -> dict:
     cands = survivors(out)
-    done = _read_keys(out.glob("times*.jsonl"))
-    jobs = []
+    groups = {}
     for b in buckets:
         for m in masks:
             ups = upstream_fwd_config(b)
             group = cands.get((b, m), [])
             if ups.error(b, b) is None and ups not in group:
                 group = [ups] + group
-            for cfg in group[: limit or None]:
-                if _key(cfg, b, m) not in done:
-                    jobs.append((b, m, cfg, "upstream" if cfg == ups else "candidate"))
-    print(f"time: {len(jobs)} candidates on GPUs {gpus} ({len(done)} already timed)", flush=True)
+            groups[(b, m)] = group
+    return groups
+
+
+def _run_jobs(out, jobs, gpus, reps, rnd, compile_workers):
     if not jobs:
         return
     if compile_workers > 0:
         os.environ.setdefault("FLASH_ATTN_SM120_CACHE_DIR", str(out / "kernel_cache"))
         t = time.time()
         with ProcessPoolExecutor(max_workers=compile_workers) as pool:
-            for msg in pool.map(_precompile, [(c.to_dict(), b, m, gpus[i % len(gpus)]) for i, (b, m, c, _) in enumerate(jobs)]):
-                print("compiled", msg, flush=True)
+            args = [(c.to_dict(), b, m, gpus[i % len(gpus)]) for i, (b, m, c, _) in enumerate(jobs)]
+            for msg in pool.map(_precompile, args):
+                if "FAILED" in msg:
+                    print("compile", msg, flush=True)
         print(f"precompiled {len(jobs)} kernels in {time.time() - t:.0f}s", flush=True)
     if len(gpus) == 1:
-        _time_candidates(out, jobs, gpus[0], reps, "")
+        _time_candidates(out, jobs, gpus[0], reps, "", rnd)
         return
     procs = []
     for i, g in enumerate(gpus):
         shard = out / f"shard{g}.json"
         shard.write_text(json.dumps([(b, m, c.to_dict(), r) for b, m, c, r in jobs[i :: len(gpus)]]))
         procs.append(subprocess.Popen([sys.executable, __file__, "--stage", "time-shard", "--out", str(out),
-                                       "--shard", str(shard), "--gpus", str(g), "--reps", str(reps)]))
+                                       "--shard", str(shard), "--gpus", str(g), "--reps", str(reps),
+                                       "--round", rnd]))
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"worker exit codes {codes}")
+
+
+def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int,
+               finalists: int, screen_reps: int) -> None:
+    """Screen every survivor on one problem, then gate and fully time the best `finalists` per group."""
+    groups = _groups(out, buckets, masks)
+    done = _read_keys(out.glob("times*.jsonl"))
+    screen = [(b, m, c, "upstream" if c == upstream_fwd_config(b) else "candidate")
+              for (b, m), group in groups.items() for c in group if f"screen/{_key(c, b, m)}" not in done]
+    print(f"screen: {len(screen)} candidates on GPUs {gpus}", flush=True)
+    _run_jobs(out, screen, gpus, screen_reps, "screen", compile_workers)
+    rows = [r for r in _read_rows(out.glob("times*.jsonl")) if r.get("round") == "screen" and "geomean_tflops" in r]
+    final = []
+    for (b, m), group in groups.items():
+        ranked = sorted((r for r in rows if (r["bucket"], r["mask"]) == (b, m)), key=lambda r: -r["geomean_tflops"])
+        picks = [FwdConfig(**r["config"]) for r in ranked[:finalists]]
+        ups = upstream_fwd_config(b)
+        if ups.error(b, b) is None and ups not in picks:
+            picks.append(ups)
+        final += [(b, m, c, "upstream" if c == ups else "candidate") for c in picks
+                  if f"final/{_key(c, b, m)}" not in done]
+    print(f"final: {len(final)} candidates", flush=True)
+    _run_jobs(out, final, gpus, reps, "final", 0)
 
 
 # -------------------------------------------------------------------------------------- write
@@ -275,7 +312,7 @@ def pick_winners(rows: list[dict]) -> dict:
     """(bucket, mask) -> (winner row, upstream row); upstream stays unless beaten beyond the spread."""
     by_group: dict = {}
     for r in rows:
-        if r.get("correct") and "geomean_tflops" in r:
+        if r.get("round", "final") == "final" and r.get("correct") and "geomean_tflops" in r:
             by_group.setdefault((r["bucket"], r["mask"]), []).append(r)
     winners = {}
     for key, group in by_group.items():
@@ -344,7 +381,9 @@ def main(argv=None) -> None:
     ap.add_argument("--gpus", default="0")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--compile-workers", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=0, help="time at most this many survivors per group")
+    ap.add_argument("--finalists", type=int, default=4, help="fully timed candidates per group")
+    ap.add_argument("--screen-reps", type=int, default=10)
+    ap.add_argument("--round", default="final")
     ap.add_argument("--shard", type=Path)
     ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
     ap.add_argument("--grid", type=json.loads, default=None, help='JSON overrides, e.g. {"threads": [256]}')
@@ -358,10 +397,11 @@ def main(argv=None) -> None:
     elif args.stage == "prune":
         stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
     elif args.stage == "time":
-        stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.limit)
+        stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.finalists,
+                   args.screen_reps)
     elif args.stage == "time-shard":
         jobs = [(b, m, FwdConfig(**c), r) for b, m, c, r in json.loads(args.shard.read_text())]
-        _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}")
+        _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}", args.round)
     else:
         cmd = "python scripts/config_search.py --stage time --out " + os.path.relpath(args.out, ROOT)
         stage_write(args.out, args.toml, cmd)

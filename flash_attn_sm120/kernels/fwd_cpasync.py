@@ -186,19 +186,23 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         )
         if padded == self.smem_bytes_unpadded:
             return storage
-        return _padded_struct(storage, padded)
+        storage = _padded_struct(storage, padded)
+        self.smem_bytes_launched = storage.size_in_bytes()
+        return storage
 
 
 def _padded_struct(storage, total_bytes: int):
-    """A copy of a cute.struct with a trailing byte array so that its size is `total_bytes`."""
+    """A copy of a cute.struct with a trailing byte array so that its size is at least `total_bytes`.
+
+    The struct's size is rounded to its alignment (1 KB here), so the pad is grown until it lands.
+    """
+    fields = dict(storage._annotations)
     pad = total_bytes - storage.size_in_bytes()
-    fields = dict(storage._annotations) if hasattr(storage, "_annotations") else dict(storage.__annotations__)
-    fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad]
-    padded = cute.struct(type("SharedStoragePadded", (), {"__annotations__": fields}))
-    # struct alignment may round the size up; trim the pad once if it overshot
-    over = padded.size_in_bytes() - total_bytes
-    if over > 0 and over < pad:
-        fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad - over]
+    for _ in range(4):
+        fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad]
         padded = cute.struct(type("SharedStoragePadded", (), {"__annotations__": fields}))
-    assert padded.size_in_bytes() >= total_bytes - 1023, (padded.size_in_bytes(), total_bytes)
-    return padded
+        short = total_bytes - padded.size_in_bytes()
+        if short <= 0:
+            return padded
+        pad += short
+    raise RuntimeError(f"could not pad shared storage to {total_bytes} B")

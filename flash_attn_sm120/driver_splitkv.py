@@ -1,0 +1,347 @@
+"""The SM120 decode / long-context driver: SplitKV, paged KV and decode configs.
+
+Per call (after the interface has validated the inputs):
+  1. config: the decode table (decode.py) for decode-shaped problems (seqlen_q <= 16), else the
+     prefill table (config.py); `driver.force_config` overrides both;
+  2. splits: `splitkv.resolve_num_splits` with upstream's num_splits meaning, this GPU's SM count
+     and the config's CTAs per SM from hardware.py's SM120 occupancy model;
+  3. dense KV without splits goes to driver.forward (the cp.async family, unchanged); anything
+     paged or split runs the splitkv kernel family (kernels/fwd_splitkv.py): with splits it
+     writes fp32 partial O / LSE that upstream's `FlashAttentionForwardCombine` merges (called
+     through `_flash_attn_fwd_combine` with this device's arch given explicitly).
+Compiled kernels are cached per (driver.FwdStatics, split, paged) key, like driver.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import cutlass.cute as cute
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.cache_utils import JITCache, JITPersistentCache
+from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
+from flash_attn.cute.interface import _flash_attn_fwd_combine, _resolve_causal_local_window
+from flash_attn.cute.utils import AuxData
+
+from flash_attn_sm120 import driver, hardware, splitkv
+from flash_attn_sm120.config import _FALLBACKS, FwdConfig, load_fwd_table, select_fwd_config, upstream_fwd_config
+from flash_attn_sm120.decode import DECODE_FAMILY, is_decode, load_decode_table, select_decode_config
+from flash_attn_sm120.driver import FwdStatics, _TORCH_TO_CUTE
+from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
+
+
+@dataclass(frozen=True)
+class SplitKVStatics:
+    """Compile key of a splitkv kernel: the cp.async key plus split / paged."""
+
+    fwd: FwdStatics
+    is_split_kv: bool
+    paged: bool
+    page_table_broadcast: tuple = ()
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Host decisions of one call (pure data, for tests and the benchmark's labels)."""
+
+    config: FwdConfig
+    num_splits: int
+    decode: bool
+    n_blocks: int
+    total_mblocks: int
+    ctas_per_sm: int
+
+
+def kernel_config(config: FwdConfig, head_dim: int, head_dim_v: int) -> FwdConfig:
+    """`config`'s tiles on the splitkv family, or the first cp.async-valid fallback."""
+    for cfg in (config, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS:
+        candidate = replace(cfg, family=DECODE_FAMILY)
+        if candidate.error(head_dim, head_dim_v) is None:
+            return candidate
+    raise ValueError(f"no SM120 splitkv config fits head dims ({head_dim}, {head_dim_v})")
+
+
+def plan(
+    *,
+    head_dim: int,
+    head_dim_v: int,
+    causal: bool,
+    local: bool,
+    window_size_left: Optional[int],
+    window_size_right: Optional[int],
+    batch: int,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: int,
+    num_heads: int,
+    num_heads_kv: int,
+    pack_gqa: bool,
+    num_splits: int,
+    num_sms: int,
+    config: Optional[FwdConfig] = None,
+) -> SplitPlan:
+    """Config and split count for a call (pure: tables, the occupancy model, splitkv's chooser)."""
+    decode = is_decode(max_seqlen_q)
+    if config is None and driver._forced_config:
+        config = driver._forced_config[-1]
+    if config is None and decode:
+        config = select_decode_config(load_decode_table(), head_dim, head_dim_v)
+    if config is None:
+        config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
+    kcfg = kernel_config(config, head_dim, head_dim_v)
+    smem = kcfg.smem_bytes(head_dim, head_dim_v) + hardware.DSL_STATIC_SMEM
+    ctas_per_sm = hardware.sm120_occupancy(smem, kcfg.num_threads).ctas_per_sm
+    n_blocks = splitkv.num_n_blocks(
+        max_seqlen_k, kcfg.tile_n, local=local, window_left=window_size_left, window_right=window_size_right,
+        tile_m=kcfg.tile_m,
+    )
+    rows_q = max_seqlen_q if max_seqlen_q is not None else 1
+    total = splitkv.total_m_blocks(
+        batch=batch, max_seqlen_q=rows_q, num_heads=num_heads, num_heads_kv=num_heads_kv, tile_m=kcfg.tile_m,
+        pack_gqa=pack_gqa,
+    )
+    splits = splitkv.resolve_num_splits(
+        num_splits, total_mblocks=total, n_blocks=n_blocks, num_sms=num_sms, ctas_per_sm=ctas_per_sm
+    )
+    return SplitPlan(kcfg if splits > 1 else config, splits, decode, n_blocks, total, ctas_per_sm)
+
+
+def make_splitkv_kernel(statics: SplitKVStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False):
+    """The kernel object for a compile key (no compilation)."""
+    s, cfg = statics.fwd, statics.fwd.config
+    return FlashAttentionForwardSm120SplitKV(
+        _TORCH_TO_CUTE[getattr(torch, s.dtype)],
+        s.head_dim,
+        s.head_dim_v,
+        s.qhead_per_kvhead,
+        is_causal=s.causal,
+        is_local=s.local,
+        pack_gqa=s.pack_gqa,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        num_stages=cfg.num_stages,
+        num_threads=cfg.num_threads,
+        Q_in_regs=cfg.q_in_regs,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        has_aux_tensors=has_aux_tensors,
+        emulate_host_smem=s.emulate_host_smem,
+        is_split_kv=statics.is_split_kv,
+    )
+
+
+def compile_splitkv_kernel(
+    kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, page_table, window_left, window_right, aux: AuxData,
+    options: str = "",
+):
+    """cute.compile with upstream's SM80/SM120 forward call convention, page table included."""
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, q, k, v, o, lse, 1.0,
+        cu_q, cu_k, used_q, used_k, page_table,
+        window_left, window_right,
+        None,  # learnable sink
+        None,  # block sparsity
+        aux,
+        None, None,  # varlen tile-count hints (optional)
+        stream,
+        options=("--enable-tvm-ffi " + options).strip(),
+    )
+
+
+def _make_cache():
+    path = os.environ.get(driver.CACHE_DIR_ENV)
+    return JITPersistentCache(Path(path) / "fwd_splitkv") if path else JITCache()
+
+
+_compile_cache = _make_cache()
+compile_count = {"splitkv": 0}
+
+
+def clear_cache() -> None:
+    global _compile_cache
+    _compile_cache = _make_cache()
+
+
+def _host_int(x) -> Optional[int]:
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def takes_this_path(
+    *, q: torch.Tensor, page_table, num_splits: int, cu_seqlens_q, max_seqlen_q
+) -> bool:
+    """Paged, split, or decode-shaped calls come here; everything else goes to driver.forward."""
+    if page_table is not None or num_splits != 1:
+        return True
+    seqlen_q = q.shape[1] if cu_seqlens_q is None else _host_int(max_seqlen_q)
+    return is_decode(seqlen_q)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_size_left: Optional[int],
+    window_size_right: Optional[int],
+    softcap: Optional[float],
+    pack_gqa: Optional[bool],
+    need_lse: bool,
+    emulate_host_smem: Optional[tuple],
+    page_table: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    aux_tensors: Optional[list] = None,
+    aux_scalars: Optional[tuple] = None,
+    config: Optional[FwdConfig] = None,
+    num_sms: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run a (possibly paged, possibly split) SM120 forward on validated inputs; (out, lse or None).
+
+    num_splits: 1 = no split, n > 1 = n splits clamped to the useful maximum (the number of key
+    blocks of the chosen tile, and splitkv.MAX_SPLITS), <= 0 = chosen by splitkv.choose_num_splits.
+    """
+    from flash_attn_sm120.device import device_info
+
+    info = device_info(q.device)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_kv, head_dim_v = v.shape[-2:]
+    qhead_per_kvhead = num_heads // num_heads_kv
+    varlen_q = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    q_rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
+    if varlen_q:
+        max_q = _host_int(max_seqlen_q)
+        if max_q is None:
+            max_q = q.shape[0]  # an upper bound: no auto split estimate is made too large a grid
+    else:
+        max_q = q.shape[1]
+    if page_table is not None:
+        page_size = k.shape[1]
+        capacity = page_table.shape[1] * page_size
+        max_k = min(_host_int(max_seqlen_k) or capacity, capacity)
+    else:
+        capacity = k.shape[-3]
+        max_k = _host_int(max_seqlen_k) if cu_seqlens_k is not None and _host_int(max_seqlen_k) else capacity
+
+    causal_r, local, left, right = _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)
+    if pack_gqa is None:
+        pack_gqa = qhead_per_kvhead > 1
+    if qhead_per_kvhead == 1:
+        pack_gqa = False
+    p = plan(
+        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal_r, local=local, window_size_left=left,
+        window_size_right=right, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads=num_heads,
+        num_heads_kv=num_heads_kv, pack_gqa=pack_gqa, num_splits=num_splits, num_sms=num_sms or info.num_sms,
+        config=config,
+    )
+    common = dict(
+        softmax_scale=softmax_scale, causal=causal, window_size_left=window_size_left,
+        window_size_right=window_size_right, softcap=softcap, pack_gqa=pack_gqa, need_lse=need_lse,
+        emulate_host_smem=emulate_host_smem, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod, mask_mod=mask_mod,
+        aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+    )
+    if page_table is None and p.num_splits == 1:
+        cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
+        return driver.forward(q, k, v, config=cfg if (p.decode or config is not None) else None, **common)
+
+    kcfg = kernel_config(p.config, head_dim, head_dim_v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if softcap == 0.0:
+        softcap = None
+    if softcap is not None:
+        if score_mod is not None:
+            raise ValueError("softcap and score_mod cannot be used together")
+        score_mod = fa_utils.create_softcap_scoremod(softcap)
+    out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse_shape = (batch, num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
+    if capacity == 0 or out.numel() == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+
+    is_split = p.num_splits > 1
+    if is_split:
+        o_kernel = torch.empty(p.num_splits, *out.shape, dtype=torch.float32, device=q.device)
+        lse_kernel = torch.empty(p.num_splits, *lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        o_kernel, lse_kernel = out, lse
+    statics = SplitKVStatics(
+        FwdStatics(
+            dtype=str(q.dtype).replace("torch.", ""),
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            qhead_per_kvhead=qhead_per_kvhead,
+            causal=causal_r,
+            local=local,
+            pack_gqa=pack_gqa,
+            has_lse=lse_kernel is not None,
+            has_cu_seqlens_q=varlen_q,
+            has_cu_seqlens_k=cu_seqlens_k is not None,
+            has_seqused_q=seqused_q is not None,
+            has_seqused_k=seqused_k is not None,
+            has_window_left=left is not None,
+            has_window_right=right is not None,
+            score_mod_hash=fa_utils.hash_callable(score_mod) if score_mod is not None else False,
+            mask_mod_hash=fa_utils.hash_callable(mask_mod) if mask_mod is not None else False,
+            aux_metadata=get_aux_tensor_metadata(aux_tensors) if aux_tensors is not None else None,
+            broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
+            config=kcfg,
+            emulate_host_smem=emulate_host_smem,
+        ),
+        is_split_kv=is_split,
+        paged=page_table is not None,
+        page_table_broadcast=get_broadcast_dims(page_table) if page_table is not None else (),
+    )
+    aux_scalars = tuple(aux_scalars) if aux_scalars else None
+    key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
+    if key not in _compile_cache:
+        kernel = make_splitkv_kernel(statics, score_mod, mask_mod, aux_tensors is not None)
+        index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
+                 for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
+        _compile_cache[key] = compile_splitkv_kernel(
+            kernel,
+            *(to_cute_tensor(t) for t in (q, k, v, o_kernel)),
+            to_cute_tensor(lse_kernel, assumed_align=4) if lse_kernel is not None else None,
+            *index,
+            to_cute_tensor(page_table, assumed_align=4, leading_dim=1) if page_table is not None else None,
+            left,
+            right,
+            AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None, aux_scalars),
+        )
+        compile_count["splitkv"] += 1
+    _compile_cache[key](
+        q.detach(), k.detach(), v.detach(), o_kernel, lse_kernel, softmax_scale,
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+        left, right, None, None, AuxData(aux_tensors, aux_scalars), None, None,
+    )
+    if is_split:
+        # the combine reads LSE partials token-major: (splits, b, s, h) / (splits, total_q, h) views
+        _flash_attn_fwd_combine(
+            o_kernel,
+            lse_kernel.transpose(-1, -2),
+            out,
+            lse.transpose(-1, -2) if lse is not None else None,
+            cu_seqlens_q,
+            seqused_q,
+            _arch=info.capability[0] * 10 + info.capability[1],
+        )
+    return out, lse

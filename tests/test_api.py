@@ -1,0 +1,216 @@
+"""Drop-in API on the CPU: signatures, dispatch rules, validation before any kernel work."""
+
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attn.cute as upstream
+import flash_attn_sm120
+from flash_attn_sm120 import device as devmod
+from flash_attn_sm120 import interface
+from flash_attn_sm120.device import DeviceInfo, mode_for_capability
+
+
+@pytest.mark.parametrize("name", ["flash_attn_func", "flash_attn_varlen_func"])
+def test_signature_matches_upstream(name):
+    ours = inspect.signature(getattr(flash_attn_sm120, name))
+    theirs = inspect.signature(getattr(upstream, name))
+    assert list(ours.parameters) == list(theirs.parameters)
+    for p in theirs.parameters.values():
+        assert ours.parameters[p.name].default == p.default, p.name
+        assert ours.parameters[p.name].kind == p.kind, p.name
+
+
+def test_mode_rules():
+    assert mode_for_capability((12, 0), False) == "sm120"
+    assert mode_for_capability((12, 1), True) == "sm120"
+    assert mode_for_capability((9, 0), False) == "upstream"
+    assert mode_for_capability((9, 0), True) == "emulated"
+    assert mode_for_capability((10, 0), True) == "emulated"
+    assert mode_for_capability((8, 0), True) == "emulated"
+    assert mode_for_capability((7, 5), True) == "upstream"
+
+
+def test_emulation_env(monkeypatch):
+    monkeypatch.setenv(devmod.EMULATE_ENV, "1")
+    assert devmod.emulation_requested()
+    monkeypatch.setenv(devmod.EMULATE_ENV, "0")
+    assert not devmod.emulation_requested()
+    monkeypatch.delenv(devmod.EMULATE_ENV)
+    assert not devmod.emulation_requested()
+
+
+def test_execution_mode_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    assert flash_attn_sm120.execution_mode() == "cpu"
+
+
+def test_device_info_label():
+    emu = DeviceInfo("NVIDIA H200", (9, 0), 132, 233472, 232448, "emulated")
+    assert emu.emulate_host_smem == (233472, 232448) and "emulated" in emu.label()
+    native = DeviceInfo("RTX PRO 6000", (12, 0), 188, 102400, 101376, "sm120")
+    assert native.emulate_host_smem is None and "SM120 native" in native.label()
+
+
+def _cuda_qkv(b=2, s=64, h=4, hk=4, d=64, dtype=torch.bfloat16):
+    q = torch.empty(b, s, h, d, device="cuda", dtype=dtype)
+    k = torch.empty(b, s, hk, d, device="cuda", dtype=dtype)
+    v = torch.empty(b, s, hk, d, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Fake CUDA tensors on the CPU, and a chosen device mode for dispatch."""
+    calls = {}
+
+    def set_mode(mode):
+        info = DeviceInfo("fake", (12, 0) if mode == "sm120" else (9, 0), 188, 233472, 232448, mode)
+        monkeypatch.setattr(interface, "device_info", lambda dev: info)
+
+    def fake_forward(q, k, v, **kw):
+        calls["driver"] = kw
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        return out, None
+
+    def fake_upstream(**kw):
+        calls["upstream"] = kw
+        return "upstream-result"
+
+    monkeypatch.setattr(interface.driver, "forward", fake_forward)
+    monkeypatch.setattr(interface.upstream, "flash_attn_func", fake_upstream)
+    monkeypatch.setattr(interface.upstream, "flash_attn_varlen_func", fake_upstream)
+    with FakeTensorMode():
+        yield set_mode, calls
+
+
+def test_dispatch_upstream_passes_everything_through(fake_device):
+    set_mode, calls = fake_device
+    set_mode("upstream")
+    q, k, v = _cuda_qkv()
+    assert flash_attn_sm120.flash_attn_func(q, k, v, causal=True, num_splits=3) == "upstream-result"
+    kw = calls["upstream"]
+    assert kw["causal"] is True and kw["num_splits"] == 3 and kw["q"] is q
+    assert set(kw) == set(inspect.signature(upstream.flash_attn_func).parameters)
+    assert "driver" not in calls
+
+
+@pytest.mark.parametrize("mode,pad", [("sm120", None), ("emulated", (233472, 232448))])
+def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
+    set_mode, calls = fake_device
+    set_mode(mode)
+    q, k, v = _cuda_qkv(h=8, hk=2)
+    out, lse = flash_attn_sm120.flash_attn_func(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0)
+    kw = calls["driver"]
+    assert kw["emulate_host_smem"] == pad
+    assert kw["causal"] is True and kw["window_size_left"] is None
+    assert out.shape == q.shape and "upstream" not in calls
+
+
+@pytest.mark.parametrize("feature,kwargs,match", [
+    ("num_splits", dict(num_splits=4), "SplitKV"),
+    ("learnable_sink", dict(learnable_sink=torch.zeros(4)), "learnable sink"),
+    ("qv", dict(qv=torch.zeros(1)), "qv"),
+    ("block_sparse", dict(block_sparse_tensors=object()), "block sparsity"),
+    ("gather", dict(gather_kv_indices=torch.zeros(1)), "gather"),
+])
+def test_unsupported_features_raise_not_implemented(fake_device, feature, kwargs, match):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    with pytest.raises(NotImplementedError, match=match):
+        flash_attn_sm120.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_varlen_paged_not_implemented(fake_device):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="paged"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                page_table=torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
+
+
+def test_backward_features_rejected_when_grad_needed(fake_device):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True)
+    with torch.no_grad():  # inference: fine
+        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True)
+
+
+
+
+def test_cpu_tensors_rejected():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        flash_attn_sm120.flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("make,kwargs,exc,match", [
+    (lambda: _cuda_qkv(dtype=torch.float32), {}, TypeError, "float16 or bfloat16"),
+    (lambda: _cuda_qkv(d=60), {}, ValueError, "multiple of 8"),
+    (lambda: _cuda_qkv(d=264), {}, ValueError, r"\[8, 256\]"),
+    (lambda: _cuda_qkv(h=6, hk=4), {}, ValueError, "multiple of nheads_kv"),
+    (lambda: (torch.empty(64, 4, 64, device="cuda", dtype=torch.bfloat16),) + _cuda_qkv()[1:], {}, ValueError,
+     "4 dimensions"),
+    (lambda: (_cuda_qkv()[0], _cuda_qkv()[1].half(), _cuda_qkv()[2]), {}, TypeError, "share one dtype"),
+    (lambda: _cuda_qkv()[:2] + (torch.empty_strided((2, 64, 4, 64), (64 * 4 * 128, 4 * 128, 128, 2),
+                                                     device="cuda", dtype=torch.bfloat16),), {}, ValueError,
+     "contiguous in its last"),
+    (lambda: (_cuda_qkv()[0], _cuda_qkv(s=32)[1], _cuda_qkv()[2]), {}, ValueError, "agree"),
+    (lambda: (_cuda_qkv()[0], _cuda_qkv(d=32)[1], _cuda_qkv(d=32)[2]), {}, ValueError, "does not match q head dim"),
+    (lambda: _cuda_qkv(), dict(window_size=(-5, 0)), ValueError, "window_size left"),
+    (lambda: _cuda_qkv(), dict(window_size=(1.5, 0)), TypeError, "window_size left"),
+    (lambda: _cuda_qkv(), dict(window_size=(3,)), TypeError, "pair"),
+    (lambda: _cuda_qkv(), dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (lambda: _cuda_qkv(), dict(softcap=float("nan")), ValueError, "softcap"),
+])
+def test_bad_inputs(fake_device, make, kwargs, exc, match):
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        flash_attn_sm120.flash_attn_func(q, k, v, **kwargs)
+    assert "driver" not in calls
+
+
+def test_non_contiguous_last_dim_rejected(fake_device):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    qt = torch.empty_strided(q.shape, (64 * 4 * 64, 1, 64 * 64, 64), device="cuda", dtype=q.dtype)
+    with pytest.raises(ValueError, match="last"):
+        flash_attn_sm120.flash_attn_func(qt, k, v)
+
+
+def test_mixed_devices_rejected(fake_device):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    k1 = torch.empty_like(k, device="cuda:1")
+    with pytest.raises(ValueError, match="cuda:1"):
+        flash_attn_sm120.flash_attn_func(q, k1, v)
+
+
+def test_varlen_validation(fake_device):
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_sm120.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu.to(torch.int64), cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match="shape"):
+        cu2 = torch.empty(2, dtype=torch.int32, device="cuda")
+        flash_attn_sm120.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu2)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        q4 = torch.empty(1, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
+        flash_attn_sm120.flash_attn_varlen_func(q4, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)

@@ -1,0 +1,101 @@
+"""Config table parsing and selection (pure, CPU)."""
+
+import pytest
+
+from flash_attn_sm120.config import (
+    HEAD_DIM_BUCKETS,
+    FwdConfig,
+    TableEntry,
+    head_dim_bucket,
+    load_fwd_table,
+    parse_fwd_table,
+    select_fwd_config,
+    upstream_fwd_config,
+)
+from flash_attn_sm120.hardware import SMEM_PER_BLOCK_MAX
+
+PROV = {"gpu": "NVIDIA H200", "mode": "emulated", "date": "2026-11-29", "command": "x"}
+
+
+def entry(d, mask, **kw):
+    base = dict(head_dim=d, mask=mask, num_threads=256, tile_m=128, tile_n=96, num_stages=1, provenance=PROV)
+    base.update(kw)
+    return base
+
+
+def test_shipped_table_parses_and_has_entries():
+    table = load_fwd_table()
+    assert len(table) >= 4, "configs/sm120_fwd.toml must ship measured entries"
+    for e in table:
+        assert e.config.error(e.head_dim, e.head_dim) is None
+        assert e.provenance["mode"] in ("sm120", "emulated")
+        for k in ("gpu", "date", "command", "tflops"):
+            assert k in e.provenance, (e, k)
+
+
+def test_parse_rejects_bad_tables():
+    with pytest.raises(ValueError, match="schema"):
+        parse_fwd_table({"schema": 2})
+    with pytest.raises(ValueError, match="bucket"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(100, "none")]})
+    with pytest.raises(ValueError, match="mask"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(128, "sliding")]})
+    with pytest.raises(ValueError, match="shared memory"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(256, "none", tile_n=128, num_stages=2)]})
+    with pytest.raises(ValueError, match="provenance"):
+        bad = entry(128, "none")
+        bad["provenance"] = {"gpu": "x"}
+        parse_fwd_table({"schema": 1, "fwd": [bad]})
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(128, "none"), entry(128, "none")]})
+    with pytest.raises(ValueError, match="missing key"):
+        parse_fwd_table({"schema": 1, "fwd": [{"head_dim": 128, "mask": "none"}]})
+
+
+def test_selection_order():
+    table = parse_fwd_table({"schema": 1, "fwd": [
+        entry(128, "none", tile_n=96),
+        entry(128, "causal", tile_n=64),
+        entry(64, "none", num_threads=128, tile_m=64, tile_n=64, num_stages=2),
+    ]})
+    assert select_fwd_config(table, 128, 128, False, False).tile_n == 96
+    assert select_fwd_config(table, 128, 128, True, False).tile_n == 64
+    assert select_fwd_config(table, 120, 120, True, False).tile_n == 64  # bucket 128
+    assert select_fwd_config(table, 128, 128, False, True).tile_n == 64  # local -> causal
+    assert select_fwd_config(table, 64, 64, True, False).num_stages == 2  # causal -> none
+    # no entry for the bucket: upstream's own default
+    assert select_fwd_config(table, 96, 96, False, False) == upstream_fwd_config(96)
+
+
+def test_selection_skips_config_that_cannot_run_actual_dims():
+    # an entry valid at d=64 bucket but a d=56 problem: tile_m copy rule still holds -> same config
+    table = [TableEntry(64, "none", FwdConfig(256, 128, 128, 1, False))]
+    assert select_fwd_config(table, 56, 56, False, False) == FwdConfig(256, 128, 128, 1, False)
+
+
+@pytest.mark.parametrize("d", list(range(8, 257, 8)))
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+def test_every_head_dim_gets_an_implementable_config(d, causal, local):
+    cfg = select_fwd_config(load_fwd_table(), d, d, causal, local)
+    assert cfg.error(d, d) is None
+    assert cfg.smem_bytes(d, d) + 1024 <= SMEM_PER_BLOCK_MAX
+
+
+def test_buckets():
+    assert head_dim_bucket(8, 8) == 64
+    assert head_dim_bucket(72, 64) == 96
+    assert head_dim_bucket(128, 64) == 128
+    assert head_dim_bucket(136, 136) == 192
+    assert head_dim_bucket(256, 256) == 256
+    with pytest.raises(ValueError):
+        head_dim_bucket(264, 264)
+    assert HEAD_DIM_BUCKETS[-1] == 256
+
+
+def test_config_errors_name_the_problem():
+    assert "multiple of 128" in FwdConfig(256, 64, 64).error(128, 128)
+    assert "tile_n" in FwdConfig(128, 128, 40).error(128, 128)
+    assert "shared memory" in FwdConfig(128, 128, 128, 2).error(128, 128)
+    assert "num_threads" in FwdConfig(192, 128, 64).error(128, 128)
+    assert "num_stages" in FwdConfig(128, 128, 64, 4).error(128, 128)
+    assert "unknown kernel family" in FwdConfig(family="nope").error(128, 128)
