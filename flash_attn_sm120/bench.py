@@ -264,21 +264,23 @@ def reference_attention(q, k, v, causal=False, window=(None, None), softmax_scal
 
 
 def time_cuda(fn: Callable[[int], object], rotations: int = 3, warmup: int = 3, reps: int = 30) -> Timing:
-    """Median time of fn(i) with CUDA events; i cycles over `rotations` input sets."""
+    """Median time of fn(i) with CUDA events; i cycles over `rotations` input sets.
+
+    Calls are queued back to back with an event pair around each and one synchronization at the
+    end, so host-side launch overhead overlaps the previous call instead of being counted.
+    """
     import torch
 
     for i in range(warmup):
         fn(i % rotations)
     torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
         start.record()
         fn(i % rotations)
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return summarize_times(times)
+    torch.cuda.synchronize()
+    return summarize_times([s.elapsed_time(e) for s, e in events])
 
 
 def rotations_for(p: Problem, l2_bytes: int = 60 * 2**20) -> int:

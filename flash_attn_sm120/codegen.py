@@ -241,3 +241,138 @@ def max_cp_async_wait_depth(sass_text: str) -> int:
     """Largest N in `DEPBAR.LE SB0, N` (cp.async groups left in flight at a wait); 0 if none."""
     depths = [int(x, 0) for x in re.findall(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", sass_text)]
     return max(depths, default=0)
+
+
+def compile_splitkv_cubin(
+    config: FwdConfig,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    split: bool = True,
+    paged: bool = True,
+    causal: bool = False,
+    local: bool = False,
+    qhead_per_kvhead: int = 4,
+    pack_gqa: bool = True,
+    varlen_q: bool = False,
+    seqused_k: bool = True,
+    dtype: str = "bfloat16",
+    arch: str = TARGET_ARCH,
+    emulate_host_smem: Optional[tuple] = None,
+) -> tuple[bytes, int]:
+    """Compile one splitkv-family kernel (driver_splitkv) for `arch`; returns (cubin, launch smem).
+
+    split: fp32 partial O (splits, b, s, h, dv) / LSE (splits, b, h, s) outputs; paged: K/V page
+    pools (num_pages, page_size, h_kv, d) with an int32 page table. All sizes are symbolic.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from flash_attn.cute.utils import AuxData
+    from quack.compile_utils import make_fake_tensor
+
+    from flash_attn_sm120 import driver, driver_splitkv
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    statics = driver_splitkv.SplitKVStatics(
+        driver.FwdStatics(
+            dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, qhead_per_kvhead=qhead_per_kvhead,
+            causal=causal, local=local, pack_gqa=pack_gqa, has_lse=True, has_cu_seqlens_q=varlen_q,
+            has_cu_seqlens_k=False, has_seqused_q=False, has_seqused_k=seqused_k, has_window_left=local,
+            has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
+            broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
+        ),
+        is_split_kv=split,
+        paged=paged,
+    )
+    kernel = driver_splitkv.make_splitkv_kernel(statics)
+    cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
+    sym = cute.sym_int
+    div = 16 // (cdtype.width // 8)
+    b, sq, h, splits = sym(), sym(), sym(), sym()
+    hk = h if qhead_per_kvhead == 1 else sym()
+    rows = (sym(),) if varlen_q else (b, sq)
+    q = make_fake_tensor(cdtype, (*rows, h, head_dim), divisibility=div)
+    if split:
+        o = make_fake_tensor(Float32, (splits, *rows, h, head_dim_v), divisibility=4)
+        lse_shape = (splits, h, rows[0]) if varlen_q else (splits, b, h, sq)
+    else:
+        o = make_fake_tensor(cdtype, (*rows, h, head_dim_v), divisibility=div)
+        lse_shape = (h, rows[0]) if varlen_q else (b, h, sq)
+    lse = make_fake_tensor(Float32, lse_shape, divisibility=1)
+    kv_rows = (sym(), sym()) if paged else (b, sym())  # (num_pages, page_size) or (b, seqlen_k)
+    k = make_fake_tensor(cdtype, (*kv_rows, hk, head_dim), divisibility=div)
+    v = make_fake_tensor(cdtype, (*kv_rows, hk, head_dim_v), divisibility=div)
+    batch = sym() if varlen_q else b
+    page_table = make_fake_tensor(Int32, (batch, sym()), divisibility=1) if paged else None
+    cu_q = make_fake_tensor(Int32, (sym(),), divisibility=1) if varlen_q else None
+    used_k = make_fake_tensor(Int32, (batch,), divisibility=1) if seqused_k else None
+    window = cutlass.Int32(0) if local else None
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = driver_splitkv.compile_splitkv_kernel(
+            kernel, q, k, v, o, lse, cu_q, None, None, used_k, page_table, window, window, AuxData(None, None),
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+        )
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, str):
+            cubin = Path(cubin).read_bytes()
+    return cubin, kernel.smem_bytes_launched
+
+
+def combine_kernel_params(head_dim: int, num_splits: int) -> dict:
+    """The FlashAttentionForwardCombine parameters upstream's `_flash_attn_fwd_combine` picks
+    (flash_attn/cute/interface.py) for fp32 partials of this head dim and split count."""
+    import math
+
+    k_block_size = 64 if head_dim <= 64 else 128
+    tile_m = 8 if k_block_size % 128 == 0 else (16 if k_block_size % 64 == 0 else 32)
+    log_max_splits = max(math.ceil(math.log2(max(num_splits, 1))), 4)
+    if tile_m == 8:
+        log_max_splits = max(log_max_splits, 5)
+    return dict(tile_m=tile_m, k_block_size=k_block_size, log_max_splits=log_max_splits)
+
+
+def compile_combine_cubin(
+    head_dim: int,
+    num_splits: int,
+    *,
+    num_heads: int = 32,
+    dtype: str = "bfloat16",
+    varlen: bool = False,
+    arch: str = TARGET_ARCH,
+) -> bytes:
+    """Compile upstream's split combine kernel (fp32 partials) for `arch` with fake tensors."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine
+    from quack.compile_utils import make_fake_tensor
+
+    cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
+    combine = FlashAttentionForwardCombine(cdtype, Float32, head_dim, num_heads, **combine_kernel_params(head_dim, num_splits))
+    sym = cute.sym_int
+    splits, h = sym(), sym()
+    if varlen:
+        total = sym()
+        o_partial = make_fake_tensor(Float32, (splits, total, h, head_dim), divisibility=4)
+        lse_partial = make_fake_tensor(Float32, (splits, total, h), divisibility=1, leading_dim=1)
+        o = make_fake_tensor(cdtype, (total, h, head_dim), divisibility=8)
+        lse = make_fake_tensor(Float32, (total, h), divisibility=1, leading_dim=0)
+        cu = make_fake_tensor(Int32, (sym(),), divisibility=1)
+    else:
+        b, s = sym(), sym()
+        o_partial = make_fake_tensor(Float32, (splits, b, s, h, head_dim), divisibility=4)
+        lse_partial = make_fake_tensor(Float32, (splits, b, s, h), divisibility=1, leading_dim=2)
+        o = make_fake_tensor(cdtype, (b, s, h, head_dim), divisibility=8)
+        lse = make_fake_tensor(Float32, (b, s, h), divisibility=1, leading_dim=1)
+        cu = None
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = cute.compile(
+            combine, o_partial, lse_partial, o, lse, cu, None, None, None, None,
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=f"--enable-tvm-ffi --keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+        )
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, str):
+            cubin = Path(cubin).read_bytes()
+    return cubin

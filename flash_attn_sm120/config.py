@@ -8,6 +8,7 @@ tested on a CPU; the driver calls it once per compile key.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -25,6 +26,7 @@ HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FWD_TABLE_PATH = CONFIG_DIR / "sm120_fwd.toml"
+TABLE_ENV = "FLASH_ATTN_SM120_FWD_TABLE"  # path of another table to use (experiments, searches)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
 
 
 def load_fwd_table(path: Path | str | None = None) -> tuple[TableEntry, ...]:
-    return _load_cached(str(path or FWD_TABLE_PATH))
+    """The shipped table, or `path`, or the file named by FLASH_ATTN_SM120_FWD_TABLE."""
+    return _load_cached(str(path or os.environ.get(TABLE_ENV) or FWD_TABLE_PATH))
 
 
 @lru_cache(maxsize=8)

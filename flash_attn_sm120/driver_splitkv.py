@@ -207,6 +207,8 @@ def forward(
     mask_mod: Optional[Callable] = None,
     aux_tensors: Optional[list] = None,
     aux_scalars: Optional[tuple] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
     config: Optional[FwdConfig] = None,
     num_sms: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -214,6 +216,8 @@ def forward(
 
     num_splits: 1 = no split, n > 1 = n splits clamped to the useful maximum (the number of key
     blocks of the chosen tile, and splitkv.MAX_SPLITS), <= 0 = chosen by splitkv.choose_num_splits.
+    out / lse: optional preallocated outputs, (b, s, h, dv) / (b, h, s) (varlen: (total_q, h, dv) /
+    (h, total_q)); lse is written when given or when need_lse.
     """
     from flash_attn_sm120.device import device_info
 
@@ -254,7 +258,7 @@ def forward(
         window_size_right=window_size_right, softcap=softcap, pack_gqa=pack_gqa, need_lse=need_lse,
         emulate_host_smem=emulate_host_smem, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod, mask_mod=mask_mod,
-        aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+        aux_tensors=aux_tensors, aux_scalars=aux_scalars, out=out, lse=lse,
     )
     if page_table is None and p.num_splits == 1:
         cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
@@ -269,9 +273,11 @@ def forward(
         if score_mod is not None:
             raise ValueError("softcap and score_mod cannot be used together")
         score_mod = fa_utils.create_softcap_scoremod(softcap)
-    out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse_shape = (batch, num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
+    if lse is None and need_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if capacity == 0 or out.numel() == 0:
         out.zero_()
         if lse is not None:

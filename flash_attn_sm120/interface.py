@@ -20,7 +20,7 @@ import flash_attn.cute.interface as upstream
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
 
-from flash_attn_sm120 import driver, validation
+from flash_attn_sm120 import driver, driver_splitkv, validation, validation_paged
 from flash_attn_sm120.device import device_info
 
 
@@ -46,9 +46,7 @@ def _check_common_features(
         gather_kv_indices_sparse_MLA=gather_kv_indices is not None,
         gather_bwd_options=gather_bwd_recompute_p or gather_bwd_token_chunk is not None,
         learnable_sink=learnable_sink is not None,
-        SplitKV_num_splits_other_than_1=num_splits != 1,
         block_sparsity=block_sparse_tensors is not None,
-        paged_KV_page_table=page_table is not None,
         scheduler_metadata=scheduler_metadata is not None,
     )
     if requires_grad:
@@ -56,6 +54,7 @@ def _check_common_features(
             deterministic_backward=deterministic,
             score_mod_backward=score_mod is not None or score_mod_bwd is not None,
             mask_mod_backward=mask_mod is not None,
+            paged_KV_backward=page_table is not None,
         )
 
 
@@ -65,7 +64,15 @@ class _Sm120AttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool):
         needs_grad = any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled()
-        out, lse = driver.forward(q, k, v, need_lse=return_lse or needs_grad, **fwd_kwargs)
+        # paged, split (num_splits != 1) and decode-shaped calls: driver_splitkv; the rest: driver
+        route = {n: fwd_kwargs.pop(n, None) for n in ("page_table", "num_splits", "max_seqlen_q", "max_seqlen_k")}
+        route["num_splits"] = 1 if route["num_splits"] is None else route["num_splits"]
+        if driver_splitkv.takes_this_path(q=q, page_table=route["page_table"], num_splits=route["num_splits"],
+                                          cu_seqlens_q=fwd_kwargs.get("cu_seqlens_q"),
+                                          max_seqlen_q=route["max_seqlen_q"]):
+            out, lse = driver_splitkv.forward(q, k, v, need_lse=return_lse or needs_grad, **route, **fwd_kwargs)
+        else:
+            out, lse = driver.forward(q, k, v, need_lse=return_lse or needs_grad, **fwd_kwargs)
         ctx.save_for_backward(q, k, v, out, lse, *bwd_kwargs.pop("_tensors"))
         ctx.bwd_kwargs = bwd_kwargs
         ctx.return_lse = return_lse
@@ -113,13 +120,20 @@ def flash_attn_func(
     gather_bwd_recompute_p: bool = False,
     gather_bwd_token_chunk: Optional[int] = None,
 ):
-    """Attention over (batch, seqlen, nheads, headdim) tensors; returns (out, lse)."""
+    """Attention over (batch, seqlen, nheads, headdim) tensors; returns (out, lse).
+
+    num_splits (SplitKV, upstream's meaning): 1 = off, n > 1 = n splits of the key sequence merged
+    by a combine kernel, 0 or less = chosen from the grid and the GPU (splitkv.choose_num_splits).
+    An n larger than useful is clamped silently to the number of key blocks of the chosen tile
+    (more would only add empty splits) and to splitkv.MAX_SPLITS (128).
+    """
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
     validation.validate_dense(q, k, v)
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
+    validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
@@ -130,7 +144,7 @@ def flash_attn_func(
     fwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, window_size_left=left, window_size_right=right,
         softcap=softcap, pack_gqa=pack_gqa, emulate_host_smem=target[0], score_mod=score_mod,
-        mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+        mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, num_splits=num_splits,
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
@@ -174,13 +188,28 @@ def flash_attn_varlen_func(
     gather_bwd_recompute_p: bool = False,
     gather_bwd_token_chunk: Optional[int] = None,
 ):
-    """Variable-length attention: q (total_q, h, d) with cu_seqlens_q, k/v likewise; returns (out, lse)."""
+    """Variable-length attention: q (total_q, h, d) with cu_seqlens_q, k/v likewise; returns (out, lse).
+
+    page_table (paged KV, upstream's layout): int32 (batch, max_pages_per_seq); k, v are page pools
+    (num_pages, page_size, nheads_kv, d); page_size a multiple of 16 in [16, 512] and head dims
+    multiples of 16. Sequence b has seqused_k[b] keys (or max_pages_per_seq * page_size without
+    seqused_k). Not with cu_seqlens_k. A host max_seqlen_k longer than a page-table row holds is
+    refused; seqused_k values and page indices are device data and are not checked (no sync).
+    num_splits: as in flash_attn_func (1 off, n clamped to the useful maximum, <= 0 automatic).
+    """
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))
-    validation.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    if page_table is None:
+        validation.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    else:
+        validation_paged.validate_paged(
+            q, k, v, page_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
+    validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
@@ -194,7 +223,8 @@ def flash_attn_varlen_func(
     fwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, window_size_left=left, window_size_right=right,
         softcap=softcap, pack_gqa=pack_gqa, emulate_host_smem=target[0], score_mod=score_mod,
-        mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, **index,
+        mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, page_table=page_table,
+        num_splits=num_splits, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **index,
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,

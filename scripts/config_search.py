@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -117,7 +118,7 @@ def stage_prune(out: Path, buckets, masks, jobs: int, grid: dict | None) -> None
                     todo.append((cfg.to_dict(), b, m))
     print(f"prune: {len(todo)} compiles for sm_120a ({len(done)} already done)", flush=True)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_120a")
-    with ProcessPoolExecutor(max_workers=jobs) as pool, open(path, "a") as f:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool, open(path, "a") as f:
         for i, row in enumerate(pool.map(_prune_one, todo)):
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -128,14 +129,14 @@ def stage_prune(out: Path, buckets, masks, jobs: int, grid: dict | None) -> None
             print(f"[{i + 1}/{len(todo)}] {row['key']}: {status}", flush=True)
 
 
-def survivors(out: Path) -> dict:
+def survivors(out: Path, min_warps_per_sm: int = 4) -> dict:
     """(bucket, mask) -> list of FwdConfig that passed pruning (upstream's config always kept)."""
     res: dict = {}
     for row in _read_rows(out / "prune_sm120a.jsonl"):
         if "error" in row:
             continue
         cfg = FwdConfig(**row["config"])
-        if keep_after_prune(row) or cfg == upstream_fwd_config(row["bucket"]):
+        if keep_after_prune(row, min_warps_per_sm) or cfg == upstream_fwd_config(row["bucket"]):
             res.setdefault((row["bucket"], row["mask"]), []).append(cfg)
     return res
 
@@ -160,7 +161,7 @@ def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str, rnd
     inputs: dict = {}
     for bucket, mask, cfg, role in jobs:
         row = dict(key=f"{rnd}/{_key(cfg, bucket, mask)}", round=rnd, bucket=bucket, mask=mask, config=cfg.to_dict(),
-                   role=role, gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat())
+                   role=role, gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat(), timing="queued")
         try:
             if rnd == "final":
                 row["correct"], row["max_err"], row["ref_err"] = gate(cfg, bucket, mask == "causal", info)
@@ -244,8 +245,8 @@ def _precompile(args):
         return f"{name} FAILED {type(e).__name__}: {e}"[:300]
 
 
-def _groups(out: Path, buckets, masks) -> dict:
-    cands = survivors(out)
+def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4) -> dict:
+    cands = survivors(out, min_warps_per_sm)
     groups = {}
     for b in buckets:
         for m in masks:
@@ -263,7 +264,7 @@ def _run_jobs(out, jobs, gpus, reps, rnd, compile_workers):
     if compile_workers > 0:
         os.environ.setdefault("FLASH_ATTN_SM120_CACHE_DIR", str(out / "kernel_cache"))
         t = time.time()
-        with ProcessPoolExecutor(max_workers=compile_workers) as pool:
+        with ProcessPoolExecutor(max_workers=compile_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             args = [(c.to_dict(), b, m, gpus[i % len(gpus)]) for i, (b, m, c, _) in enumerate(jobs)]
             for msg in pool.map(_precompile, args):
                 if "FAILED" in msg:
@@ -285,9 +286,9 @@ def _run_jobs(out, jobs, gpus, reps, rnd, compile_workers):
 
 
 def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int,
-               finalists: int, screen_reps: int) -> None:
+               finalists: int, screen_reps: int, min_warps_per_sm: int = 4) -> None:
     """Screen every survivor on one problem, then gate and fully time the best `finalists` per group."""
-    groups = _groups(out, buckets, masks)
+    groups = _groups(out, buckets, masks, min_warps_per_sm)
     done = _read_keys(out.glob("times*.jsonl"))
     screen = [(b, m, c, "upstream" if c == upstream_fwd_config(b) else "candidate")
               for (b, m), group in groups.items() for c in group if f"screen/{_key(c, b, m)}" not in done]
@@ -383,6 +384,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-workers", type=int, default=0)
     ap.add_argument("--finalists", type=int, default=4, help="fully timed candidates per group")
     ap.add_argument("--screen-reps", type=int, default=10)
+    ap.add_argument("--min-warps", type=int, default=4, help="prune configs with fewer resident warps per SM")
     ap.add_argument("--round", default="final")
     ap.add_argument("--shard", type=Path)
     ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
@@ -398,7 +400,7 @@ def main(argv=None) -> None:
         stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
     elif args.stage == "time":
         stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.finalists,
-                   args.screen_reps)
+                   args.screen_reps, args.min_warps)
     elif args.stage == "time-shard":
         jobs = [(b, m, FwdConfig(**c), r) for b, m, c, r in json.loads(args.shard.read_text())]
         _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}", args.round)

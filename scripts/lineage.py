@@ -5,6 +5,8 @@
       and appends a row to results.tsv (untracked). keep: commits scripts/experiment.py. discard /
       incorrect / crash / timeout: restores the last kept scripts/experiment.py. Nothing logged is
       ever rewritten.
+  python scripts/lineage.py record --log L --desc D [--exit-code N|timeout]
+      the same decision for a run of the current experiment.py made elsewhere (a lent GPU machine)
   python scripts/lineage.py list       # the kept experiments, oldest first, with their metrics
   python scripts/lineage.py promote    # write the last kept OVERRIDES into configs/sm120_fwd.toml
 
@@ -85,16 +87,17 @@ def _git(*args) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def cmd_run(args) -> int:
-    from prepare import parse_summary
-
-    sys.path.insert(0, str(ROOT))
+def _load_experiment():
     import importlib.util
 
+    sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location("experiment", EXPERIMENT)
     exp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(exp)
-    pset = exp.TARGET_SET
+    return exp
+
+
+def cmd_run(args) -> int:
     cmd = [sys.executable, str(EXPERIMENT)] + (["--emulate"] if args.emulate else [])
     log = ROOT / "run.log"
     try:
@@ -102,17 +105,31 @@ def cmd_run(args) -> int:
             code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
     except subprocess.TimeoutExpired:
         code = None
+    return _record(log, code, args.desc)
+
+
+def cmd_record(args) -> int:
+    """Record a run made elsewhere (e.g. on a lent GPU machine) of the current experiment.py."""
+    code = None if args.exit_code == "timeout" else int(args.exit_code)
+    return _record(Path(args.log), code, args.desc)
+
+
+def _record(log: Path, code, description: str) -> int:
+    from prepare import parse_summary
+
+    exp = _load_experiment()
+    pset = exp.TARGET_SET + (f":{exp.SUBSET}" if getattr(exp, "SUBSET", "") else "")
     summary = parse_summary(log.read_text()) if log.exists() else None
     gpu = (summary or {}).get("gpu", "?")
     mode = (summary or {}).get("mode", "?")
     best = best_kept(read_rows(), gpu, mode, pset)
     status, reason = decide(summary, best, code)
-    desc = f"{args.desc} ({reason})"
+    desc = f"{description} ({reason})"
     commit = _git("rev-parse", "--short", "HEAD")
     if status == "keep":
         _git("add", str(EXPERIMENT))
         if _git("diff", "--cached", "--name-only"):
-            _git("commit", "-m", f"experiment: {args.desc} [{mode}, {gpu}, {pset}: "
+            _git("commit", "-m", f"experiment: {description} [{mode}, {gpu}, {pset}: "
                                  f"{summary['fwd_tflops_geomean']:.1f} TFLOPS geomean]")
         commit = _git("rev-parse", "--short", "HEAD")
     else:
@@ -139,12 +156,7 @@ def cmd_list(args) -> int:
 
 def cmd_promote(args) -> int:
     """Merge the kept experiment's OVERRIDES into configs/sm120_fwd.toml with provenance."""
-    import importlib.util
-
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("experiment", EXPERIMENT)
-    exp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exp)
+    exp = _load_experiment()
     rows = [r for r in read_rows() if r["status"] == "keep"]
     if not rows:
         raise SystemExit("promote: no kept experiment in results.tsv")
@@ -190,10 +202,14 @@ def main(argv=None) -> int:
     r.add_argument("--desc", required=True)
     r.add_argument("--timeout", type=int, default=900)
     r.add_argument("--emulate", action="store_true")
+    rec = sub.add_parser("record", help="record a log of the current experiment.py run elsewhere")
+    rec.add_argument("--log", required=True)
+    rec.add_argument("--desc", required=True)
+    rec.add_argument("--exit-code", default="0", help="the run's exit code, or 'timeout'")
     sub.add_parser("list")
     sub.add_parser("promote")
     args = ap.parse_args(argv)
-    return {"run": cmd_run, "list": cmd_list, "promote": cmd_promote}[args.cmd](args)
+    return {"run": cmd_run, "record": cmd_record, "list": cmd_list, "promote": cmd_promote}[args.cmd](args)
 
 
 if __name__ == "__main__":

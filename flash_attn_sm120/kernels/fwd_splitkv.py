@@ -41,7 +41,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.base_dsl.arch import Arch
 from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cute.nvgpu import warp
 
@@ -145,7 +144,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         self.num_producer_threads = self.num_threads
         self.num_Q_load_threads = self.num_threads
         self.num_epilogue_threads = self.num_threads
-        self.use_tma_O = Arch.sm_90 <= self.arch < Arch.sm_120  # False: self.arch is sm_80
+        self.use_tma_O = False  # SM80-style epilogue: O through smem, then 16-byte global stores
         self._setup_attributes()
         SharedStorage = self._get_shared_storage_cls()
         mQ, mK, mV = [assume_tensor_aligned(t) for t in (mQ, mK, mV)]
@@ -355,7 +354,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         fastdiv_mods,
     ):
         """Load Q, stream the key blocks [n_block_min, n_block_max) through smem, accumulate O."""
-        load_K, load_V = self.make_kv_loaders(
+        load_K, load_V, fetch_pages = self.make_kv_loaders(
             mK, mV, mPageTable, sK, sV, seqlen, head_idx_kv, batch_idx, gmem_tiled_copy_K, gmem_tiled_copy_V, tidx,
         )
         # smem -> register copies feeding mma.sync
@@ -381,7 +380,8 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         )
         step = partial(
             self.compute_one_n_block_split, n_block_min=n_block_min, mma_params=mma, smem_copy_params=smem,
-            softmax=softmax, load_K=load_K, load_V=load_V, score_mod=self.score_mod, batch_idx=batch_idx,
+            softmax=softmax, load_K=load_K, load_V=load_V, fetch_pages=fetch_pages, score_mod=self.score_mod,
+            batch_idx=batch_idx,
             head_idx=head_idx, m_block=m_block, seqlen=seqlen, aux_data=aux_data, fastdiv_mods=fastdiv_mods,
         )
 
@@ -405,6 +405,8 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
 
         n_block = n_block_max - 1
         if const_expr(self.Q_in_regs):
+            if const_expr(fetch_pages is not None):
+                fetch_pages(n_block)
             load_K(n_block, 0, need_predicates=True)
             cute.arch.cp_async_commit_group()
             preprocess_Q()
@@ -412,6 +414,8 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         for stage in cutlass.range_constexpr(self.num_stages):
             if const_expr(not self.Q_in_regs or stage > 0):
                 if stage == 0 or n_block - stage >= n_block_min:
+                    if const_expr(fetch_pages is not None):
+                        fetch_pages(n_block - stage)
                     load_K(n_block - stage, stage, need_predicates=stage == 0)
                 cute.arch.cp_async_commit_group()
             if const_expr(stage < self.num_stages - 1):
@@ -454,7 +458,14 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
     def make_kv_loaders(
         self, mK, mV, mPageTable, sK, sV, seqlen, head_idx_kv, batch_idx, gmem_tiled_copy_K, gmem_tiled_copy_V, tidx,
     ):
-        """load_K / load_V(block, smem_stage, need_predicates): dense tiles, or paged row gathers."""
+        """(load_K, load_V, fetch_pages): dense tile loads, or paged row gathers.
+
+        load_K / load_V(block, smem_stage, need_predicates) issue one tile's cp.async. Paged, the rows'
+        pages come from `fetch_pages(block)` (page-table reads into registers), which the mainloop
+        issues before the QK^T MMAs so that their latency hides behind them; K and V of a block
+        share one fetch, because the pipeline always loads V[b] right after K[b] and before
+        K[b - 1]. Dense, fetch_pages is None.
+        """
         stage_of = (lambda s: s) if const_expr(self.num_stages > 1) else (lambda s: 0)
         if const_expr(mPageTable is not None):
             pages = PagedKVManager.create(
@@ -465,11 +476,10 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
             )
 
             def load_paged(sX, which, block, smem_pipe_write, need_predicates=False):
-                # every row checks the sequence end itself; need_predicates is implied
-                pages.load_page_table(block)
+                # rows past the sequence are zero-filled by the gather itself: need_predicates is implied
                 pages.load_KV(block, sX[None, None, stage_of(smem_pipe_write)], which)
 
-            return partial(load_paged, sK, "K"), partial(load_paged, sV, "V")
+            return partial(load_paged, sK, "K"), partial(load_paged, sV, "V"), pages.load_page_table
 
         if const_expr(not seqlen.has_cu_seqlens_k):
             mK_cur = mK[None, None, head_idx_kv, batch_idx]
@@ -498,7 +508,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
             self.load_V, gmem_tiled_copy_V, thr_V.partition_S(gV), thr_V.partition_D(sV), tVcV, t0VcV, tVpV,
             seqlen=seqlen.seqlen_k,
         )
-        return load_K, load_V
+        return load_K, load_V, None
 
     @cute.jit
     def compute_one_n_block_split(
@@ -512,6 +522,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         softmax: Softmax,
         load_K: Callable,
         load_V: Callable,
+        fetch_pages: Optional[Callable],
         score_mod: Callable | None,
         batch_idx: Int32,
         head_idx: Int32,
@@ -537,6 +548,10 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         if const_expr(self.num_stages == 1) or n_block - self.num_stages + 1 >= n_block_min:
             load_V(n_block - self.num_stages + 1, smem_pipe_write, need_predicates=is_first_n_block and self.num_stages == 1)
         cute.arch.cp_async_commit_group()
+        if const_expr(fetch_pages is not None):
+            # pages of K[n_block - num_stages] (and later V), read while the MMAs below run
+            if n_block - self.num_stages >= n_block_min:
+                fetch_pages(n_block - self.num_stages)
         sm80_utils.gemm(
             mma_params.thr_mma_qk, acc_S, mma_params.tSrQ, mma_params.tSrK,
             smem_copy_params.tSsQ, smem_copy_params.tSsK[None, None, None, stage_read],

@@ -3,8 +3,10 @@
 SM120 has no wgmma and no tcgen05, but it does have TMA (`cp.async.bulk.tensor`) and
 transaction mbarriers. This kernel uses them the way FA3 does on Hopper, with SM80-style math:
 
-  warps 0 .. W-1   consumers ("MMA warps", W = FwdConfig.num_threads / 32, 4 or 8)
-  warp  W          producer: one elected lane issues every TMA load of the CTA
+  warps 0 .. W-1     consumers ("MMA warps", W = FwdConfig.num_threads / 32, 4 or 8)
+  warps W .. W+3     producer warpgroup: warp W issues every TMA load of the CTA, the other
+                     three exit at once; the warpgroup exists because setmaxnreg acts per
+                     warpgroup: it drops to 24 registers and the MMA warps rise to up to 240
 
 Pipeline (one CTA = one (m_block, head, batch) tile; mbarriers through cutlass' PipelineTmaAsync):
 
@@ -27,11 +29,18 @@ consumer fences the async proxy (`fence.proxy.async.shared::cta`) before it rele
 it read with ldmatrix, so the next TMA write into that slot cannot overtake those generic-proxy
 reads.
 
+Intra-warp overlap (INTRA_WARP_OVERLAP): after the first n_block the consumers issue S_j = Q K_j^T
+and O += P_{j-1} V_{j-1} back to back, then run block j's softmax; the loop body is one basic
+block, so ptxas interleaves the PV mma.sync with the exp2/max/sum (FA3's intra-warpgroup overlap
+in mma.sync form). O is rescaled after the PV product, P_{j-1} stays in registers meanwhile.
+
 Warps are stacked along M (each warp owns 16 rows per MMA row step, tile_m / (16 W) steps), K/V are
 shared by all warps. FwdConfig fields for this family: num_threads = MMA-warp threads (the kernel
-adds the producer warp: 32 more threads), num_stages = depth of the K and V rings, q_in_regs is
-not supported. Shared memory: sQ (reused as sO), sK[num_stages], sV[num_stages], each 1 KB
-aligned and TMA-swizzled (128 B swizzle for head dim 64/128, 64 B for 96), plus the mbarriers.
+adds its producer warpgroup: 128 more threads), num_stages = depth of the K and V rings,
+q_in_regs = the MMA warps load their Q fragments once instead of per n_block (sQ stays allocated
+as the epilogue's sO). Shared memory: sQ (reused as sO), sK[num_stages], sV[num_stages], each
+1 KB aligned and TMA-swizzled (128 B swizzle for head dim 64/128, 64 B for 96), then the
+mbarriers (the struct rounds up to 1 KB). `register_split` computes the setmaxnreg budget.
 
 Supported: fp16/bf16, head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 without head packing (nheads_kv < nheads), softcap and score_mod (applied like upstream's SM80
@@ -53,10 +62,11 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as cpipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 from flash_attn.cute import ampere_helpers as sm80_utils
 from flash_attn.cute import utils
 from flash_attn.cute.block_info import BlockInfo
@@ -82,10 +92,35 @@ SUPPORTED_NUM_THREADS = (128, 256)  # MMA warps: 4 or 8
 PRODUCER_THREADS = 128
 PRODUCER_REGS = 24  # after setmaxnreg.dec; the producer only computes coordinates
 MAX_MMA_REGS = 240
+INTRA_WARP_OVERLAP = True
 _SMEM_ALIGN = 1024
 _MBARRIER_BYTES = 8
 # named barrier among the MMA warps (id 0 is __syncthreads; upstream's fwd ids are not used here)
 _EPILOGUE_BARRIER_ID = 1
+
+
+# Configs proposed for measurement, per head dim: (num_threads, tile_m, tile_n, num_stages,
+# q_in_regs) and the mask kinds they compile for without spills on sm_120a (tests/test_fwd_tma_codegen.py
+# checks every pair). R = rows per warp / 16: R=1 tiles keep 8 warps busy; R=2 tiles halve the
+# ldmatrix traffic per mma.sync (shared memory bandwidth bounds R=1 on an H200 in emulation) but
+# only fit the registers without causal/local masking.
+ALL_MASKS = ("none", "causal", "local")
+PROPOSED_CONFIGS: dict[int, tuple] = {
+    128: (
+        ((256, 128, 64, 2, True), ALL_MASKS),
+        ((256, 128, 64, 2, False), ALL_MASKS),
+        ((128, 128, 32, 2, False), ("none",)),  # R=2
+    ),
+    96: (
+        ((256, 128, 64, 3, True), ALL_MASKS),
+        ((256, 128, 64, 2, True), ALL_MASKS),
+    ),
+    64: (
+        ((256, 128, 128, 2, True), ALL_MASKS),
+        ((256, 128, 64, 3, True), ALL_MASKS),
+        ((256, 256, 64, 2, False), ("none",)),  # R=2
+    ),
+}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -145,6 +180,13 @@ def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
     return RegisterSplit(ctas, launch, PRODUCER_REGS, mma)
 
 
+def use_intra_warp_overlap(tile_m: int, num_threads: int) -> bool:
+    """Overlap keeps S_j and P_{j-1} live together; 8 warps with 32 rows each (tile_m 256) spill
+    at the 240-register cap with it (sm_120a, d=128), so they run the plain FA2 order."""
+    rows_per_warp = tile_m // (num_threads // 32)
+    return INTRA_WARP_OVERLAP and not (num_threads == 256 and rows_per_warp > 16)
+
+
 def tma_config_error(
     head_dim: int,
     head_dim_v: int,
@@ -164,8 +206,6 @@ def tma_config_error(
         return f"head dims ({head_dim}, {head_dim_v}) must be equal in the TMA family"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim}: the TMA family supports {SUPPORTED_HEAD_DIMS}"
-    if q_in_regs:
-        return "q_in_regs is not supported by the TMA family (Q stays in shared memory)"
     rows_per_step = (num_threads // 32) * 16  # warps stacked along M, 16 rows each
     if tile_m <= 0 or tile_m % rows_per_step:
         return f"tile_m={tile_m} must be a positive multiple of {rows_per_step} for {num_threads // 32} MMA warps"
@@ -208,6 +248,8 @@ def unsupported_reason(statics) -> Optional[str]:
         return f"varlen ({', '.join(varlen)}) is not supported by the TMA family"
     if statics.pack_gqa and statics.qhead_per_kvhead > 1:
         return "pack_gqa is not supported by the TMA family (plain GQA with pack_gqa=False is)"
+    if any(any(dims) for dims in statics.broadcast):
+        return "stride-0 (expanded) q/k/v are not supported by the TMA family (TMA descriptors need real strides)"
     return None
 
 
@@ -215,7 +257,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
     """SM120 forward with a TMA producer warp and 4 or 8 mma.sync consumer warps (module docstring).
 
     Constructor: the same as FlashAttentionForwardSm120CpAsync. `num_threads` counts the MMA warps'
-    threads; the launch adds one producer warp. `emulate_host_smem`: (smem per SM, max smem per
+    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: (smem per SM, max smem per
     block) of a non-SM120 GPU running the kernel in SM120 emulation (shared memory is padded so it
     fits no more CTAs per SM than SM120); None on a real SM120.
     """
@@ -264,7 +306,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             tile_n=tile_n,
             num_stages=num_stages,
             num_threads=num_threads,
-            Q_in_regs=False,
+            Q_in_regs=Q_in_regs,
             score_mod=score_mod,
             mask_mod=mask_mod,
             has_aux_tensors=has_aux_tensors,
@@ -275,6 +317,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         self.num_threads_total = num_threads + PRODUCER_THREADS
         smem_total = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages) + hardware.DSL_STATIC_SMEM
         self.registers = register_split(smem_total, num_threads)
+        # issue the next block's QK^T next to the previous block's PV (see mma_one_n_block)
+        self.intra_warp_overlap = use_intra_warp_overlap(tile_m, num_threads)
         self.emulate_host_smem = emulate_host_smem
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
@@ -426,8 +470,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.tile_hdimv)
         )
 
-        # causal/local tiles differ in work: longest first, with heads grouped for L2 reuse
-        use_lpt = self.is_causal or self.is_local
+        # causal tiles differ in work: longest first, with heads grouped for L2 reuse (as upstream sm90)
+        use_lpt = self.is_causal and not self.is_local
         TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
             num_block=cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
@@ -521,7 +565,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             for tma_atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(tma_atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         # full barriers: one TMA arrive + transaction bytes; empty barriers: one arrive per MMA warp
@@ -698,40 +742,59 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         softmax.reset()
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_size_left, window_size_right, 1)
 
+        # P of the last processed n_block, bf16/fp16 in registers, the A operand of O += P V
+        rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
+        tOrP = layout_utils.reshape_acc_to_frgA(rP)
+
         q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
-        kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.Q_in_regs):
+            # this warp's Q rows, once; sQ stays allocated for the epilogue's sO
+            cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
+        # K and V rings advance in lockstep; with the overlap, V trails K by one n_block
+        kv_k = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
+        kv_v = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
 
-        block = partial(
-            self.mma_one_n_block,
+        common = dict(
             pipeline_k=pipeline_k, pipeline_v=pipeline_v, thr_mma_qk=thr_mma_qk,
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
             tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, smem_thr_copy_Q=smem_thr_copy_Q,
-            smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V, acc_O=acc_O,
-            softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, head_idx=head_idx,
+            smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V, acc_O=acc_O, rP=rP,
+            tOrP=tOrP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, head_idx=head_idx,
             batch_idx=batch_idx, aux_data=aux_data, fastdiv_mods=fastdiv_mods,
         )
+        # one n_block: S = QK^T (+ the previous block's PV when overlapping), mask, softmax
+        block = partial(self.mma_one_n_block, overlap=self.intra_warp_overlap, **common)
 
         if n_block_max > n_block_min:
             # the last n_block first: it holds the seqlen_k boundary and the causal diagonal
-            block(kv_state, n_block_max - 1, is_first=True, mask_seqlen=True, mask_causal_local=True)
-            kv_state.advance()
+            block(kv_k, kv_v, n_block_max - 1, is_first=True, mask_seqlen=True, mask_causal_local=True)
+            kv_k.advance()
+            if const_expr(not self.intra_warp_overlap):
+                kv_v.advance()
             n_block_hi = n_block_max - 1
             if const_expr(self.is_causal or self.is_local):
                 n_block_causal = block_info.get_n_block_min_causal_local_mask(seqlen, m_block, n_block_min)
                 for n_tile in cutlass.range(n_block_hi - n_block_causal, unroll=1):
-                    block(kv_state, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=True)
-                    kv_state.advance()
+                    block(kv_k, kv_v, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=True)
+                    kv_k.advance()
+                    kv_v.advance()
                 n_block_hi = cutlass.min(n_block_hi, n_block_causal)
             n_block_local = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
             for n_tile in cutlass.range(n_block_hi - n_block_local, unroll=1):
-                block(kv_state, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=False)
-                kv_state.advance()
+                block(kv_k, kv_v, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=False)
+                kv_k.advance()
+                kv_v.advance()
             if const_expr(self.is_local and block_info.window_size_left is not None):
                 n_block_hi = cutlass.min(n_block_hi, n_block_local)
                 for n_tile in cutlass.range(n_block_hi - n_block_min, unroll=1):
-                    block(kv_state, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=True)
-                    kv_state.advance()
+                    block(kv_k, kv_v, n_block_hi - 1 - n_tile, is_first=False, mask_seqlen=False, mask_causal_local=True)
+                    kv_k.advance()
+                    kv_v.advance()
+            if const_expr(self.intra_warp_overlap):
+                # the PV product of the last n_block is still due
+                self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
+                kv_v.advance()
 
         row_scale = softmax.finalize()
         softmax.rescale_O(acc_O, row_scale)
@@ -743,7 +806,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
     @cute.jit
     def mma_one_n_block(
         self,
-        kv_state: cpipeline.PipelineState,
+        kv_k: cpipeline.PipelineState,
+        kv_v: cpipeline.PipelineState,
         n_block: Int32,
         pipeline_k: cpipeline.PipelineAsync,
         pipeline_v: cpipeline.PipelineAsync,
@@ -760,6 +824,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         smem_thr_copy_K: cute.TiledCopy,
         smem_thr_copy_V: cute.TiledCopy,
         acc_O: cute.Tensor,
+        rP: cute.Tensor,
+        tOrP: cute.Tensor,
         softmax: Softmax,
         mask: AttentionMask,
         seqlen: SeqlenInfoQK,
@@ -768,19 +834,32 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         batch_idx: Int32,
         aux_data: AuxData,
         fastdiv_mods,
+        overlap: cutlass.Constexpr[bool],
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_causal_local: cutlass.Constexpr[bool],
     ):
-        """S = Q K^T, mask, online softmax, O = O * scale + P V for one n_block."""
-        stage = kv_state.index
+        """One n_block. Without overlap: S = Q K^T, softmax, O = O * scale + P V (same block).
+
+        With overlap (not for the first block): S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
+        back to back after both waits, then softmax_j; the straight-line body lets ptxas interleave
+        the PV mma.sync of block j-1 with the exp2/max/sum of block j. O is rescaled after the
+        PV product: P_{j-1} was taken against max_{j-1}, the scale moves all of O to max_j.
+        """
+        do_pv_first = const_expr(overlap and not is_first)
         acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
-        pipeline_k.consumer_wait(kv_state, pipeline_k.consumer_try_wait(kv_state))
+        pipeline_k.consumer_wait(kv_k, pipeline_k.consumer_try_wait(kv_k))
+        if const_expr(do_pv_first):
+            pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
         sm80_utils.gemm(
-            thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], smem_thr_copy_Q, smem_thr_copy_K
+            thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, kv_k.index], smem_thr_copy_Q, smem_thr_copy_K,
+            A_in_regs=self.Q_in_regs,
         )
-        self._release(pipeline_k, kv_state)
+        if const_expr(do_pv_first):
+            sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
+        if const_expr(not overlap):
+            self._release(pipeline_k, kv_k)
 
         if const_expr(self.score_mod is not None):
             self.apply_score_mod(
@@ -806,13 +885,31 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         row_scale = softmax.online_softmax(acc_S, is_first=is_first, check_inf=True)
         if const_expr(not is_first):
             softmax.rescale_O(acc_O, row_scale)
-        rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        tOrP = layout_utils.reshape_acc_to_frgA(rP)
 
-        pipeline_v.consumer_wait(kv_state, pipeline_v.consumer_try_wait(kv_state))
-        sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, stage], smem_thr_copy_V)
-        self._release(pipeline_v, kv_state)
+        if const_expr(overlap):
+            self._release(pipeline_k, kv_k)
+            if const_expr(do_pv_first):
+                self._release(pipeline_v, kv_v)
+        else:
+            self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
+
+    @cute.jit
+    def mma_pv(
+        self,
+        kv_v: cpipeline.PipelineState,
+        pipeline_v: cpipeline.PipelineAsync,
+        tiled_mma_pv: cute.TiledMma,
+        acc_O: cute.Tensor,
+        tOrP: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOsVt: cute.Tensor,
+        smem_thr_copy_V: cute.TiledCopy,
+    ):
+        """O += P V for the V slot of `kv_v`, then hand the slot back."""
+        pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
+        sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
+        self._release(pipeline_v, kv_v)
 
     @cute.jit
     def _release(self, pipeline: cpipeline.PipelineAsync, state: cpipeline.PipelineState):

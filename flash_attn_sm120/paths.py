@@ -1,0 +1,167 @@
+"""Kernel-path registry: every way the package can compute a forward, how to force it, what it supports.
+
+A *kernel path* is the dispatcher's own choice (configs/sm120_fwd.toml, then its fallbacks) or one
+forced configuration of a kernel family. The correctness gate (tests/test_fuzz_gpu.py) fuzzes
+every path listed here and scripts/sanitize.py runs compute-sanitizer over a few shapes of each
+family; neither names a path itself, so a new kernel family (TMA, SplitKV, paged, sparse, ...)
+joins both by adding ONE entry to `BASE_PATHS`, with no new test code.
+
+Entry format, `KernelPath(name, family, config, supports)`:
+
+    name      unique id; appears in test ids and in the fuzz summary
+    family    a key of flash_attn_sm120.kernels.FAMILIES, or "dispatch" for the dispatcher's choice
+    config    how to force the path:
+                None                              the dispatcher's choice (nothing forced)
+                FwdConfig(...)                    that config for every problem
+                callable(head_dim, head_dim_v)    -> FwdConfig, for configs that depend on the head dims
+              (forced with `driver.force_config(cfg)` or `driver.forward(..., config=cfg)`)
+    supports  `Supports(...)`: what the fuzz suite may draw for the path. `head_dims` is a
+              candidate set: dims at which the forced config is not implementable on SM120
+              (FwdConfig.error) are dropped automatically. Boolean features are drawn only when
+              True: mixed_head_dims (head_dim_v != head_dim), causal, local (sliding windows),
+              varlen (cu_seqlens / seqused layouts), pack_gqa, softcap, backward (through the
+              public API's autograd; dims from backward_head_dims), paged (page_table K/V) and
+              splits (num_splits > 1), the last two through the public API only.
+
+Example: a TMA family that runs head dims 64/96/128 without varlen or GQA packing would add
+
+    KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"),
+               Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False))
+
+Every entry of configs/sm120_fwd.toml also becomes a path, "table-d<bucket>-<mask>", restricted to
+its head-dim bucket (`kernel_paths()` reads the table on each call).
+
+Upstream's backward (used after every forward path) has cases its own tests skip per device;
+`BACKWARD_GAPS` lists them by execution mode and the fuzz suite does not draw them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Union
+
+from flash_attn_sm120.config import (
+    HEAD_DIM_BUCKETS,
+    FwdConfig,
+    TableEntry,
+    load_fwd_table,
+    select_fwd_config,
+    upstream_fwd_config,
+)
+
+ALL_HEAD_DIMS = tuple(range(8, 257, 8))
+# Head dims upstream's backward is tested at (flash-attn-4 tests/cute: d <= 128)
+BACKWARD_HEAD_DIMS = (64, 96, 128)
+
+# Cases upstream's own tests (flash-attn-4 4.0.0b36, tests/cute) skip for its backward, per mode:
+#   varlen             SM90 skips every varlen backward (emulation runs the host's SM90 backward)
+#   d64-noncausal      SM90 d=64 non-causal backward is an xfail
+#   causal-sq-gt-sk    causal (and here: local) backward with seqlen_q > seqlen_k is not tested
+BACKWARD_GAPS: dict[str, frozenset] = {
+    "emulated": frozenset({"varlen", "d64-noncausal", "causal-sq-gt-sk"}),
+    "sm120": frozenset({"causal-sq-gt-sk"}),
+}
+
+ConfigSpec = Union[None, FwdConfig, Callable[[int, int], FwdConfig]]
+
+
+@dataclass(frozen=True)
+class Supports:
+    head_dims: tuple[int, ...] = ALL_HEAD_DIMS
+    mixed_head_dims: bool = True
+    dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    causal: bool = True
+    local: bool = True
+    varlen: bool = True
+    pack_gqa: bool = True
+    softcap: bool = True
+    backward: bool = True
+    backward_head_dims: tuple[int, ...] = BACKWARD_HEAD_DIMS
+    paged: bool = False
+    splits: bool = False
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    name: str
+    family: str
+    config: ConfigSpec = None
+    supports: Supports = field(default_factory=Supports)
+
+    def config_for(self, head_dim: int, head_dim_v: int) -> Optional[FwdConfig]:
+        """The config to force at these head dims, or None for the dispatcher's choice."""
+        if self.config is None or isinstance(self.config, FwdConfig):
+            return self.config
+        return self.config(head_dim, head_dim_v)
+
+    def resolved_config(self, head_dim: int, head_dim_v: int, causal: bool = False, local: bool = False) -> FwdConfig:
+        """The config that actually runs (the dispatcher's choice resolved); ValueError if none fits."""
+        cfg = self.config_for(head_dim, head_dim_v)
+        if cfg is None:
+            return select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
+        return cfg
+
+    def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
+        """Why this path cannot run these head dims on SM120, or None if it can."""
+        try:
+            return self.resolved_config(head_dim, head_dim_v).error(head_dim, head_dim_v)
+        except ValueError as e:
+            return str(e)
+
+    def head_dims(self) -> tuple[int, ...]:
+        """Candidate head dims (head_dim == head_dim_v) that this path can run."""
+        return tuple(d for d in self.supports.head_dims if self.error(d, d) is None)
+
+    def force(self, head_dim: int, head_dim_v: int):
+        """Context manager under which the public API runs this path."""
+        cfg = self.config_for(head_dim, head_dim_v)
+        if cfg is None:
+            return contextlib.nullcontext()
+        from flash_attn_sm120 import driver  # compiles nothing; kept lazy so paths.py stays light
+
+        return driver.force_config(cfg)
+
+
+def _upstream_config(head_dim: int, head_dim_v: int) -> FwdConfig:
+    return upstream_fwd_config(max(head_dim, head_dim_v))
+
+
+BASE_PATHS: tuple[KernelPath, ...] = (
+    KernelPath("cpasync-table", "dispatch", None),
+    KernelPath("cpasync-w8-128x96-s1", "cpasync", FwdConfig(256, 128, 96, 1)),
+    KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
+    KernelPath("cpasync-w4-64x32-s3-qreg", "cpasync", FwdConfig(128, 64, 32, 3, True)),
+    KernelPath("upstream-config", "cpasync", _upstream_config),
+)
+
+
+def _bucket_dims(bucket: int) -> tuple[int, ...]:
+    lower = max([b for b in HEAD_DIM_BUCKETS if b < bucket], default=0)
+    return tuple(d for d in ALL_HEAD_DIMS if lower < d <= bucket)
+
+
+def table_paths(table: Iterable[TableEntry]) -> tuple[KernelPath, ...]:
+    """One path per table entry, restricted to the head dims of its bucket."""
+    return tuple(
+        KernelPath(
+            f"table-d{e.head_dim}-{e.mask}", e.config.family, e.config, Supports(head_dims=_bucket_dims(e.head_dim))
+        )
+        for e in table
+    )
+
+
+def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:
+    """The base paths plus one per entry of the config table (default: configs/sm120_fwd.toml)."""
+    paths = BASE_PATHS + table_paths(load_fwd_table() if table is None else table)
+    names = [p.name for p in paths]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate kernel path names: {sorted(n for n in names if names.count(n) > 1)}")
+    return paths
+
+
+def get_path(name: str, table: Optional[Iterable[TableEntry]] = None) -> KernelPath:
+    for p in kernel_paths(table):
+        if p.name == name:
+            return p
+    raise KeyError(f"no kernel path {name!r}; known: {[p.name for p in kernel_paths(table)]}")

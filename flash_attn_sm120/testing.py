@@ -1,0 +1,632 @@
+"""Correctness harness: inputs in every storage layout, fp32 references, upstream's tolerance rule.
+
+Shared by the GPU fuzz suite (tests/test_fuzz_gpu.py) and scripts/sanitize.py; pure torch, so the
+harness itself is checked on a CPU (tests/test_fuzz_harness.py).
+
+A problem has a static part, `AttnCase` (everything that enters a kernel's compile key: dtype,
+head dims, GQA ratio and packing, mask kind, softcap, LSE, storage layouts, backward) and a
+dynamic part, `AttnProblem` (per-sequence lengths, KV heads, window sizes, softmax scale, padding,
+seed). Storage layouts of q and of k/v:
+
+    dense   (b, s, h, d), every sequence the same length; with pad > 0 a strided view into a
+            buffer whose extra rows hold NaN
+    packed  (total, h, d) with cu_seqlens
+    padded  (b, S, h, d) with seqused; rows past each sequence's length hold NaN
+    paged   (k/v only) (num_pages, page_size, h, d) with page_table and seqused_k; pages shuffled
+
+NaN fills every byte a correct kernel must not read, so an out-of-bounds load shows up as a NaN
+output; outputs start as NaN (driver: the `out`/`lse` buffers; public API: the driver's
+allocation, see `poisoned_outputs`), so an element the kernel forgot to write fails the check.
+
+Checks (`check_forward`, `check_backward`) work per sequence on the valid rows only: every value
+finite; out, dq, dk, dv within upstream's rule (flash_attn/cute/testing.py `check_tensor_vs_ref`):
+    max|actual - ref| <= rtol * max|pt - ref| + atol,  atol = 2 * max|ref + 0.3 - 0.3 - ref| (in dtype)
+with ref the fp32 result and pt PyTorch's own result in the input precision (rtol 2, 3 with
+softcap); LSE: -inf exactly where the reference row is empty, elsewhere the same rule (+1e-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from flash_attn_sm120 import bench
+
+Q_LAYOUTS = ("dense", "packed", "padded")
+K_LAYOUTS = ("dense", "packed", "padded", "paged")
+MASKS = {  # name -> (causal, has left window, has right window)
+    "none": (False, False, False),
+    "causal": (True, False, False),
+    "local_l": (False, True, False),
+    "local_r": (False, False, True),
+    "local_lr": (False, True, True),
+    "causal_l": (True, True, False),  # causal with a left window: local (left, 0)
+}
+LSE_ATOL = 1e-3
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """The static part of a problem: one compile key per case (for a given kernel config)."""
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    qhead_per_kvhead: int = 1
+    pack_gqa: Optional[bool] = None
+    mask: str = "none"
+    softcap: float = 0.0
+    return_lse: bool = False
+    q_layout: str = "dense"
+    k_layout: str = "dense"
+    backward: bool = False
+
+    def __post_init__(self):
+        if self.mask not in MASKS:
+            raise ValueError(f"mask {self.mask!r} not in {list(MASKS)}")
+        if self.q_layout not in Q_LAYOUTS or self.k_layout not in K_LAYOUTS:
+            raise ValueError(f"layouts ({self.q_layout}, {self.k_layout}) not in {Q_LAYOUTS} x {K_LAYOUTS}")
+
+    @property
+    def causal(self) -> bool:
+        return MASKS[self.mask][0]
+
+    @property
+    def has_window(self) -> tuple[bool, bool]:
+        return MASKS[self.mask][1:]
+
+    @property
+    def local(self) -> bool:
+        return any(self.has_window)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.q_layout == "dense" and self.k_layout == "dense"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def label(self) -> str:
+        dt = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
+        d = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        g = f"g{self.qhead_per_kvhead}" + {None: "", True: "p", False: "u"}[self.pack_gqa]
+        extra = (f"-sc{self.softcap:g}" if self.softcap else "") + ("-lse" if self.return_lse else "")
+        return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}" + ("-bwd" if self.backward else "")
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """The dynamic part: sizes and values that must not trigger a recompile."""
+
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    nheads_kv: int = 1
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
+    softmax_scale: Optional[float] = None
+    pad_q: int = 0  # extra NaN rows per sequence in dense / padded storage
+    pad_k: int = 0
+    page_size: int = 64
+    num_splits: int = 1
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.seqlens_q)
+
+    def window(self, case: AttnCase) -> tuple[Optional[int], Optional[int]]:
+        """(left, right) as passed to the API: None where the case has no bound on that side."""
+        has_left, has_right = case.has_window
+        return (self.window_left if has_left else None, self.window_right if has_right else None)
+
+    def work(self, case: AttnCase) -> int:
+        """Score elements the reference materializes (its cost)."""
+        h = self.nheads_kv * case.qhead_per_kvhead
+        return sum(h * sq * sk for sq, sk in zip(self.seqlens_q, self.seqlens_k))
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """How sequences sit in one storage tensor (q, out, dq share q's; k, v, dk, dv share k's)."""
+
+    kind: str
+    seqlens: tuple[int, ...]
+    offsets: tuple[int, ...] = ()  # packed: row offsets (cu_seqlens)
+
+    def seq(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Sequence i of a storage tensor, as (1, len, ...)."""
+        n = self.seqlens[i]
+        if self.kind == "packed":
+            return t[self.offsets[i] : self.offsets[i] + n].unsqueeze(0)
+        return t[i : i + 1, :n]
+
+    def lse_seq(self, lse: torch.Tensor, i: int) -> torch.Tensor:
+        """Sequence i of an LSE tensor ((b, h, s), or (h, total) for packed q) as (1, h, len)."""
+        n = self.seqlens[i]
+        if self.kind == "packed":
+            return lse[:, self.offsets[i] : self.offsets[i] + n].unsqueeze(0)
+        return lse[i : i + 1, :, :n]
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """All valid rows of a storage tensor, concatenated: (sum(len), ...)."""
+        parts = [self.seq(t, i)[0] for i in range(len(self.seqlens))]
+        return torch.cat(parts) if parts else t.reshape(0, *t.shape[-2:])
+
+    def lse_rows(self, lse: torch.Tensor) -> torch.Tensor:
+        """All valid LSE entries as (sum(len), h)."""
+        parts = [self.lse_seq(lse, i)[0].transpose(0, 1) for i in range(len(self.seqlens))]
+        return torch.cat(parts) if parts else lse.new_zeros(0, lse.shape[-2])
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_layout: Layout
+    k_layout: Layout
+    index: dict = field(default_factory=dict)  # cu_seqlens_*, seqused_*, page_table, max_seqlen_*
+    k_ref: Optional[torch.Tensor] = None  # paged: the contiguous K/V the pages were cut from
+    v_ref: Optional[torch.Tensor] = None
+    out_pad_rows: int = 0  # dense q with padding: the driver's out buffer gets the same gap
+    out_gap: Optional[torch.Tensor] = None  # that gap (NaN; must stay NaN), set by forward_via_driver
+
+    def k_seq(self, i: int) -> torch.Tensor:
+        return self.k_layout.seq(self.k if self.k_ref is None else self.k_ref, i)
+
+    def v_seq(self, i: int) -> torch.Tensor:
+        return self.k_layout.seq(self.v if self.v_ref is None else self.v_ref, i)
+
+    def out_shape(self, head_dim_v: int) -> tuple[int, ...]:
+        return (*self.q.shape[:-1], head_dim_v)
+
+    def lse_shape(self) -> tuple[int, ...]:
+        q = self.q
+        return (q.shape[1], q.shape[0]) if self.q_layout.kind == "packed" else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _store(kind: str, seqlens, pad: int, tail: tuple, rnd: Callable, dtype, device):
+    """(storage tensor, layout, index tensors) for one of q / k / v."""
+    b = len(seqlens)
+    nan = float("nan")
+    if kind == "dense":
+        n = seqlens[0] if seqlens else 0
+        if any(s != n for s in seqlens):
+            raise ValueError(f"dense layout needs equal lengths, got {seqlens}")
+        buf = torch.full((b, n + pad, *tail), nan, dtype=dtype, device=device)
+        buf[:, :n] = rnd(b, n, *tail)
+        return buf[:, :n], Layout(kind, tuple(seqlens)), {}
+    if kind == "packed":
+        offsets = [0]
+        for s in seqlens:
+            offsets.append(offsets[-1] + s)
+        t = rnd(offsets[-1], *tail)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        return t, Layout(kind, tuple(seqlens), tuple(offsets)), {"cu_seqlens": cu}
+    if kind in ("padded", "paged"):
+        width = max(seqlens, default=0) + pad
+        buf = torch.full((b, width, *tail), nan, dtype=dtype, device=device)
+        for i, s in enumerate(seqlens):
+            buf[i, :s] = rnd(s, *tail)
+        used = torch.tensor(list(seqlens), dtype=torch.int32, device=device)
+        return buf, Layout("padded", tuple(seqlens)), {"seqused": used}
+    raise ValueError(f"unknown layout {kind!r}")
+
+
+def paginate(k: torch.Tensor, v: torch.Tensor, seqlens, page_size: int, generator: torch.Generator):
+    """Cut padded (b, S, h, d) K/V into shuffled pages: (k_cache, v_cache, page_table int32 (b, pages)).
+
+    Page j of sequence i holds rows [j*page_size, (j+1)*page_size) of k[i]; unused rows are NaN.
+    """
+    b, width = k.shape[:2]
+    per_seq = max(1, -(-width // page_size))
+    num_pages = b * per_seq
+    perm = torch.randperm(num_pages, generator=generator, device="cpu").to(k.device)
+    table = perm.view(b, per_seq).to(torch.int32)
+    caches = []
+    for t in (k, v):
+        cache = torch.full((num_pages, page_size, *t.shape[2:]), float("nan"), dtype=t.dtype, device=t.device)
+        for i, s in enumerate(seqlens):
+            for j in range(-(-s // page_size)):
+                rows = t[i, j * page_size : min(s, (j + 1) * page_size)]
+                cache[table[i, j].long(), : rows.shape[0]] = rows
+        caches.append(cache)
+    return caches[0], caches[1], table
+
+
+def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_grad: bool = False) -> Inputs:
+    """Random q, k, v (standard normal) in the case's layouts, NaN in every unused byte."""
+    if len(problem.seqlens_q) != len(problem.seqlens_k):
+        raise ValueError("seqlens_q and seqlens_k must describe the same sequences")
+    gen = torch.Generator(device=device).manual_seed(problem.seed)
+    dtype = case.torch_dtype
+    hk = problem.nheads_kv
+    h = hk * case.qhead_per_kvhead
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q, q_layout, q_index = _store(case.q_layout, problem.seqlens_q, problem.pad_q, (h, case.head_dim), rnd, dtype, device)
+    k, k_layout, k_index = _store(case.k_layout, problem.seqlens_k, problem.pad_k, (hk, case.head_dim), rnd, dtype, device)
+    v, _, _ = _store(case.k_layout, problem.seqlens_k, problem.pad_k, (hk, case.head_dim_v), rnd, dtype, device)
+    index = {f"{name}_q": t for name, t in q_index.items()}
+    index.update({f"{name}_k": t for name, t in k_index.items()})
+    if not case.is_dense:
+        index["max_seqlen_q"] = max(problem.seqlens_q, default=0)
+        index["max_seqlen_k"] = max(problem.seqlens_k, default=0)
+    inputs = Inputs(q, k, v, q_layout, k_layout, index, out_pad_rows=problem.pad_q if case.q_layout == "dense" else 0)
+    if case.k_layout == "paged":
+        cpu_gen = torch.Generator().manual_seed(problem.seed)
+        k_cache, v_cache, table = paginate(k, v, problem.seqlens_k, problem.page_size, cpu_gen)
+        inputs.k_ref, inputs.v_ref = k, v
+        inputs.k, inputs.v = k_cache, v_cache
+        index["page_table"] = table
+    if requires_grad:
+        for t in (inputs.q, inputs.k, inputs.v):
+            t.requires_grad_(True)
+    return inputs
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def _nan_out(inputs: Inputs, case: AttnCase, device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """NaN output buffer and its gap: for dense q with padding, a strided view whose rows are
+    followed by NaN rows that the kernel must not touch."""
+    shape = inputs.out_shape(case.head_dim_v)
+    if inputs.out_pad_rows:
+        b, s = shape[:2]
+        buf = torch.full((b, s + inputs.out_pad_rows, *shape[2:]), float("nan"), dtype=case.torch_dtype, device=device)
+        return buf[:, :s], buf[:, s:]
+    return torch.full(shape, float("nan"), dtype=case.torch_dtype, device=device), None
+
+
+def forward_via_driver(inputs: Inputs, case: AttnCase, problem: AttnProblem, config, emulate_host_smem):
+    """driver.forward with NaN-poisoned out and lse buffers and the given (forced) config."""
+    from flash_attn_sm120 import driver
+
+    if case.k_layout == "paged" or problem.num_splits != 1:
+        raise ValueError("paged K/V and num_splits go through the public API (driver.forward has no such inputs)")
+    device = inputs.q.device
+    out, inputs.out_gap = _nan_out(inputs, case, device)
+    lse = torch.full(inputs.lse_shape(), float("nan"), dtype=torch.float32, device=device) if case.return_lse else None
+    left, right = problem.window(case)
+    ix = inputs.index
+    out_ret, lse_ret = driver.forward(
+        inputs.q, inputs.k, inputs.v,
+        softmax_scale=problem.softmax_scale, causal=case.causal, window_size_left=left, window_size_right=right,
+        softcap=case.softcap, pack_gqa=case.pack_gqa, need_lse=case.return_lse, emulate_host_smem=emulate_host_smem,
+        cu_seqlens_q=ix.get("cu_seqlens_q"), cu_seqlens_k=ix.get("cu_seqlens_k"),
+        seqused_q=ix.get("seqused_q"), seqused_k=ix.get("seqused_k"), out=out, lse=lse, config=config,
+    )
+    assert out_ret is out and lse_ret is lse, "driver.forward must return the buffers it was given"
+    return out, lse
+
+
+# modules whose forward() allocates the API's outputs when not given out= / lse=
+OUTPUT_ALLOCATORS = ("flash_attn_sm120.driver", "flash_attn_sm120.driver_splitkv")
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Within: every out/lse that a driver's forward allocates itself starts as NaN.
+
+    The public API lets the drivers allocate (torch.empty), whose stale contents may look right;
+    wrapping the module attributes the interface calls makes an unwritten element fail for sure.
+    """
+    import importlib
+
+    patched = []
+    for name in OUTPUT_ALLOCATORS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        original = module.forward
+
+        def forward(q, k, v, *, need_lse, out=None, lse=None, _original=original, **kw):
+            varlen_q = kw.get("cu_seqlens_q") is not None
+            if out is None:
+                rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
+                out = torch.full((*rows, q.shape[-2], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+            if lse is None and need_lse:
+                shape = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[2], q.shape[1])
+                lse = torch.full(shape, float("nan"), dtype=torch.float32, device=q.device)
+            return _original(q, k, v, need_lse=need_lse, out=out, lse=lse, **kw)
+
+        module.forward = forward
+        patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.forward = original
+
+
+def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
+    kw = dict(
+        softmax_scale=problem.softmax_scale, causal=case.causal, window_size=problem.window(case),
+        softcap=case.softcap, pack_gqa=case.pack_gqa, return_lse=case.return_lse,
+    )
+    if problem.num_splits != 1:
+        kw["num_splits"] = problem.num_splits
+    if not case.is_dense:
+        kw.update(inputs.index)
+    return kw
+
+
+def forward_via_api(inputs: Inputs, case: AttnCase, problem: AttnProblem):
+    """flash_attn_func / flash_attn_varlen_func (whatever the current device mode dispatches to)."""
+    from flash_attn_sm120 import flash_attn_func, flash_attn_varlen_func
+
+    fn = flash_attn_func if case.is_dense else flash_attn_varlen_func
+    with poisoned_outputs():
+        return fn(inputs.q, inputs.k, inputs.v, **api_kwargs(inputs, case, problem))
+
+
+# ------------------------------------------------------------------------------------------------
+# References
+# ------------------------------------------------------------------------------------------------
+
+
+def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> Optional[torch.Tensor]:
+    """(sq, sk) bool, True = masked; bottom-right aligned like FlashAttention; None if nothing is masked."""
+    left, right = window
+    if causal:
+        right = 0
+    if left is None and right is None:
+        return None
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    shift = seqlen_k - seqlen_q
+    mask = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right is not None:
+        mask |= cols > rows + shift + right
+    if left is not None:
+        mask |= cols < rows + shift - left
+    return mask
+
+
+def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,
+                  upcast=True, reorder_ops=False):
+    """Differentiable attention on (b, sq, h, d) / (b, sk, hk, d): returns (out, lse (b, h, sq)).
+
+    upcast: fp32 math and fp32 out (the reference); else the input precision throughout (PyTorch's
+    own low-precision result; reorder_ops scales K instead of Q, as upstream's reference does).
+    Empty rows give out 0 and lse -inf with zero (not NaN) gradients.
+    """
+    dtype = q.dtype
+    wide = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for gradcheck
+    if upcast:
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    if reorder_ops:
+        scores = torch.einsum("bthd,bshd->bhts", q, k * scale)
+    else:
+        scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = attention_mask(sq, sk, causal, window, q.device)
+    if mask is not None:
+        empty = mask.all(dim=-1)  # (sq,)
+        # empty rows: softmax over zeros, then zeroed, so gradients stay finite
+        scores = scores.masked_fill(mask & ~empty[:, None], float("-inf")).masked_fill(empty[:, None], 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    lse = torch.logsumexp(scores.to(wide), dim=-1)
+    if mask is not None and bool(empty.any()):
+        probs = probs.masked_fill(empty[:, None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
+    return (out if upcast else out.to(dtype)), lse
+
+
+def _empty_result(q, v, upcast: bool):
+    b, sq, h, _ = q.shape
+    out = torch.zeros(b, sq, h, v.shape[-1], dtype=torch.float32 if upcast else q.dtype, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def reference_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, upcast: bool):
+    """Per-sequence `bench.reference_attention` (fp32 if upcast): lists of (1, sq, h, dv), (1, h, sq)."""
+    outs, lses = [], []
+    window = problem.window(case)
+    with torch.no_grad():
+        for i in range(problem.batch):
+            q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
+            if q_i.shape[1] == 0 or k_i.shape[1] == 0:
+                o, l = _empty_result(q_i, v_i, upcast)
+            else:
+                o, l = bench.reference_attention(
+                    q_i, k_i, v_i, causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
+                    softcap=case.softcap, upcast=upcast,
+                )
+            outs.append(o)
+            lses.append(l)
+    return outs, lses
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks
+# ------------------------------------------------------------------------------------------------
+
+
+class CheckFailure(AssertionError):
+    pass
+
+
+def _where(t: torch.Tensor, flat_index: int) -> str:
+    idx = []
+    for size in reversed(t.shape):
+        idx.append(flat_index % size)
+        flat_index //= size
+    return str(tuple(reversed(idx)))
+
+
+def rule_tolerance(ref: torch.Tensor, pt: torch.Tensor, dtype: torch.dtype, rtol: float, extra_atol: float = 0.0):
+    """(tolerance, pt error, atol) of upstream's rule for fp32 `ref` and low-precision `pt`."""
+    ref_lp = ref.to(dtype)
+    atol = 2 * (ref_lp + 0.3 - 0.3 - ref_lp).abs().max().item() + extra_atol if ref.numel() else extra_atol
+    pt_err = (pt.float() - ref).abs().max().item() if ref.numel() else 0.0
+    return rtol * pt_err + atol, pt_err, atol
+
+
+def assert_close_to_ref(name: str, actual: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, dtype: torch.dtype,
+                        rtol: float = 2.0, extra_atol: float = 0.0) -> dict:
+    """Upstream's check_tensor_vs_ref on valid rows, NaN-aware; returns the measured errors."""
+    if actual.shape != ref.shape:
+        raise CheckFailure(f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref.shape)}")
+    bad = ~torch.isfinite(actual)
+    if bool(bad.any()):
+        first = int(bad.flatten().nonzero()[0])
+        raise CheckFailure(
+            f"{name}: {int(bad.sum())} of {actual.numel()} valid elements are not finite (first at row/head/col"
+            f" {_where(actual, first)}): unwritten (NaN-poisoned) output or an out-of-bounds read of NaN padding"
+        )
+    if actual.numel() == 0:
+        return {"err": 0.0, "tol": 0.0}
+    diff = (actual.float() - ref).abs()
+    err = diff.max().item()
+    tol, pt_err, atol = rule_tolerance(ref, pt, dtype, rtol, extra_atol)
+    if not err <= tol:
+        worst = int(diff.flatten().argmax())
+        raise CheckFailure(
+            f"{name}: max error {err:.3e} at {_where(actual, worst)} > {rtol:g} x PyTorch's {pt_err:.3e}"
+            f" + atol {atol:.2e} (actual {actual.flatten()[worst].item():.4f},"
+            f" reference {ref.flatten()[worst].item():.4f})"
+        )
+    return {"err": err, "tol": tol}
+
+
+def assert_lse_close(actual: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, rtol: float, extra_atol: float) -> dict:
+    """LSE (rows, h): -inf exactly where the reference is, elsewhere upstream's rule + LSE_ATOL."""
+    if actual.shape != ref.shape:
+        raise CheckFailure(f"lse: shape {tuple(actual.shape)} != reference {tuple(ref.shape)}")
+    if bool(torch.isnan(actual).any()):
+        raise CheckFailure(f"lse: {int(torch.isnan(actual).sum())} NaN values (unwritten or NaN read)")
+    ref_empty = torch.isneginf(ref)
+    if not torch.equal(torch.isneginf(actual), ref_empty):
+        where = (torch.isneginf(actual) != ref_empty).nonzero()[0].tolist()
+        raise CheckFailure(
+            f"lse: -inf pattern differs from the reference (empty rows) at row/head {where}:"
+            f" actual {actual[tuple(where)].item()}, reference {ref[tuple(where)].item()}"
+        )
+    keep = ~ref_empty
+    if not bool(keep.any()):
+        return {"err": 0.0, "tol": 0.0}
+    a, r, p = actual[keep], ref[keep], pt[keep]
+    err = (a - r).abs().max().item()
+    pt_err = (p - r).abs().max().item()
+    tol = rtol * pt_err + LSE_ATOL + extra_atol
+    if not err <= tol:
+        raise CheckFailure(f"lse: max error {err:.3e} > {rtol:g} x PyTorch's {pt_err:.3e} + {LSE_ATOL + extra_atol:.1e}")
+    return {"err": err, "tol": tol}
+
+
+def _rtol(case: AttnCase) -> float:
+    return 3.0 if case.softcap else 2.0
+
+
+def check_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, out: torch.Tensor,
+                  lse: Optional[torch.Tensor]) -> dict:
+    """Check a forward result against the fp32 and low-precision references; returns error stats."""
+    expect_out = inputs.out_shape(case.head_dim_v)
+    if tuple(out.shape) != expect_out or out.dtype != case.torch_dtype:
+        raise CheckFailure(f"out: shape/dtype {tuple(out.shape)}/{out.dtype}, expected {expect_out}/{case.torch_dtype}")
+    if inputs.out_gap is not None and not bool(torch.isnan(inputs.out_gap).all()):
+        raise CheckFailure("out: the kernel wrote into the gap between the rows of a strided out buffer")
+    refs, ref_lses = reference_forward(inputs, case, problem, upcast=True)
+    pts, pt_lses = reference_forward(inputs, case, problem, upcast=False)
+    cat = lambda parts: torch.cat([p[0] for p in parts]) if parts else None  # noqa: E731
+    stats = {"out": assert_close_to_ref("out", inputs.q_layout.rows(out), cat(refs), cat(pts), case.torch_dtype,
+                                        _rtol(case))}
+    if case.return_lse:
+        if lse is None:
+            raise CheckFailure("lse: requested (return_lse=True) but None was returned")
+        if tuple(lse.shape) != inputs.lse_shape() or lse.dtype != torch.float32:
+            raise CheckFailure(f"lse: shape/dtype {tuple(lse.shape)}/{lse.dtype}, expected {inputs.lse_shape()}/float32")
+        to_rows = lambda parts: torch.cat([p[0].transpose(0, 1) for p in parts])  # noqa: E731
+        stats["lse"] = assert_lse_close(inputs.q_layout.lse_rows(lse), to_rows(ref_lses), to_rows(pt_lses),
+                                        _rtol(case), case.softcap * 1e-3)
+    return stats
+
+
+def _loss(outs, lses, g_out, g_lse):
+    total = 0.0
+    for i, o in enumerate(outs):
+        total = total + (o.float() * g_out[i].float()).sum()
+        if g_lse is not None:
+            total = total + (lses[i] * g_lse[i]).sum()
+    return total
+
+
+def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int = 1):
+    """Public API forward + autograd backward, and the two references; returns a dict of tensors.
+
+    The loss is sum(out * g) (+ sum(lse * g_lse) with return_lse) over valid rows only.
+    """
+    gen = torch.Generator(device=inputs.q.device).manual_seed(seed)
+    out, lse = forward_via_api(inputs, case, problem)
+    nq = range(problem.batch)
+    g_out = [torch.randn(inputs.q_layout.seq(out, i).shape, generator=gen, device=out.device) for i in nq]
+    g_lse = None
+    if case.return_lse:
+        g_lse = [torch.randn(inputs.q_layout.lse_seq(lse, i).shape, generator=gen, device=out.device) for i in nq]
+    outs = [inputs.q_layout.seq(out, i) for i in nq]
+    lses = [inputs.q_layout.lse_seq(lse, i) for i in nq] if case.return_lse else None
+    grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), (inputs.q, inputs.k, inputs.v))
+
+    results = {"actual": grads, "out": out.detach(), "lse": None if lse is None else lse.detach()}
+    window = problem.window(case)
+    for name, upcast in (("ref", True), ("pt", False)):
+        # fp32 leaves for the reference (fp32 gradients), input-precision leaves for PyTorch's own
+        leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True)
+                  for t in (inputs.q, inputs.k, inputs.v)]
+        ref_inputs = Inputs(*leaves, inputs.q_layout, inputs.k_layout)
+        r_outs, r_lses = [], []
+        for i in nq:
+            q_i, k_i, v_i = (ref_inputs.q_layout.seq(leaves[0], i), ref_inputs.k_seq(i), ref_inputs.v_seq(i))
+            o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
+                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast)
+            r_outs.append(o)
+            r_lses.append(l)
+        loss = _loss(r_outs, r_lses if case.return_lse else None, g_out, g_lse)
+        results[name] = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return results
+
+
+def check_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
+    """Forward result, then dq, dk, dv of the public API's autograd vs fp32 autograd of `attention_ref`
+    (valid rows)."""
+    if case.k_layout == "paged":
+        raise ValueError("backward through paged K/V is not part of the API")
+    res = run_backward(inputs, case, problem)
+    stats = check_forward(inputs, case, problem, res["out"], res["lse"])
+    extra = 3e-4 if case.softcap else 0.0
+    for j, (name, leaf) in enumerate(zip(("dq", "dk", "dv"), (inputs.q, inputs.k, inputs.v))):
+        layout = inputs.q_layout if name == "dq" else inputs.k_layout
+        actual = res["actual"][j]
+        if actual is None or actual.shape != leaf.shape or actual.dtype != leaf.dtype:
+            got = None if actual is None else (tuple(actual.shape), actual.dtype)
+            raise CheckFailure(f"{name}: gradient {got}, expected {(tuple(leaf.shape), leaf.dtype)}")
+        ref, pt = (g if g is not None else torch.zeros_like(leaf) for g in (res["ref"][j], res["pt"][j]))
+        stats[name] = assert_close_to_ref(name, layout.rows(actual), layout.rows(ref).float(), layout.rows(pt),
+                                          case.torch_dtype, _rtol(case), extra)
+    return stats
