@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
 import difflib
 import hashlib
-import base64
 import importlib.metadata
 import inspect
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -237,8 +236,14 @@ def replace_method(text: str, cls: str, method: str, new_source: str, *, where: 
     return "".join(lines[:start]) + new_source + "".join(lines[end:])
 
 
+def upstream_wording(text: str) -> str:
+    """Package comments say "upstream" for FA4; inside FA4 that is the kernel itself."""
+    text = re.sub(r"\bupstream's\b", "the kernel's", text)
+    return re.sub(r"\bupstream\b", "the kernel", text)
+
+
 def check_no_package_refs(text: str, where: str) -> None:
-    for bad in ("flash_attn_sm120", "hardware.", "emulat"):
+    for bad in ("flash_attn_sm120", "hardware.", "emulat", "upstream"):
         if bad in text:
             raise AnchorError(f"{where}: package-only reference {bad!r} left in the upstream code")
 
@@ -346,6 +351,10 @@ class FamilySpec:
     smem_bytes: str
 
 
+# (head dim, mask) whose table entries tests/test_patches.py compiles on the patched upstream
+# for sm_120a and checks for spills; the commit message names those it covered
+CODEGEN_CASES = ((128, "none"), (128, "causal"), (64, "causal"))
+
 # renames applied to code lifted from the package into upstream's namespace
 _CONFIG_RENAMES = (
     ("FwdConfig", "Sm120FwdConfig"),
@@ -363,6 +372,7 @@ def _lift_sm120_rules() -> str:
         code = rename(code, old, new, where=where)
     code = rename(code, "hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM", where=where)
     code = rename(code, "hardware.SMEM_PER_BLOCK_MAX", "SM120_SMEM_PER_BLOCK_MAX", where=where)
+    code = upstream_wording(code)
     check_no_package_refs(code, where)
     constants = (
         f"# SM120 (compute capability 12.0): at most {hardware.SMEM_PER_BLOCK_MAX // 1024} KB of shared memory per block,\n"
@@ -403,6 +413,7 @@ def patch_flash_fwd_sm120(ctx: Context) -> None:
     anchor = "from flash_attn.cute.flash_fwd import FlashAttentionForwardSm80\n"
     text = substitute(text, anchor, anchor + "\n\n" + _lift_sm120_rules(), where=rel)
     can_impl, args = _lift_can_implement()
+    check_no_package_refs(can_impl, "flash_attn_sm120/kernels/fwd_cpasync.py (can_implement)")
     text = replace_method(text, "FlashAttentionForwardSm120", "can_implement", can_impl, where=rel, expect_args=args)
     if "utils_basic" in text:
         raise AnchorError(f"{rel}: utils_basic is still used; keep its import")
@@ -437,7 +448,10 @@ def _table_literal(ctx: Context) -> tuple[str, list]:
         head += ["# mode sm120: a real SM120 GPU; mode emulated: SM120 kernels on a bigger GPU with each CTA's",
                  "# shared memory padded so that no more CTAs are resident per SM than on SM120."]
     else:
-        head += ["# Empty: every problem uses sm120_default_fwd_config, SM120's choice before this table."]
+        head += ["# Empty: every problem gets SM120's choice before this table (sm120_default_fwd_config, or",
+                 "# the first fallback that fits where that one does not)."]
+    if len(lines) == 2:
+        lines = [lines[0] + ")"]
     return "\n".join(head + lines) + "\n", kept
 
 
@@ -485,6 +499,7 @@ def render_configs_module(ctx: Context) -> tuple[str, list]:
         "# SM120's choice before the table (4 warps, 1 stage): used where the table has no entry\n",
         where=where,
     )
+    code = upstream_wording(code)
     check_no_package_refs(code, where)
     table, kept = _table_literal(ctx)
     fam_imports = "".join(
@@ -601,6 +616,7 @@ def step_sm120_fwd_table(ctx: Context) -> str:
     ctx.write(rel, apply_edits(ctx.read(rel), _INTERFACE_EDITS, rel))
 
     modes = sorted({str(e.provenance["mode"]) for e in kept})
+    checked = [c for c in CODEGEN_CASES if c in {(e.head_dim, e.mask) for e in kept}]
     if kept:
         measured = [
             "Measured (TFLOPS: geometric mean over the bucket's problems, causal counted as half the "
@@ -654,15 +670,19 @@ def step_sm120_fwd_table(ctx: Context) -> str:
         [
             "Correctness: in the flash_attn_sm120 config search every candidate is timed only after its "
             "output matches an fp32 reference (output buffer poisoned with NaN first) on the bucket's "
-            "problems, in the mode of its row above.",
-            f"Codegen: this patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version} and imported in "
-            "place of the installed package; the SM120 forward with the table's entries for d=128 causal "
-            "and non-causal and d=64 causal compiled for sm_120a with fake tensors on a CPU: no local "
-            "memory (cuobjdump stack 0, no LDL/STL)."
+            "problems, in the mode of its row above."
             if kept else
+            "Correctness: no default changes and the kernel code is upstream's; the new rules and the "
+            "selection are exercised on the CPU.",
+            f"Codegen: this patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version} and imported in "
+            "place of the installed package; the SM120 forward with the table's entries for "
+            + ", ".join(f"d={d} {'non-causal' if mask == 'none' else mask}" for d, mask in checked)
+            + " compiled for sm_120a with fake tensors on a CPU: no local memory (cuobjdump stack 0, no "
+            "LDL/STL)."
+            if checked else
             f"Codegen: this patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version} and imported in "
             "place of the installed package; the SM120 forward compiles for sm_120a with fake tensors on "
-            "a CPU, and the empty table selects the previous defaults.",
+            "a CPU, and the selection falls back to the previous defaults where the table has no entry.",
             "The patch is generated from flash_attn_sm120 (scripts/make_patches.py) and checked to apply "
             f"to the pristine {ctx.upstream_version} source.",
         ],

@@ -63,7 +63,7 @@ FIXTURE_ENTRIES = [
     dict(d=128, mask="causal", threads=256, tile_m=128, tile_n=96, stages=1, tflops=121.0),
     dict(d=64, mask="causal", threads=128, tile_m=64, tile_n=64, stages=2, tflops=88.3),
 ]
-COMPILE_CASES = [(128, False), (128, True), (64, True)]
+COMPILE_CASES = [(d, mask == "causal") for d, mask in mp.CODEGEN_CASES]
 
 # Runs inside the subprocess whose PYTHONPATH starts with the patched copy of flash_attn.
 _PROBE = r"""
