@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     info = device_info(emulate=True)
     host = (info.smem_per_sm, info.smem_per_block_max)
     cases = [
+        # latency-bound (one or two K/V blocks per CTA): occupancy shows directly in the time
+        (FwdConfig(128, 128, 64), bench.Problem(16, 4096, 128, 16, 16, 128)),
+        (FwdConfig(128, 64, 64, 1, True), bench.Problem(16, 4096, 128, 16, 16, 128)),
         (FwdConfig(128, 128, 64), bench.Problem(1, 8192, 8192, 16, 16, 128)),
         (FwdConfig(128, 128, 128), bench.Problem(4, 2048, 2048, 32, 32, 64)),
         (FwdConfig(256, 128, 96), bench.Problem(1, 8192, 8192, 16, 16, 128)),
@@ -59,8 +62,21 @@ def main(argv=None) -> int:
         print(f"[{info.name}] {row['config']:28s} {row['problem']:22s} smem {smem:6d} B  CTAs/SM host "
               f"{row['host_ctas_unpadded']} -> SM120 {row['sm120_ctas']}:  padded {row['padded_tflops']:6.1f} "
               f"unpadded {row['unpadded_tflops']:6.1f} TFLOPS (x{row['slowdown']:.2f} time)", flush=True)
+    # The launch must really ask for the padded size: padding past the GPU's per-block limit has
+    # to be refused by the driver (an error), not silently ignored.
+    cfg, p = FwdConfig(128, 128, 64), bench.Problem(1, 256, 256, 2, 2, 128)
+    x = bench.make_inputs(p)
+    try:
+        driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=False, window_size_left=None,
+                       window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                       emulate_host_smem=(4 * info.smem_per_sm, 4 * info.smem_per_sm), config=cfg)
+        torch.cuda.synchronize()
+        overpad = "launched (padding NOT applied)"
+    except Exception as e:
+        overpad = f"refused as it must be: {type(e).__name__}: {str(e)[:120]}"
+    print(f"over-padded launch ({2 * info.smem_per_sm // 1024} KB per CTA): {overpad}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(gpu=info.name, rows=rows, overpad=overpad), indent=1))
     return 0
 
 

@@ -88,6 +88,11 @@ def sm120_config_error(
         return f"tile_n={tile_n} must be a positive multiple of 16"
     if not 1 <= num_stages <= 3:
         return f"num_stages={num_stages} must be 1, 2 or 3"
+    if q_in_regs and num_stages > 1:
+        # upstream's prologue waits for "all but 2*stages-1" cp.async groups before copying Q to
+        # registers, a count that assumes Q is not in registers: with Q in registers and 2+ stages
+        # Q is read before it lands (wrong results, caught by the correctness gate on 2026-11-29)
+        return "q_in_regs with num_stages > 1 reads Q before it arrives in upstream's prologue"
     # Q and O copies: each thread moves 8 elements, a row is split over (smem k-block / 8) threads
     for d in (head_dim, head_dim_v):
         rows_per_copy = num_threads // (_smem_k_block(d) // 8)
