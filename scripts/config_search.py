@@ -245,13 +245,16 @@ def _precompile(args):
         return f"{name} FAILED {type(e).__name__}: {e}"[:300]
 
 
-def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4) -> dict:
+def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4, extra=()) -> dict:
+    """(bucket, mask) -> configs to screen: pruning survivors, upstream's config, `extra` configs that
+    survived pruning at the default warp floor (known-good shapes kept despite a higher floor)."""
     cands = survivors(out, min_warps_per_sm)
+    floor = survivors(out) if extra else {}
     groups = {}
     for b in buckets:
         for m in masks:
             ups = upstream_fwd_config(b)
-            group = cands.get((b, m), [])
+            group = cands.get((b, m), []) + [c for c in extra if c in floor.get((b, m), []) and c not in cands.get((b, m), [])]
             if ups.error(b, b) is None and ups not in group:
                 group = [ups] + group
             groups[(b, m)] = group
@@ -286,9 +289,9 @@ def _run_jobs(out, jobs, gpus, reps, rnd, compile_workers):
 
 
 def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int,
-               finalists: int, screen_reps: int, min_warps_per_sm: int = 4) -> None:
+               finalists: int, screen_reps: int, min_warps_per_sm: int = 4, extra=()) -> None:
     """Screen every survivor on one problem, then gate and fully time the best `finalists` per group."""
-    groups = _groups(out, buckets, masks, min_warps_per_sm)
+    groups = _groups(out, buckets, masks, min_warps_per_sm, extra)
     done = _read_keys(out.glob("times*.jsonl"))
     screen = [(b, m, c, "upstream" if c == upstream_fwd_config(b) else "candidate")
               for (b, m), group in groups.items() for c in group if f"screen/{_key(c, b, m)}" not in done]
@@ -385,6 +388,7 @@ def main(argv=None) -> None:
     ap.add_argument("--finalists", type=int, default=4, help="fully timed candidates per group")
     ap.add_argument("--screen-reps", type=int, default=10)
     ap.add_argument("--min-warps", type=int, default=4, help="prune configs with fewer resident warps per SM")
+    ap.add_argument("--extra", type=json.loads, default=[], help='JSON list of FwdConfig dicts always screened')
     ap.add_argument("--round", default="final")
     ap.add_argument("--shard", type=Path)
     ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
@@ -400,7 +404,7 @@ def main(argv=None) -> None:
         stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
     elif args.stage == "time":
         stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.finalists,
-                   args.screen_reps, args.min_warps)
+                   args.screen_reps, args.min_warps, [FwdConfig(**c) for c in args.extra])
     elif args.stage == "time-shard":
         jobs = [(b, m, FwdConfig(**c), r) for b, m, c, r in json.loads(args.shard.read_text())]
         _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}", args.round)

@@ -45,9 +45,10 @@ def test_padding_matches_sm120_count(smem, threads):
     assert padded >= smem
     host_by_smem = 233472 // (padded + 2048)
     assert host_by_smem == target or (padded == smem and host_by_smem < target)
-    # minimal: 128 B less would fit one more CTA (unless unpadded)
+    # minimal in 1 KB granules: 1 KB less would fit one more CTA (unless unpadded)
     if padded > smem:
-        assert 233472 // (padded - 128 + 2048) > target
+        assert padded % 1024 == 0
+        assert 233472 // (padded - 1024 + 2048) > target
 
 
 def test_padding_refuses_oversize():
