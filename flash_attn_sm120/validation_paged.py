@@ -44,6 +44,10 @@ def _check_tensor(name: str, t, ndim: int, device: Optional[torch.device]) -> No
         raise ValueError(f"{name} is on {t.device}; the kernels need CUDA tensors")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}")
+    # every row is copied with 16-byte cp.async: rows must start 16-byte aligned
+    step = 16 // t.element_size()
+    if t.storage_offset() % step or any(st % step for st in t.stride()[:-1]):
+        raise ValueError(f"{name} rows must be 16-byte aligned (storage offset {t.storage_offset()}, strides {t.stride()})")
 
 
 def _check_index(name: str, t, shape: tuple, device: torch.device) -> None:

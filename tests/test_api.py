@@ -111,7 +111,6 @@ def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
 
 
 @pytest.mark.parametrize("feature,kwargs,match", [
-    ("num_splits", dict(num_splits=4), "SplitKV"),
     ("learnable_sink", dict(learnable_sink=torch.zeros(4)), "learnable sink"),
     ("qv", dict(qv=torch.zeros(1)), "qv"),
     ("block_sparse", dict(block_sparse_tensors=object()), "block sparsity"),

@@ -1,0 +1,331 @@
+"""SplitKV / paged KV / decode on the CPU: the split chooser, the decode table, dispatch and input
+validation before any kernel work, and sm_120a codegen of the splitkv kernels and the combine."""
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attn_sm120
+from flash_attn_sm120 import driver, driver_splitkv, hardware, interface, splitkv
+from flash_attn_sm120.codegen import compile_combine_cubin, compile_splitkv_cubin, inspect_cubin
+from flash_attn_sm120.config import FwdConfig, load_fwd_table, select_fwd_config
+from flash_attn_sm120.decode import (
+    DECODE_MAX_SEQLEN_Q,
+    is_decode,
+    load_decode_table,
+    parse_decode_table,
+    select_decode_config,
+)
+from flash_attn_sm120.device import DeviceInfo
+
+# ------------------------------------------------------------------------------------------------
+# the chooser
+# ------------------------------------------------------------------------------------------------
+
+
+def _eff(total, s, slots):
+    waves = total * s / slots
+    return waves / math.ceil(waves)
+
+
+GRID = [
+    (total, n_blocks, sms, ctas)
+    for total in (1, 4, 8, 32, 64, 150, 512)
+    for n_blocks in (1, 4, 5, 16, 64, 512, 2048)
+    for sms in (132, 170, 188)
+    for ctas in (1, 2, 3)
+]
+
+
+@pytest.mark.parametrize("total,n_blocks,sms,ctas", GRID)
+def test_choice_is_in_range_and_near_best_wave_efficiency(total, n_blocks, sms, ctas):
+    s = splitkv.choose_num_splits(total_mblocks=total, n_blocks=n_blocks, num_sms=sms, ctas_per_sm=ctas)
+    assert 1 <= s <= min(splitkv.MAX_SPLITS, max(n_blocks, 1))
+    slots = sms * ctas
+    if n_blocks <= splitkv.MIN_N_BLOCKS_TO_SPLIT or total >= splitkv.FULL_GRID_SHARE * slots:
+        assert s == 1
+        return
+    limit = min(splitkv.MAX_SPLITS, n_blocks, slots)
+    # split counts that change the blocks per split (the others only add empty splits)
+    eligible = [c for c in range(1, limit + 1) if c == 1 or -(-n_blocks // c) != -(-n_blocks // (c - 1))]
+    assert s in eligible
+    best = max(_eff(total, c, slots) for c in eligible)
+    assert _eff(total, s, slots) >= splitkv.EFFICIENCY_SLACK * best - 1e-9
+    # never more CTAs than slots when one wave suffices for the best efficiency
+    assert total * s <= max(slots, total) * math.ceil(total * s / slots)
+
+
+def test_decode_b1_fills_the_gpu():
+    """One sequence, 8 KV heads, 32k keys at tile_n 64: 8 CTAs unsplit -> about one full wave."""
+    n_blocks = splitkv.num_n_blocks(32768, 64)
+    s188 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=188, ctas_per_sm=1)
+    s132 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=132, ctas_per_sm=1)
+    assert 0.95 * 188 <= 8 * s188 <= 188
+    assert 0.95 * 132 <= 8 * s132 <= 132
+    assert s188 > s132  # the real SM count matters
+    s2 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=188, ctas_per_sm=2)
+    assert s2 > s188  # so do the CTAs per SM
+
+
+def test_no_split_when_grid_is_full_or_keys_are_few():
+    assert splitkv.choose_num_splits(total_mblocks=512, n_blocks=2048, num_sms=188, ctas_per_sm=1) == 1
+    assert splitkv.choose_num_splits(total_mblocks=1, n_blocks=4, num_sms=188, ctas_per_sm=1) == 1
+    assert splitkv.choose_num_splits(total_mblocks=0, n_blocks=100, num_sms=188, ctas_per_sm=1) == 1
+
+
+@pytest.mark.parametrize("requested,n_blocks,want", [
+    (1, 100, 1), (2, 100, 2), (7, 100, 7), (7, 3, 3), (1000, 5000, splitkv.MAX_SPLITS), (5, 0, 1), (300, 300, 128),
+])
+def test_explicit_num_splits_clamped(requested, n_blocks, want):
+    got = splitkv.resolve_num_splits(requested, total_mblocks=8, n_blocks=n_blocks, num_sms=188, ctas_per_sm=1)
+    assert got == want
+
+
+@pytest.mark.parametrize("requested", [0, -1, -100])
+def test_nonpositive_num_splits_means_auto(requested):
+    kw = dict(total_mblocks=8, n_blocks=512, num_sms=188, ctas_per_sm=1)
+    assert splitkv.resolve_num_splits(requested, **kw) == splitkv.choose_num_splits(**kw) > 1
+
+
+def test_num_n_blocks_and_m_blocks():
+    assert splitkv.num_n_blocks(0, 64) == 0
+    assert splitkv.num_n_blocks(65, 64) == 2
+    # local: window band plus one M tile, capped by the sequence
+    assert splitkv.num_n_blocks(100000, 64, local=True, window_left=255, window_right=0, tile_m=64) == 5
+    assert splitkv.num_n_blocks(100, 64, local=True, window_left=1000, window_right=1000, tile_m=64) == 2
+    assert splitkv.total_m_blocks(batch=2, max_seqlen_q=1, num_heads=32, num_heads_kv=8, tile_m=64, pack_gqa=True) == 16
+    assert splitkv.total_m_blocks(batch=2, max_seqlen_q=1, num_heads=32, num_heads_kv=8, tile_m=64, pack_gqa=False) == 64
+    assert splitkv.total_m_blocks(batch=1, max_seqlen_q=16, num_heads=32, num_heads_kv=8, tile_m=64, pack_gqa=True) == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# decode table and plan
+# ------------------------------------------------------------------------------------------------
+
+
+def test_decode_table_loads_and_fits():
+    table = load_decode_table()
+    assert {e.head_dim for e in table} == {64, 96, 128, 192, 256}
+    for e in table:
+        assert e.config.family == "splitkv"
+        assert e.config.error(e.head_dim, e.head_dim) is None
+        smem = e.config.smem_bytes(e.head_dim, e.head_dim) + hardware.DSL_STATIC_SMEM
+        assert smem <= hardware.SMEM_PER_BLOCK_MAX
+        assert e.measured or e.provenance["reason"]
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"schema": 2}, "schema"),
+    ({"schema": 1, "decode": [{"head_dim": 128, "num_threads": 128, "tile_m": 64, "tile_n": 64,
+                               "family": "cpasync", "provenance": {"status": "unmeasured", "reason": "x"}}]}, "family"),
+    ({"schema": 1, "decode": [{"head_dim": 128, "num_threads": 128, "tile_m": 64, "tile_n": 64,
+                               "provenance": {"status": "unmeasured"}}]}, "reason"),
+    ({"schema": 1, "decode": [{"head_dim": 128, "num_threads": 128, "tile_m": 64, "tile_n": 64,
+                               "provenance": {"gpu": "x"}}]}, "provenance"),
+    ({"schema": 1, "decode": [{"head_dim": 100, "num_threads": 128, "tile_m": 64, "tile_n": 64,
+                               "provenance": {"status": "unmeasured", "reason": "x"}}]}, "bucket"),
+    ({"schema": 1, "decode": [{"head_dim": 128, "num_threads": 128, "tile_m": 64, "tile_n": 512,
+                               "provenance": {"status": "unmeasured", "reason": "x"}}]}, "shared memory"),
+])
+def test_decode_table_rejects_bad_data(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_decode_table(raw)
+
+
+def test_is_decode():
+    assert is_decode(1) and is_decode(DECODE_MAX_SEQLEN_Q)
+    assert not is_decode(DECODE_MAX_SEQLEN_Q + 1) and not is_decode(None) and not is_decode(0)
+
+
+def _plan(**kw):
+    base = dict(head_dim=128, head_dim_v=128, causal=False, local=False, window_size_left=None,
+                window_size_right=None, batch=1, max_seqlen_q=1, max_seqlen_k=32768, num_heads=32,
+                num_heads_kv=8, pack_gqa=True, num_splits=0, num_sms=188)
+    base.update(kw)
+    return driver_splitkv.plan(**base)
+
+
+def test_plan_decode_uses_decode_table_and_splits():
+    p = _plan()
+    assert p.decode and p.config == select_decode_config(load_decode_table(), 128, 128)
+    smem = p.config.smem_bytes(128, 128) + hardware.DSL_STATIC_SMEM
+    assert p.ctas_per_sm == hardware.sm120_occupancy(smem, p.config.num_threads).ctas_per_sm
+    assert p.total_mblocks == 8 and p.num_splits > 1
+    assert p.num_splits == splitkv.choose_num_splits(
+        total_mblocks=8, n_blocks=p.n_blocks, num_sms=188, ctas_per_sm=p.ctas_per_sm)
+
+
+def test_plan_prefill_uses_prefill_table():
+    p = _plan(max_seqlen_q=4096, num_splits=1, causal=True)
+    assert not p.decode and p.num_splits == 1
+    assert p.config == select_fwd_config(load_fwd_table(), 128, 128, True, False)
+
+
+def test_plan_honours_forced_config_and_explicit_splits():
+    cfg = FwdConfig(256, 128, 64, 2, False)
+    with driver.force_config(cfg):
+        p = _plan(num_splits=7)
+    assert p.num_splits == 7 and p.config.tile_m == 128 and p.config.tile_n == 64 and p.config.family == "splitkv"
+    assert _plan(num_splits=10**6, max_seqlen_k=640).num_splits == splitkv.num_n_blocks(640, p.config.tile_n)
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch and validation (fake CUDA tensors, no kernel work)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_sm120(monkeypatch):
+    calls = {}
+    info = DeviceInfo("fake", (12, 0), 188, 102400, 101376, "sm120")
+    monkeypatch.setattr(interface, "device_info", lambda dev: info)
+
+    def fake(name):
+        def run(q, k, v, **kw):
+            calls[name] = kw
+            return torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device), None
+        return run
+
+    monkeypatch.setattr(interface.driver, "forward", fake("driver"))
+    monkeypatch.setattr(interface.driver_splitkv, "forward", fake("splitkv"))
+    with FakeTensorMode():
+        yield calls
+
+
+def _t(*shape, dtype=torch.bfloat16, device="cuda"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _paged(batch=2, pages=64, page_size=64, hk=2, d=128, max_pages=8):
+    q = _t(batch, 1, 8, d)
+    k = _t(pages, page_size, hk, d)
+    v = _t(pages, page_size, hk, d)
+    pt = _t(batch, max_pages, dtype=torch.int32)
+    return q, k, v, pt
+
+
+def test_paged_call_routes_to_splitkv(fake_sm120):
+    q, k, v, pt = _paged()
+    used = _t(2, dtype=torch.int32)
+    flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt, seqused_k=used, num_splits=0, causal=True)
+    kw = fake_sm120["splitkv"]
+    assert kw["page_table"] is pt and kw["num_splits"] == 0 and kw["seqused_k"] is used
+    assert "driver" not in fake_sm120
+
+
+def test_split_and_decode_route_to_splitkv_plain_prefill_does_not(fake_sm120):
+    q, k = _t(2, 128, 8, 64), _t(2, 128, 2, 64)
+    flash_attn_sm120.flash_attn_func(q, k, k)
+    assert "driver" in fake_sm120 and "splitkv" not in fake_sm120
+    flash_attn_sm120.flash_attn_func(q, k, k, num_splits=3)
+    assert fake_sm120["splitkv"]["num_splits"] == 3
+    fake_sm120.clear()
+    flash_attn_sm120.flash_attn_func(_t(2, 1, 8, 64), k, k)  # decode-shaped
+    assert "splitkv" in fake_sm120 and "driver" not in fake_sm120
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda q, k, v, pt: (q, k, v, pt.to(torch.int64)), TypeError, "page_table must be int32"),
+    (lambda q, k, v, pt: (q, k, v, _t(8, dtype=torch.int32)), ValueError, "2-D"),
+    (lambda q, k, v, pt: (q, k, v, [[0]]), TypeError, "page_table must be a torch.Tensor"),
+    (lambda q, k, v, pt: (q, k, v, _t(2, 8, dtype=torch.int32, device="cuda:1")), ValueError, "page_table is on"),
+    (lambda q, k, v, pt: (q, _t(64, 24, 2, 128), _t(64, 24, 2, 128), pt), ValueError, "page size 24"),
+    (lambda q, k, v, pt: (q, _t(4, 1024, 2, 128), _t(4, 1024, 2, 128), pt), ValueError, "page size 1024"),
+    (lambda q, k, v, pt: (q, k, v, _t(3, 8, dtype=torch.int32)), ValueError, "does not match page_table"),
+    (lambda q, k, v, pt: (q, k, _t(64, 32, 2, 128), pt), ValueError, "must agree"),
+    (lambda q, k, v, pt: (q, _t(64, 64, 128), v, pt), ValueError, "4 dimensions"),
+    (lambda q, k, v, pt: (_t(2, 1, 8, 72), _t(64, 64, 2, 72), _t(64, 64, 2, 72), pt), NotImplementedError,
+     "multiples of 16"),
+    (lambda q, k, v, pt: (q, k.half(), v, pt), TypeError, "dtype"),
+    (lambda q, k, v, pt: (q, torch.empty_strided((64, 64, 2, 128), (64 * 2 * 132, 2 * 132, 132, 1), device="cuda",
+                                                 dtype=torch.bfloat16), v, pt), ValueError, "16-byte"),
+    (lambda q, k, v, pt: (q, _t(0, 64, 2, 128), _t(0, 64, 2, 128), pt), ValueError, "no pages"),
+])
+def test_paged_bad_inputs(fake_sm120, mutate, exc, match):
+    q, k, v, pt = mutate(*_paged())
+    with pytest.raises(exc, match=match):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt)
+    assert not fake_sm120
+
+
+def test_paged_max_seqlen_k_longer_than_pages(fake_sm120):
+    q, k, v, pt = _paged(page_size=64, max_pages=8)
+    flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt, max_seqlen_k=512)  # exactly full: fine
+    with pytest.raises(ValueError, match="longer than the pages hold"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt, max_seqlen_k=513)
+
+
+def test_paged_seqused_k_shape_and_cu_seqlens_k(fake_sm120):
+    q, k, v, pt = _paged()
+    with pytest.raises(ValueError, match="seqused_k must have shape"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt, seqused_k=_t(3, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="cu_seqlens_k"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt, cu_seqlens_k=_t(3, dtype=torch.int32))
+
+
+def test_paged_backward_rejected(fake_sm120):
+    q, k, v, pt = _paged()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="paged KV backward"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, page_table=pt)
+
+
+def test_num_splits_type_checked(fake_sm120):
+    q, k = _t(2, 1, 8, 64), _t(2, 128, 2, 64)
+    with pytest.raises(TypeError, match="num_splits"):
+        flash_attn_sm120.flash_attn_func(q, k, k, num_splits=2.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# sm_120a codegen
+# ------------------------------------------------------------------------------------------------
+
+
+def _forbidden(sass: dict) -> list:
+    return [op for op in sass if op.startswith(("HGMMA", "UTC", "WARPGROUP", "UTMA"))]
+
+
+CODEGEN_CASES = [
+    # (config, head_dim, kwargs)
+    (select_decode_config(load_decode_table(), 128, 128), 128, dict(split=True, paged=True)),
+    (select_decode_config(load_decode_table(), 128, 128), 128, dict(split=True, paged=False, causal=True)),
+    (select_decode_config(load_decode_table(), 64, 64), 64, dict(split=True, paged=True, varlen_q=True)),
+    (select_decode_config(load_decode_table(), 256, 256), 256, dict(split=True, paged=True)),
+    (FwdConfig(256, 128, 64, 2, False, "splitkv"), 128, dict(split=False, paged=True, causal=True)),
+    (FwdConfig(256, 128, 64, 2, False, "splitkv"), 128, dict(split=True, paged=False, local=True,
+                                                             qhead_per_kvhead=1, pack_gqa=False)),
+]
+
+
+@pytest.mark.parametrize("cfg,d,kw", CODEGEN_CASES, ids=[f"{c.name}-d{d}-{'-'.join(k for k, v in kw.items() if v is True)}"
+                                                          for c, d, kw in CODEGEN_CASES])
+def test_splitkv_kernel_codegen_sm120a(cfg, d, kw):
+    cubin, smem = compile_splitkv_cubin(cfg, d, **kw)
+    res, hist, _ = inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0, hist
+    assert smem + res["shared"] <= hardware.SMEM_PER_BLOCK_MAX
+    assert smem == cfg.smem_bytes(d, d)
+    assert hist.get("HMMA", 0) > 0 and hist.get("LDGSTS", 0) > 0
+    assert not _forbidden(hist), _forbidden(hist)
+    if kw.get("split"):
+        assert hist.get("STG", 0) > 0
+
+
+def test_splitkv_emulation_padding_lands_in_kernel():
+    cfg = select_decode_config(load_decode_table(), 128, 128)
+    host = (233472, 232448)  # H200
+    _, smem = compile_splitkv_cubin(cfg, 128, emulate_host_smem=host)
+    want = hardware.sm120_occupancy(cfg.smem_bytes(128, 128) + hardware.DSL_STATIC_SMEM, cfg.num_threads).ctas_per_sm
+    assert host[0] // (smem + hardware.DSL_STATIC_SMEM + hardware.SMEM_RESERVED_PER_CTA) == want
+
+
+@pytest.mark.parametrize("d,splits,varlen", [(128, 20, False), (64, 7, True), (256, 128, False)])
+def test_upstream_combine_compiles_for_sm120a(d, splits, varlen):
+    """Upstream's combine uses cp.async, shuffles and griddepcontrol.wait (sm_90+, on sm_120 too)."""
+    res, hist, _ = inspect_cubin(compile_combine_cubin(d, splits, varlen=varlen))
+    assert res["stack"] == 0 and res["local"] == 0
+    assert hist.get("LDGSTS", 0) > 0
+    assert not _forbidden(hist), _forbidden(hist)
