@@ -138,6 +138,28 @@ def clear_cache() -> None:
     _compile_cache = _make_cache()
 
 
+def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causal: bool, local: bool) -> FwdStatics:
+    """Make the compile key one its family can serve.
+
+    A family may refuse some keys (`unsupported_reason`, e.g. the TMA family refuses varlen and GQA
+    packing). A defaulted pack_gqa is turned off first; a table-chosen config then falls back to the
+    table's cp.async entry; an explicitly requested config that still cannot run raises.
+    """
+    check = getattr(FAMILIES[statics.config.family].kernel_cls, "unsupported_reason", None)
+    if check is None or check(statics) is None:
+        return statics
+    if statics.pack_gqa and not pack_gqa_chosen:
+        unpacked = replace(statics, pack_gqa=False)
+        if check(unpacked) is None:
+            return unpacked
+    reason = check(statics)
+    if config_given:
+        raise NotImplementedError(f"kernel family {statics.config.family!r} cannot run this call: {reason}")
+    table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
+    fallback = select_fwd_config(table, statics.head_dim, statics.head_dim_v, causal, local)
+    return replace(statics, config=fallback)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -176,6 +198,7 @@ def forward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
+    pack_gqa_chosen = pack_gqa is not None
     if pack_gqa is None:
         pack_gqa = qhead_per_kvhead > 1
     if qhead_per_kvhead == 1:
@@ -192,6 +215,7 @@ def forward(
             lse.fill_(float("-inf"))
         return out, lse
 
+    config_given = config is not None or bool(_forced_config)
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
@@ -223,6 +247,7 @@ def forward(
         config=config,
         emulate_host_smem=emulate_host_smem,
     )
+    statics = _route(statics, pack_gqa_chosen, config_given, causal, local)
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
     if key not in _compile_cache:

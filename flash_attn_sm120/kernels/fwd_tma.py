@@ -1,4 +1,4 @@
-"""SM120 forward, TMA family: a producer warp streams Q/K/V with TMA, MMA warps run FlashAttention-2.
+"""SM120 forward, TMA family: a producer warp streams Q/K/V with TMA, mma.sync warps run FlashAttention-2.
 
 SM120 has no wgmma and no tcgen05, but it does have TMA (`cp.async.bulk.tensor`) and
 transaction mbarriers. This kernel uses them the way FA3 does on Hopper, with SM80-style math:
@@ -14,7 +14,7 @@ Pipeline (one CTA = one (m_block, head, batch) tile; mbarriers through cutlass' 
              for n_block = n_block_max-1 down to n_block_min:
                  acquire K slot s -> TMA K[n_block] into sK[s]      (pipeline_k, num_stages slots)
                  acquire V slot s -> TMA V[n_block] into sV[s]      (pipeline_v, num_stages slots)
-  consumers: wait Q; per n_block:
+  consumers: wait Q (optionally copy it to registers once: q_in_regs); per n_block:
                  wait K[s];  S = Q K^T   (ldmatrix + mma.sync m16n8k16, fp32 acc)   release K[s]
                  score_mod, masks (seqlen / causal / local / mask_mod), online softmax in registers,
                  rescale O; P = bf16/fp16(S) stays in registers as the A operand of the next MMA
@@ -29,10 +29,11 @@ consumer fences the async proxy (`fence.proxy.async.shared::cta`) before it rele
 it read with ldmatrix, so the next TMA write into that slot cannot overtake those generic-proxy
 reads.
 
-Intra-warp overlap (INTRA_WARP_OVERLAP): after the first n_block the consumers issue S_j = Q K_j^T
-and O += P_{j-1} V_{j-1} back to back, then run block j's softmax; the loop body is one basic
-block, so ptxas interleaves the PV mma.sync with the exp2/max/sum (FA3's intra-warpgroup overlap
-in mma.sync form). O is rescaled after the PV product, P_{j-1} stays in registers meanwhile.
+Intra-warp overlap (use_intra_warp_overlap: warps of 16 rows): after the first n_block the
+consumers wait for K_j and V_{j-1}, then issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back
+and run block j's softmax; the loop body is one basic block, so ptxas interleaves the PV mma.sync
+with the exp2/max/sum (FA3's intra-warpgroup overlap in mma.sync form). O is rescaled after the
+PV product; P_{j-1} waits in registers. Warps of 32 rows keep the plain order (registers).
 
 Warps are stacked along M (each warp owns 16 rows per MMA row step, tile_m / (16 W) steps), K/V are
 shared by all warps. FwdConfig fields for this family: num_threads = MMA-warp threads (the kernel
@@ -40,7 +41,9 @@ adds its producer warpgroup: 128 more threads), num_stages = depth of the K and 
 q_in_regs = the MMA warps load their Q fragments once instead of per n_block (sQ stays allocated
 as the epilogue's sO). Shared memory: sQ (reused as sO), sK[num_stages], sV[num_stages], each
 1 KB aligned and TMA-swizzled (128 B swizzle for head dim 64/128, 64 B for 96), then the
-mbarriers (the struct rounds up to 1 KB). `register_split` computes the setmaxnreg budget.
+mbarriers (the struct rounds up to 1 KB). `register_split` computes the setmaxnreg budget and the
+CTAs per SM that ptxas is told (min_blocks_per_mp); configs of <= 41 KB run 2 CTAs per SM, whose
+independent tiles interleave their softmax and MMA phases on the SM.
 
 Supported: fp16/bf16, head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 without head packing (nheads_kv < nheads), softcap and score_mod (applied like upstream's SM80
@@ -48,10 +51,12 @@ class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImpleme
 driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa, paged KV,
 learnable sink, block sparsity. `unsupported_reason(statics)` states the rule for the driver.
 
-RISK: cutlass PR #3189 reported TMA through PipelineTmaAsync hanging on sm_120 with an earlier
-CuTe DSL. SM120 emulation on an H200 (sm_90a) cannot reproduce an SM120-only hang, so the
-first runs on a real SM120 must use a timeout (scripts/smoke_tma.py prints one per call); the
-cp.async family (fwd_cpasync.py) stays the fallback and the default until measured.
+RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe DSL (its author
+later traced it to tile modes left ungrouped before `tma_partition`; this kernel partitions
+through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot
+show an SM120-only hang, so the first runs on a real SM120 must use a timeout
+(scripts/smoke_tma.py guards every call); the cp.async family (fwd_cpasync.py) stays the fallback
+and the default until measured.
 """
 
 from dataclasses import dataclass
@@ -100,25 +105,29 @@ _EPILOGUE_BARRIER_ID = 1
 
 
 # Configs proposed for measurement, per head dim: (num_threads, tile_m, tile_n, num_stages,
-# q_in_regs) and the mask kinds they compile for without spills on sm_120a (tests/test_fwd_tma_codegen.py
-# checks every pair). R = rows per warp / 16: R=1 tiles keep 8 warps busy; R=2 tiles halve the
-# ldmatrix traffic per mma.sync (shared memory bandwidth bounds R=1 on an H200 in emulation) but
-# only fit the registers without causal/local masking.
+# q_in_regs) and the mask kinds they compile for without spills on sm_120a in bf16 and fp16
+# (tests/test_fwd_tma_codegen.py checks them). R = rows per warp / 16. R=1 tiles (8 warps x 16
+# rows) run the intra-warp overlap; R=2 tiles halve the ldmatrix traffic per mma.sync (shared
+# memory bandwidth bounds R=1 on an H200 in emulation) at the price of registers, so they run the
+# plain FA2 order (use_intra_warp_overlap).
 ALL_MASKS = ("none", "causal", "local")
 PROPOSED_CONFIGS: dict[int, tuple] = {
     128: (
-        ((256, 128, 64, 2, True), ALL_MASKS),
         ((256, 128, 64, 2, False), ALL_MASKS),
-        ((128, 128, 32, 2, False), ("none",)),  # R=2
+        ((256, 128, 64, 2, True), ("none", "causal")),  # bf16 local spills with Q in registers
+        ((256, 256, 32, 2, False), ("none",)),  # R=2
+        ((128, 128, 32, 2, False), ALL_MASKS),  # R=2, 4 warps
     ),
     96: (
         ((256, 128, 64, 3, True), ALL_MASKS),
         ((256, 128, 64, 2, True), ALL_MASKS),
+        ((256, 256, 32, 2, False), ALL_MASKS),  # R=2
     ),
     64: (
         ((256, 128, 128, 2, True), ALL_MASKS),
         ((256, 128, 64, 3, True), ALL_MASKS),
-        ((256, 256, 64, 2, False), ("none",)),  # R=2
+        ((256, 256, 64, 2, False), ALL_MASKS),  # R=2
+        ((128, 64, 64, 2, True), ALL_MASKS),  # 2 CTAs/SM (41 KB each): two tiles interleave per SM
     ),
 }
 
@@ -166,14 +175,15 @@ class RegisterSplit:
 def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
     """setmaxnreg budget: give the MMA warps what the producer warpgroup does not need.
 
-    ptxas caps a thread at 64K / (CTAs per SM * threads rounded up to 128), in multiples of 8.
+    ptxas caps a thread at 64K / (CTAs per SM * threads rounded up to 128), rounded down to a
+    multiple of 8, and at 255.
     setmaxnreg.inc only succeeds with registers another warpgroup released, so the rebalanced
     total must stay within the launch allocation (launch_regs * threads).
     """
     threads = num_mma_threads + PRODUCER_THREADS
     ctas = max(1, hardware.sm120_occupancy(smem_total, threads).ctas_per_sm)
     per_cta = hardware.REGS_PER_SM // ctas
-    launch = min(hardware.MAX_REGS_PER_THREAD, per_cta // _round_up(threads, 128)) // 8 * 8
+    launch = min(hardware.MAX_REGS_PER_THREAD, per_cta // _round_up(threads, 128) // 8 * 8)
     mma = min(MAX_MMA_REGS, (launch * threads - PRODUCER_THREADS * PRODUCER_REGS) // num_mma_threads // 8 * 8)
     if mma <= launch:
         return RegisterSplit(ctas, launch, None, None)
@@ -181,10 +191,11 @@ def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
 
 
 def use_intra_warp_overlap(tile_m: int, num_threads: int) -> bool:
-    """Overlap keeps S_j and P_{j-1} live together; 8 warps with 32 rows each (tile_m 256) spill
-    at the 240-register cap with it (sm_120a, d=128), so they run the plain FA2 order."""
+    """Overlap keeps S_j and P_{j-1} live together. Warps with 32 rows (R=2) hold twice the
+    accumulators and spill with it at d=128 on sm_120a (8 warps at the 240-register cap, 4 warps at
+    255), so they run the plain FA2 order; 16-row warps overlap."""
     rows_per_warp = tile_m // (num_threads // 32)
-    return INTRA_WARP_OVERLAP and not (num_threads == 256 and rows_per_warp > 16)
+    return INTRA_WARP_OVERLAP and rows_per_warp == 16
 
 
 def tma_config_error(
@@ -200,7 +211,7 @@ def tma_config_error(
     if num_threads not in SUPPORTED_NUM_THREADS:
         return (
             f"num_threads={num_threads}: the TMA family takes 128 or 256 MMA-warp threads "
-            f"(4 or 8 MMA warps; the kernel adds its own producer warp)"
+            f"(4 or 8 MMA warps; the kernel adds its own producer warpgroup)"
         )
     if head_dim != head_dim_v:
         return f"head dims ({head_dim}, {head_dim_v}) must be equal in the TMA family"
@@ -526,6 +537,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.registers.ctas_per_sm,
+            # all of the SM's memory as shared memory when CTAs share an SM; set here, the DSL
+            # would otherwise query the device at compile time for it
+            preferred_smem_carveout=100 if self.registers.ctas_per_sm > 1 else None,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""TMA forward family, on the CPU: config rules, register split, refusals, and sm_120a / sm_90a codegen.
+
+Every proposed config compiles for sm_120a with TMA loads (UTMALDG) and mma.sync (HMMA), nothing
+Hopper/datacenter-Blackwell only (HGMMA, UTC*), no spills, within 99 KB of shared memory, and its
+shared memory equals the family's smem_bytes formula. It also builds for sm_90a (the H200
+emulation target).
+"""
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import cutlass
+from flash_attn_sm120 import driver, hardware
+from flash_attn_sm120.codegen import compile_fwd_cubin, inspect_cubin
+from flash_attn_sm120.config import FwdConfig
+from flash_attn_sm120.kernels import FAMILIES
+from flash_attn_sm120.kernels import fwd_tma
+from flash_attn_sm120.kernels.fwd_tma import (
+    PROPOSED_CONFIGS,
+    FlashAttentionForwardSm120Tma,
+    register_split,
+    smem_bytes,
+    tma_config_error,
+    unsupported_reason,
+)
+
+# every proposed (config, mask) in bf16; in fp16 the config's last (most register-hungry) mask
+PROPOSED = [
+    (d, FwdConfig(*c, family="tma"), mask, "bfloat16")
+    for d, entries in PROPOSED_CONFIGS.items() for c, masks in entries for mask in masks
+] + [(d, FwdConfig(*c, family="tma"), masks[-1], "float16") for d, entries in PROPOSED_CONFIGS.items() for c, masks in entries]
+H200_SMEM = (233472, 232448)  # per SM, per block (opt-in)
+
+
+def _statics(cfg, d=128, **over):
+    base = dict(
+        dtype="bfloat16", head_dim=d, head_dim_v=d, qhead_per_kvhead=1, causal=False, local=False,
+        pack_gqa=False, has_lse=True, has_cu_seqlens_q=False, has_cu_seqlens_k=False, has_seqused_q=False,
+        has_seqused_k=False, has_window_left=False, has_window_right=False, score_mod_hash=False,
+        mask_mod_hash=False, aux_metadata=None, broadcast=(), config=cfg, emulate_host_smem=None,
+    )
+    base.update(over)
+    return driver.FwdStatics(**base)
+
+
+def _forbidden(sass: dict) -> list:
+    return [op for op in sass if op.startswith("HGMMA") or op.startswith("UTC") or op == "WARPGROUP"]
+
+
+def _compile_with(kernel, d, arch="sm_120a", cu_seqlens=False):
+    """Compile a kernel object with fake (b, s, h, d) tensors; for what compile_fwd_cubin does not cover."""
+    import cutlass.cute as cute
+    from flash_attn.cute.utils import AuxData
+    from quack.compile_utils import make_fake_tensor
+
+    dt = cutlass.BFloat16
+    b, sq, sk, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    q = make_fake_tensor(dt, (b, sq, h, d), divisibility=8)
+    k = make_fake_tensor(dt, (b, sk, h, d), divisibility=8)
+    v = make_fake_tensor(dt, (b, sk, h, d), divisibility=8)
+    o = make_fake_tensor(dt, (b, sq, h, d), divisibility=8)
+    lse = make_fake_tensor(cutlass.Float32, (b, h, sq), divisibility=1)
+    cu = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1) if cu_seqlens else None
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = driver.compile_kernel(
+            kernel, q, k, v, o, lse, cu, cu, None, None, None, None, AuxData(None, None),
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+        )
+        cubin = compiled.artifacts.CUBIN
+        return Path(cubin).read_bytes() if isinstance(cubin, str) else cubin
+
+
+# ------------------------------------------------------------------------------------------------
+# pure rules
+# ------------------------------------------------------------------------------------------------
+
+
+def test_family_registered():
+    fam = FAMILIES["tma"]
+    assert fam.kernel_cls is FlashAttentionForwardSm120Tma
+    assert fam.config_error is tma_config_error and fam.smem_bytes is smem_bytes
+    assert FwdConfig(256, 128, 64, 2, family="tma").error(128, 128) is None
+    assert FwdConfig(256, 128, 64, 2, family="tma").smem_bytes(128, 128) == 99328
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ((128, 128, 128, 64, 2, 192), "num_threads"),
+        ((80, 80, 128, 64, 2, 256), "head_dim=80"),
+        ((128, 64, 128, 64, 2, 256), "must be equal"),
+        ((128, 128, 64, 64, 2, 256), "multiple of 128"),
+        ((128, 128, 128, 40, 2, 256), "tile_n"),
+        ((128, 128, 128, 64, 1, 256), "2 to 4 stages"),
+        ((128, 128, 128, 128, 2, 256), "shared memory"),
+        ((64, 64, 512, 64, 2, 256), "at most 256"),
+    ],
+)
+def test_config_errors_name_the_problem(args, needle):
+    d, dv, tm, tn, st, nt = args
+    err = tma_config_error(d, dv, tm, tn, st, nt)
+    assert err is not None and needle in err, err
+
+
+def test_smem_bytes_counts_buffers_and_mbarriers():
+    # 32 KB Q + 2 x (16 KB K + 16 KB V) + 80 B of mbarriers, rounded up to 1 KB
+    assert smem_bytes(128, 128, 128, 64, 2) == 98304 + 1024
+    assert smem_bytes(96, 96, 128, 64, 3) == 24576 + 3 * 24576 + 1024
+    for d, entries in PROPOSED_CONFIGS.items():
+        for (nt, tm, tn, st, _), _ in entries:
+            assert smem_bytes(d, d, tm, tn, st) + hardware.DSL_STATIC_SMEM <= hardware.SMEM_PER_BLOCK_MAX
+
+
+def test_register_split():
+    eight = register_split(99328 + 1024, 256)  # 8 MMA warps + producer warpgroup, 1 CTA/SM
+    assert (eight.ctas_per_sm, eight.launch_regs, eight.producer_regs, eight.mma_regs) == (1, 168, 24, 240)
+    # rebalanced total stays within what the CTA was launched with (else setmaxnreg.inc deadlocks)
+    assert 128 * eight.producer_regs + 256 * eight.mma_regs <= eight.launch_regs * 384
+    four = register_split(66560 + 1024, 128)  # 256 threads: every thread may already use 255
+    assert four.mma_regs is None and four.launch_regs == 255
+    two_ctas = register_split(40960 + 1024, 128)  # 2 CTAs/SM halve the budget; rebalance pays
+    assert two_ctas.ctas_per_sm == 2 and two_ctas.mma_regs > two_ctas.launch_regs
+
+
+def test_unsupported_reason_routes_varlen_and_pack_gqa():
+    cfg = FwdConfig(256, 128, 64, 2, family="tma")
+    assert unsupported_reason(_statics(cfg)) is None
+    assert FlashAttentionForwardSm120Tma.supports(_statics(cfg, qhead_per_kvhead=4, pack_gqa=False))
+    assert "varlen" in unsupported_reason(_statics(cfg, has_cu_seqlens_q=True, has_cu_seqlens_k=True))
+    assert "seqused_k" in unsupported_reason(_statics(cfg, has_seqused_k=True))
+    assert "pack_gqa" in unsupported_reason(_statics(cfg, qhead_per_kvhead=4, pack_gqa=True))
+    assert "head_dim" in unsupported_reason(_statics(FwdConfig(256, 128, 64, 2, family="tma"), d=256))
+
+
+def test_constructor_refusals():
+    with pytest.raises(NotImplementedError, match="pack"):
+        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 4, pack_gqa=True)
+    with pytest.raises(ValueError, match="head_dim=80"):
+        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 80, 80)
+    with pytest.raises(TypeError):
+        FlashAttentionForwardSm120Tma(cutlass.Float32, 128, 128)
+    k = FlashAttentionForwardSm120Tma(cutlass.Float16, 128, 128, 4, pack_gqa=False)
+    assert k.num_threads_total == 256 + 128 and k.producer_warp_idx == 8
+
+
+def test_driver_builds_tma_kernel():
+    k = driver.make_kernel(_statics(FwdConfig(256, 128, 64, 2, True, family="tma"), qhead_per_kvhead=2))
+    assert isinstance(k, FlashAttentionForwardSm120Tma) and k.Q_in_regs and k.qhead_per_kvhead == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# codegen (each compile takes a few seconds)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,cfg,mask,dtype", PROPOSED, ids=[f"d{d}-{c.name}-{m}-{t}" for d, c, m, t in PROPOSED])
+def test_proposed_config_codegen_sm120a(d, cfg, mask, dtype):
+    kernels = []
+    cubin, smem = compile_fwd_cubin(
+        cfg, d, causal=mask == "causal", local=mask == "local", dtype=dtype, kernel_out=kernels
+    )
+    res, hist, sass = inspect_cubin(cubin)
+    assert hist.get("UTMALDG", 0) > 0, "no TMA loads"
+    assert hist.get("UTMASTG", 0) > 0, "no TMA store of O"
+    assert hist.get("HMMA", 0) > 0 and hist.get("LDSM", 0) > 0
+    assert not _forbidden(hist), _forbidden(hist)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0
+    assert smem == kernels[0].smem_bytes_unpadded == cfg.smem_bytes(d, d)
+    assert smem + res["shared"] <= hardware.SMEM_PER_BLOCK_MAX
+    split = kernels[0].registers
+    assert res["regs"] == split.launch_regs or (split.mma_regs is None and res["regs"] <= split.launch_regs)
+    if split.mma_regs is not None:
+        assert "USETMAXREG" in sass
+        # the MMA warps stay within their rebalanced budget (highest register index + 1)
+        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < split.mma_regs
+
+
+def test_fp16_softcap_builds_sm120a():
+    from flash_attn.cute import utils as fa_utils
+
+    cubin, _ = compile_fwd_cubin(FwdConfig(256, 128, 64, 2, True, family="tma"), 128, dtype="float16", causal=True)
+    res, hist, _ = inspect_cubin(cubin)
+    assert res["stack"] == 0 and hist.get("UTMALDG", 0) > 0
+    kernel = driver.make_kernel(
+        _statics(FwdConfig(256, 128, 64, 2, True, family="tma")), score_mod=fa_utils.create_softcap_scoremod(30.0)
+    )
+    res, hist, _ = inspect_cubin(_compile_with(kernel, 128))
+    assert res["stack"] == 0 and hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) > 0
+
+
+@pytest.mark.parametrize("d,cfg,mask", [(128, FwdConfig(256, 128, 64, 2, True, family="tma"), "causal"),
+                                        (64, FwdConfig(256, 128, 128, 2, True, family="tma"), "none")])
+def test_builds_for_sm90a(d, cfg, mask):
+    cubin, smem = compile_fwd_cubin(cfg, d, causal=mask == "causal", arch="sm_90a")
+    res, hist, sass = inspect_cubin(cubin)
+    assert "sm_90a" in sass
+    assert hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) > 0 and hist.get("HGMMA", 0) == 0
+    assert res["stack"] == 0
+
+
+@pytest.mark.parametrize("cfg,d,ctas", [(FwdConfig(256, 128, 128, 2, True, family="tma"), 64, 1),
+                                        (FwdConfig(128, 64, 64, 2, True, family="tma"), 64, 2)])
+def test_emulation_padding_reaches_the_kernel(cfg, d, ctas):
+    """An H200 (228 KB/SM) keeps exactly as many CTAs per SM as SM120 would."""
+    kernels = []
+    _, smem = compile_fwd_cubin(cfg, d, emulate_host_smem=H200_SMEM, kernel_out=kernels, arch="sm_90a")
+    k = kernels[0]
+    threads = k.num_threads_total
+    sm120 = hardware.sm120_occupancy(k.smem_bytes_unpadded + hardware.DSL_STATIC_SMEM, threads).ctas_per_sm
+    per_cta = smem + hardware.DSL_STATIC_SMEM + hardware.SMEM_RESERVED_PER_CTA
+    assert smem == k.smem_bytes_launched > k.smem_bytes_unpadded
+    assert H200_SMEM[0] // per_cta == sm120 == ctas == k.registers.ctas_per_sm
+
+
+def test_varlen_is_refused_at_trace_time():
+    kernel = driver.make_kernel(_statics(FwdConfig(256, 128, 64, 2, family="tma")))
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
+        _compile_with(kernel, 128, cu_seqlens=True)
+
+
+def test_module_documents_the_pipeline_and_the_sm120_risk():
+    doc = fwd_tma.__doc__
+    for needle in ("producer", "mbarrier", "PipelineTmaAsync", "3189", "cp.async", "num_stages"):
+        assert needle in doc, needle
