@@ -1,7 +1,8 @@
 """Kernel-path registry: every way the package can compute a forward, how to force it, what it supports.
 
-A *kernel path* is the dispatcher's own choice (configs/sm120_fwd.toml, then its fallbacks) or one
-forced configuration of a kernel family. The correctness gate (tests/test_fuzz_gpu.py) fuzzes
+A *kernel path* is the dispatcher's own choice (configs/sm120_fwd.toml, then its fallbacks; through
+the public API, decode-shaped calls use the decode table) or one forced configuration of a kernel
+family. The correctness gate (tests/test_fuzz_gpu.py) fuzzes
 every path listed here and scripts/sanitize.py runs compute-sanitizer over a few shapes of each
 family; neither names a path itself, so a new kernel family (TMA, SplitKV, paged, sparse, ...)
 joins both by adding ONE entry to `BASE_PATHS`, with no new test code.
@@ -131,7 +132,7 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-table", "dispatch", None),
     KernelPath("cpasync-w8-128x96-s1", "cpasync", FwdConfig(256, 128, 96, 1)),
     KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
-    KernelPath("cpasync-w4-64x32-s3-qreg", "cpasync", FwdConfig(128, 64, 32, 3, True)),
+    KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192
     KernelPath("upstream-config", "cpasync", _upstream_config),
 )
 

@@ -161,7 +161,7 @@ class Layout:
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """All valid rows of a storage tensor, concatenated: (sum(len), ...)."""
         parts = [self.seq(t, i)[0] for i in range(len(self.seqlens))]
-        return torch.cat(parts) if parts else t.reshape(0, *t.shape[-2:])
+        return torch.cat(parts) if parts else t.new_zeros(0, *t.shape[-2:])
 
     def lse_rows(self, lse: torch.Tensor) -> torch.Tensor:
         """All valid LSE entries as (sum(len), h)."""
@@ -630,3 +630,41 @@ def check_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict
         stats[name] = assert_close_to_ref(name, layout.rows(actual), layout.rows(ref).float(), layout.rows(pt),
                                           case.torch_dtype, _rtol(case), extra)
     return stats
+
+
+# ------------------------------------------------------------------------------------------------
+# One case end to end (the fuzz suite's example, the sanitizer's case, a replay)
+# ------------------------------------------------------------------------------------------------
+
+
+def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda") -> dict:
+    """Run one problem on one kernel path and check it; returns the error stats, raises CheckFailure.
+
+    path: a paths.KernelPath or its name; api: "driver" (driver.forward with NaN out/lse and the
+    path's config) or "public" (flash_attn_func / varlen under the path's force()). Backward cases
+    (case.backward) always use the public API. A failing fuzz example prints this call for replay:
+
+        FLASH_ATTN_SM120_EMULATE=1 python -c "from flash_attn_sm120.testing import *; print(run_case(...))"
+    """
+    from flash_attn_sm120.device import device_info
+    from flash_attn_sm120.paths import get_path
+
+    path = get_path(path) if isinstance(path, str) else path
+    d, dv = case.head_dim, case.head_dim_v
+    if case.backward:
+        inputs = make_inputs(case, problem, device, requires_grad=True)
+        with path.force(d, dv):
+            return check_backward(inputs, case, problem)
+    inputs = make_inputs(case, problem, device)
+    if api == "driver":
+        emulate = device_info(inputs.q.device).emulate_host_smem
+        out, lse = forward_via_driver(inputs, case, problem, path.config_for(d, dv), emulate)
+    elif api == "public":
+        with path.force(d, dv), torch.no_grad():
+            out, lse = forward_via_api(inputs, case, problem)
+    else:
+        raise ValueError(f"api must be 'driver' or 'public', got {api!r}")
+    if inputs.q.is_cuda:
+        torch.cuda.synchronize()
+    return check_forward(inputs, case, problem, out, lse)
+

@@ -9,6 +9,10 @@ import os
 
 import pytest
 
+# Fuzz suite (tests/README.md): hypothesis profiles fast/deep, seed, and the per-path summary hooks.
+import fuzz_profiles  # noqa: F401
+from fuzz_report import pytest_report_header, pytest_terminal_summary  # noqa: F401
+
 try:
     import torch
 

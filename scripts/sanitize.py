@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""compute-sanitizer (memcheck, racecheck) over a handful of shapes of every kernel family in the registry.
+
+Each family of flash_attn_sm120.paths (the dispatcher's path counts under the family of the config
+it resolves to) runs SHAPES, each adapted to what the path supports: a dense causal GQA problem,
+a varlen local-window softcap problem with an empty sequence, a seqused (padded) problem with
+NaN padding, and a large-head-dim sliding window. Paths that support SplitKV or paged K/V also
+run a split and a paged problem through the public API.
+
+Steps:
+  1. warm-up, no sanitizer: every case compiled into a persistent cache directory
+     (FLASH_ATTN_SM120_CACHE_DIR) and checked against the fp32 reference with NaN-poisoned
+     outputs (flash_attn_sm120.testing.check_forward);
+  2. per family and tool, one `compute-sanitizer --tool <tool> --report-api-errors no` run of
+     the same cases (kernels load from the cache). `--report-api-errors no` hides the CUTLASS
+     DSL's cuGetProcAddress probing, which memcheck otherwise reports as host API errors;
+  3. a summary table; exit status 1 on any sanitizer error or hazard, failed case, or a run
+     whose summary line is missing.
+
+On a GPU that is not SM120 the children run in SM120 emulation (FLASH_ATTN_SM120_EMULATE=1).
+A small memcheck run takes ~20 s on an H200.
+
+  python scripts/sanitize.py                            # memcheck + racecheck, every family
+  python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
+  python scripts/sanitize.py --list                     # the cases, no GPU needed
+  python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flash_attn_sm120.paths import KernelPath, get_path, kernel_paths  # noqa: E402
+from flash_attn_sm120.testing import AttnCase, AttnProblem  # noqa: E402
+
+TOOLS = ("memcheck", "racecheck")
+SHAPES = (
+    ("dense-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, True, "dense", "dense"),
+     AttnProblem((150, 150), (193, 193), nheads_kv=2, pad_k=8, seed=1)),
+    ("varlen-local-softcap", AttnCase("float16", 64, 64, 4, True, "local_lr", 30.0, True, "packed", "packed"),
+     AttnProblem((0, 77, 130), (50, 1, 257), nheads_kv=1, window_left=32, window_right=8, seed=2)),
+    ("seqused-padded", AttnCase("bfloat16", 96, 96, 1, None, "none", 0.0, False, "padded", "padded"),
+     AttnProblem((65, 1), (129, 200), nheads_kv=2, pad_q=7, pad_k=13, seed=3)),
+    ("large-d-window", AttnCase("bfloat16", 256, 256, 1, None, "causal_l", 0.0, True, "dense", "dense"),
+     AttnProblem((130,), (130,), nheads_kv=1, window_left=50, seed=4)),
+)
+# "========= ERROR SUMMARY: 0 errors" (memcheck and others);
+# "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)
+ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+# ------------------------------------------------------------------------------------------------
+# plan (pure)
+# ------------------------------------------------------------------------------------------------
+
+
+def adapt(path: KernelPath, case: AttnCase) -> AttnCase:
+    """The shape's case within what the path supports (head dim, dtype, mask, layout, GQA, softcap)."""
+    s = path.supports
+    dims = path.head_dims()
+    d = case.head_dim if case.head_dim in dims else min(dims, key=lambda x: (abs(x - case.head_dim), -x))
+    mask = case.mask
+    if mask != "none" and mask != "causal" and not s.local:
+        mask = "causal" if s.causal else "none"
+    if mask == "causal" and not s.causal:
+        mask = "none"
+    layout = (case.q_layout, case.k_layout) if s.varlen else ("dense", "dense")
+    return replace(
+        case, head_dim=d, head_dim_v=d, dtype=case.dtype if case.dtype in s.dtypes else s.dtypes[0], mask=mask,
+        q_layout=layout[0], k_layout=layout[1], softcap=case.softcap if s.softcap else 0.0,
+        pack_gqa=case.pack_gqa if s.pack_gqa else (False if case.qhead_per_kvhead > 1 else None),
+    )
+
+
+def _dense(problem: AttnProblem) -> AttnProblem:
+    """Equal lengths per sequence (for paths without varlen)."""
+    return replace(problem, seqlens_q=(max(problem.seqlens_q),) * problem.batch,
+                   seqlens_k=(max(problem.seqlens_k),) * problem.batch, pad_q=0, pad_k=0)
+
+
+def build_cases(paths, families=None) -> list[dict]:
+    """Every (path, shape) case to sanitize, as JSON-ready dicts, grouped by `family`."""
+    cases = []
+    for path in paths:
+        if not path.head_dims():
+            continue
+        for name, case, problem in SHAPES:
+            c = adapt(path, case)
+            p = problem if c.q_layout != "dense" or case.q_layout == "dense" else _dense(problem)
+            cases.append(_case(path, name, c, p, "driver"))
+        base = adapt(path, SHAPES[0][1])
+        if path.supports.splits:
+            cases.append(_case(path, "splitkv", base, replace(SHAPES[0][2], num_splits=3), "public"))
+        if path.supports.paged:
+            paged = replace(base, k_layout="paged", q_layout="dense")
+            cases.append(_case(path, "paged", paged, replace(SHAPES[0][2], seqlens_k=(193, 100), page_size=64),
+                               "public"))
+    if families:
+        cases = [c for c in cases if c["family"] in families]
+    return cases
+
+
+def _case(path: KernelPath, shape: str, case: AttnCase, problem: AttnProblem, api: str) -> dict:
+    family = path.family
+    if family == "dispatch":  # the family of the config the dispatcher picks for this problem
+        family = path.resolved_config(case.head_dim, case.head_dim_v, case.causal, case.local).family
+    return dict(path=path.name, family=family, shape=shape, api=api, case=asdict(case), problem=asdict(problem))
+
+
+def parse_summary(tool: str, output: str) -> dict:
+    """Errors (racecheck: error-level hazards) and warnings from a log; parsed=False if no summary line."""
+    races = RACECHECK_SUMMARY.findall(output)
+    if tool == "racecheck" and races:
+        return {"parsed": True, "errors": sum(int(r[1]) for r in races), "warnings": sum(int(r[2]) for r in races)}
+    errors = ERROR_SUMMARY.findall(output)
+    return {"parsed": bool(errors), "errors": sum(int(n) for n in errors), "warnings": 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# child: run the cases
+# ------------------------------------------------------------------------------------------------
+
+
+def run_child(cases_file: str) -> int:
+    from flash_attn_sm120 import testing
+
+    cases = json.loads(Path(cases_file).read_text())
+    failed = 0
+    for c in cases:
+        label = f"{c['path']}/{c['shape']}"
+        case = AttnCase(**c["case"])
+        pd = dict(c["problem"])
+        pd["seqlens_q"], pd["seqlens_k"] = tuple(pd["seqlens_q"]), tuple(pd["seqlens_k"])
+        problem = AttnProblem(**pd)
+        try:
+            stats = testing.run_case(c["path"], c["api"], case, problem)
+            print(f"SANITIZE-CASE ok {label} ({case.label}) out err {stats['out']['err']:.2e}", flush=True)
+        except Exception as e:  # report every case, then fail
+            failed += 1
+            print(f"SANITIZE-CASE FAIL {label} ({case.label}): {type(e).__name__}: {e}", flush=True)
+    print(f"SANITIZE-CHILD done cases={len(cases)} failed={failed}", flush=True)
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# parent
+# ------------------------------------------------------------------------------------------------
+
+
+def find_sanitizer(explicit: str | None) -> str:
+    for candidate in (explicit, shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer",
+                      *sorted(Path("/usr/local").glob("cuda*/bin/compute-sanitizer"), reverse=True)):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise SystemExit("compute-sanitizer not found: pass --sanitizer PATH")
+
+
+def _run(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[int, str, float]:
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+        rc, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout or ""
+        rc, out = 124, (partial.decode(errors="replace") if isinstance(partial, bytes) else partial)
+        out += f"\nTIMEOUT after {timeout:.0f} s (a hang?)\n"
+    log.write_text(out)
+    return rc, out, time.time() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tools", default=",".join(TOOLS), help="comma list of compute-sanitizer tools")
+    ap.add_argument("--families", default="", help="comma list of kernel families (default: all)")
+    ap.add_argument("--paths", default="", help="comma list of registry paths (default: all)")
+    ap.add_argument("--sanitizer", default=None, help="compute-sanitizer binary")
+    ap.add_argument("--log-dir", default=None, help="where the logs go (default: a temporary directory)")
+    ap.add_argument("--timeout", type=float, default=480, help="seconds per run (a hang is reported as such)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the uninstrumented compile/check run")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return run_child(args.child)
+
+    paths = kernel_paths()
+    if args.paths:
+        wanted = args.paths.split(",")
+        paths = [get_path(n) for n in wanted]
+    families = set(args.families.split(",")) if args.families else None
+    cases = build_cases(paths, families)
+    groups: dict[str, list] = {}
+    for c in cases:
+        groups.setdefault(c["family"], []).append(c)
+    if args.list or not cases:
+        for fam, cs in groups.items():
+            print(f"{fam}: {len(cs)} cases")
+            for c in cs:
+                print(f"  {c['path']:<28} {c['shape']:<22} {c['api']:<7} {AttnCase(**c['case']).label}")
+        return 0 if cases else 1
+
+    tools = [t for t in args.tools.split(",") if t]
+    sanitizer = find_sanitizer(args.sanitizer)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sanitize-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("FLASH_ATTN_SM120_EMULATE", "1")  # ignored on a real SM120
+    env.setdefault("FLASH_ATTN_SM120_CACHE_DIR", tempfile.mkdtemp(prefix="sanitize-kernels-"))  # not in the logs
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    me = [sys.executable, str(Path(__file__).resolve())]
+    rows, bad = [], 0
+    for fam, cs in groups.items():
+        cases_file = log_dir / f"{fam}.cases.json"
+        cases_file.write_text(json.dumps(cs))
+        if not args.no_warmup:
+            rc, out, secs = _run(me + ["--child", str(cases_file)], env, log_dir / f"{fam}.warmup.log", args.timeout)
+            ok = rc == 0 and "SANITIZE-CHILD done" in out
+            rows.append((fam, "warm-up", len(cs), "ok" if ok else f"FAILED rc={rc}", secs))
+            if not ok:
+                bad += 1
+                print(out[-4000:])
+                continue  # a case that fails uninstrumented is reported as such, not sanitized
+        for tool in tools:
+            cmd = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "50"] + me
+            rc, out, secs = _run(cmd + ["--child", str(cases_file)], env, log_dir / f"{fam}.{tool}.log", args.timeout)
+            s = parse_summary(tool, out)
+            done = "SANITIZE-CHILD done" in out
+            ok = s["parsed"] and s["errors"] == 0 and done and rc == 0
+            found = f"{s['errors']} errors" + (f", {s['warnings']} warnings" if s["warnings"] else "")
+            status = ("ok" if ok else "FAILED") + (f" ({found})" if s["parsed"] else " (no summary line)")
+            if not ok:
+                status += f" rc={rc}" + ("" if done else ", child did not finish")
+            rows.append((fam, tool, len(cs), status, secs))
+            if not ok:
+                bad += 1
+                print(out[-6000:])
+    print(f"\ncompute-sanitizer summary (logs: {log_dir})")
+    print(f"{'family':<12} {'run':<10} {'cases':>5}  {'seconds':>7}  result")
+    for fam, tool, n, status, secs in rows:
+        print(f"{fam:<12} {tool:<10} {n:>5}  {secs:>7.0f}  {status}")
+    print("SANITIZE " + ("FAILED" if bad else "PASSED"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""What the GPU fuzz suite runs: a bounded, seeded set of static cases and hypothesis strategies for the rest.
+
+A compile costs seconds and its key holds the static parameters (dtype, head dims, GQA ratio and
+packing, mask kind, softcap, LSE, varlen layout, kernel config) while sequence lengths, batch,
+KV heads, window sizes and the softmax scale are runtime values. So:
+
+  * `static_cases` draws, from the run's seed, a fixed list of `FuzzCase`s (kernel path x API x
+    `AttnCase`): every registry path at least once, and every other static dimension cycled
+    through its values in shuffled order so each value appears about equally often;
+  * `problems(fuzz_case, plan)` is the hypothesis strategy for the dynamic part (`AttnProblem`),
+    which roams freely: lengths 1..max (tile boundaries +-1 weighted in), seqlen_q != seqlen_k,
+    empty sequences in varlen layouts, window sizes including 0, NaN padding.
+
+What a path supports (flash_attn_sm120.paths.Supports) bounds both; upstream's backward gaps
+(paths.BACKWARD_GAPS) are never drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from flash_attn_sm120.paths import BACKWARD_GAPS, KernelPath
+from flash_attn_sm120.testing import MASKS, AttnCase, AttnProblem
+from fuzz_profiles import FuzzPlan
+
+TYPICAL_HEAD_DIMS = (64, 96, 128, 192, 256)
+GQA_RATIOS = (1, 1, 2, 3, 4, 8)
+PACK_GQA = (None, True, False)
+SOFTCAPS = (0.0, 0.0, 0.0, 5.0, 30.0)
+LAYOUTS = (
+    ("dense", "dense"), ("dense", "dense"), ("packed", "packed"), ("padded", "padded"),
+    ("packed", "padded"), ("padded", "packed"), ("dense", "padded"),
+)
+PAGED_LAYOUTS = (("dense", "paged"), ("packed", "paged"))
+APIS = ("driver", "driver", "public")
+TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    index: int
+    path: KernelPath
+    api: str  # "driver": driver.forward with NaN out/lse; "public": flash_attn_func / varlen (+ autograd)
+    case: AttnCase
+
+    @property
+    def id(self) -> str:
+        kind = "bwd" if self.case.backward else "fwd"
+        return f"{kind}{self.index:03d}-{self.path.name}-{self.api}-{self.case.label}"
+
+
+def _cycle(rng: random.Random, values: Sequence, n: int) -> list:
+    """n values, each of `values` about equally often, shuffled per round."""
+    out: list = []
+    while len(out) < n:
+        chunk = list(values)
+        rng.shuffle(chunk)
+        out.extend(chunk)
+    return out[:n]
+
+
+def _mask_supported(path: KernelPath, mask: str) -> bool:
+    causal, left, right = MASKS[mask]
+    if (left or right) and not path.supports.local:
+        return False
+    return not causal or path.supports.causal
+
+
+def _pick_head_dims(rng, path: KernelPath, dims: Sequence[int], typical: bool, mixed: bool) -> tuple[int, int]:
+    pool = [d for d in TYPICAL_HEAD_DIMS if d in dims] if typical else list(dims)
+    d = rng.choice(pool or list(dims))
+    dv = d
+    if mixed and path.supports.mixed_head_dims:
+        others = [x for x in path.head_dims() if x != d and path.error(d, x) is None]
+        if others:
+            dv = rng.choice(others)
+    return d, dv
+
+
+def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: str) -> tuple[list, list]:
+    """(forward cases, backward cases) for a run; a pure function of its arguments."""
+    rng = random.Random(seed)
+    runnable = [p for p in paths if p.head_dims()]
+    n = max(plan.fwd_cases, len(runnable))
+    cols = {
+        "path": _cycle(rng, runnable, n),
+        "api": _cycle(rng, APIS, n),
+        "dtype": _cycle(rng, ("bfloat16", "float16"), n),
+        "typical": _cycle(rng, (True, False), n),
+        "mixed": _cycle(rng, (False, False, False, True), n),
+        "ratio": _cycle(rng, GQA_RATIOS, n),
+        "pack": _cycle(rng, PACK_GQA, n),
+        "mask": _cycle(rng, tuple(MASKS), n),
+        "softcap": _cycle(rng, SOFTCAPS, n),
+        "lse": _cycle(rng, (True, False), n),
+        "layout": _cycle(rng, LAYOUTS, n),
+    }
+    fwd = []
+    for i in range(n):
+        path = cols["path"][i]
+        s = path.supports
+        d, dv = _pick_head_dims(rng, path, path.head_dims(), cols["typical"][i], cols["mixed"][i])
+        ratio = cols["ratio"][i]
+        pack = (cols["pack"][i] if s.pack_gqa else False) if ratio > 1 else None
+        mask = cols["mask"][i] if _mask_supported(path, cols["mask"][i]) else "none"
+        layouts = (LAYOUTS if s.varlen else LAYOUTS[:1]) + (PAGED_LAYOUTS if s.paged else ())
+        layout = cols["layout"][i] if cols["layout"][i] in layouts else rng.choice(layouts)
+        if s.paged and rng.random() < 0.2:
+            layout = rng.choice(PAGED_LAYOUTS)
+        api = "public" if layout[1] == "paged" or s.splits else cols["api"][i]
+        case = AttnCase(
+            dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
+            head_dim=d, head_dim_v=dv, qhead_per_kvhead=ratio, pack_gqa=pack, mask=mask,
+            softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
+            q_layout=layout[0], k_layout=layout[1],
+        )
+        fwd.append(FuzzCase(i, path, api, case))
+    return fwd, _backward_cases(rng, runnable, plan.bwd_cases, mode)
+
+
+def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mode: str) -> list:
+    gaps = BACKWARD_GAPS.get(mode, BACKWARD_GAPS["emulated"])
+    def bwd_dims(path: KernelPath) -> list:
+        return [d for d in path.supports.backward_head_dims if d in path.head_dims()]
+
+    paths = [p for p in paths if p.supports.backward and bwd_dims(p)]
+    if not paths or n <= 0:
+        return []
+    cols = {
+        "path": _cycle(rng, paths, n),
+        "dtype": _cycle(rng, ("bfloat16", "float16"), n),
+        "ratio": _cycle(rng, (1, 2, 4), n),
+        "mask": _cycle(rng, tuple(MASKS), n),
+        "softcap": _cycle(rng, (0.0, 0.0, 5.0), n),
+        "lse": _cycle(rng, (False, True), n),
+        "layout": _cycle(rng, LAYOUTS, n),
+    }
+    out = []
+    for i in range(n):
+        path = cols["path"][i]
+        s = path.supports
+        d = rng.choice(bwd_dims(path))
+        mask = cols["mask"][i] if _mask_supported(path, cols["mask"][i]) else "none"
+        if "d64-noncausal" in gaps and d == 64 and mask == "none":
+            mask = "causal"
+        layout = cols["layout"][i] if s.varlen and "varlen" not in gaps else ("dense", "dense")
+        case = AttnCase(
+            dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
+            head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,
+            softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
+            q_layout=layout[0], k_layout=layout[1], backward=True,
+        )
+        out.append(FuzzCase(i, path, "public", case))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Dynamic part
+# ------------------------------------------------------------------------------------------------
+
+
+def seqlen(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """Lengths in [lo, hi]: small ones, tile edges +-1, and anything."""
+    hi = max(lo, hi)
+    edges = [x for x in TILE_EDGES if lo <= x <= hi]
+    parts = [st.integers(lo, min(hi, lo + 80)), st.integers(lo, hi)]
+    if edges:
+        parts.insert(1, st.sampled_from(edges))
+    return st.one_of(*parts)
+
+
+def window_size(max_len: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(0, 8), st.sampled_from((0, 15, 16, 63, 64, 127, 128, 256)),
+                     st.integers(0, max(8, max_len + 64)))
+
+
+@st.composite
+def problems(draw, fc: FuzzCase, plan: FuzzPlan):
+    """The dynamic part of a problem for one static case, within the plan's size budget."""
+    case, s = fc.case, fc.path.supports
+    bwd = case.backward
+    max_len = plan.max_seqlen_bwd if bwd else plan.max_seqlen
+    budget = plan.bwd_work if bwd else plan.fwd_work
+    hk = draw(st.integers(1, plan.max_kv_heads), label="nheads_kv")
+    h = hk * case.qhead_per_kvhead
+    batch = draw(st.integers(1, plan.max_batch), label="batch")
+    per_seq = max(1, budget // batch)
+    # backward: no empty rows (sk >= sq under a mask, sk >= 1): upstream's backward gaps
+    masked = case.causal or case.local
+
+    def k_len(sq: int, lo: int) -> int:
+        lo = max(lo, sq) if bwd and masked else lo
+        cap = max(lo, min(max_len, per_seq // (h * max(sq, 1))))
+        return draw(seqlen(lo, cap))
+
+    q_var, k_var = case.q_layout != "dense", case.k_layout != "dense"
+    q_lo = 0 if q_var else 1
+    k_lo = 1 if bwd else (0 if k_var else 1)
+    # with sk >= sq forced, sq <= sqrt(budget / h) keeps h * sq * sk within the budget
+    q_hi = max(1, min(max_len, math.isqrt(per_seq // h))) if bwd and masked else max_len
+    if not q_var:
+        sq = draw(seqlen(q_lo, q_hi), label="seqlen_q")
+        seqlens_q = (sq,) * batch
+    else:
+        seqlens_q = tuple(draw(st.lists(seqlen(q_lo, q_hi), min_size=batch, max_size=batch), label="seqlens_q"))
+    if not k_var:
+        sk = k_len(max(seqlens_q), k_lo)
+        seqlens_k = (sk,) * batch
+    else:
+        seqlens_k = tuple(k_len(sq, k_lo) for sq in seqlens_q)
+    max_k = max(seqlens_k, default=1)
+    left = draw(window_size(max_k), label="window_left") if case.has_window[0] else None
+    right = draw(window_size(max_k), label="window_right") if case.has_window[1] else None
+    scale = draw(st.one_of(st.none(), st.floats(0.02, 1.0, allow_nan=False, allow_infinity=False)), label="scale")
+    pad = st.sampled_from((0, 0, 1, 8, 64, 129))
+    return AttnProblem(
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k, nheads_kv=hk, window_left=left, window_right=right,
+        softmax_scale=scale, pad_q=draw(pad, label="pad_q"), pad_k=draw(pad, label="pad_k"),
+        page_size=draw(st.sampled_from((16, 64, 128)), label="page_size") if case.k_layout == "paged" else 64,
+        num_splits=draw(st.sampled_from((1, 2, 3, 0)), label="num_splits") if s.splits else 1,
+        seed=draw(st.integers(0, 2**31 - 1), label="seed"),
+    )

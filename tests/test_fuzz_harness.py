@@ -1,0 +1,459 @@
+"""CPU checks of the fuzz harness itself: a gate that cannot fail would be a defect.
+
+The references agree with each other; the checks pass a correct low-precision result and catch
+each kind of wrong one (unwritten element, wrong mask, wrong LSE, stray write, wrong gradient);
+layouts put NaN exactly where no kernel may read; the static cases cover every registry path
+within its supports and upstream's backward gaps; the dynamic strategy respects the budget; the
+watchdog kills a hung process with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import Phase, given, settings, strategies as st
+
+import fuzz_profiles
+import fuzz_report
+from flash_attn_sm120 import bench, testing
+from flash_attn_sm120.config import FwdConfig, parse_fwd_table
+from flash_attn_sm120.paths import BACKWARD_GAPS, kernel_paths
+from flash_attn_sm120.testing import AttnCase, AttnProblem, CheckFailure
+from fuzz_cases import problems, static_cases
+
+PLAN = fuzz_profiles.active_plan()
+CPU_SETTINGS = settings(max_examples=max(20, PLAN.cpu_examples // 4), deadline=None,
+                        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink))
+
+CASES = [
+    (AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, True, "dense", "dense"),
+     AttnProblem((70, 70), (50, 50), nheads_kv=2, pad_q=3, pad_k=5, seed=1)),
+    (AttnCase("float16", 32, 48, 3, True, "local_lr", 5.0, True, "packed", "packed"),
+     AttnProblem((0, 17, 40), (9, 0, 33), nheads_kv=1, window_left=3, window_right=0, seed=2)),
+    (AttnCase("bfloat16", 40, 40, 1, None, "local_l", 0.0, True, "padded", "padded"),
+     AttnProblem((5, 33), (40, 7), nheads_kv=2, window_left=0, pad_q=4, pad_k=9, softmax_scale=0.3, seed=3)),
+    (AttnCase("bfloat16", 16, 16, 2, None, "none", 0.0, True, "dense", "paged"),
+     AttnProblem((9, 9), (30, 5), nheads_kv=1, page_size=8, seed=4)),
+    (AttnCase("float16", 24, 24, 1, None, "causal_l", 0.0, False, "packed", "padded"),
+     AttnProblem((20, 3), (6, 11), nheads_kv=3, window_left=2, seed=5)),
+]
+CASE_IDS = [c.label for c, _ in CASES]
+
+
+def fake_kernel(inputs, case, problem, *, window=None, lse_shift=0.0):
+    """A 'kernel' that writes the low-precision reference into NaN buffers (optionally wrong)."""
+    out = torch.full(inputs.out_shape(case.head_dim_v), float("nan"), dtype=case.torch_dtype)
+    lse = torch.full(inputs.lse_shape(), float("nan"))
+    for i in range(problem.batch):
+        q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
+        o, l = testing.attention_ref(q_i, k_i, v_i, causal=case.causal, window=window or problem.window(case),
+                                     softmax_scale=problem.softmax_scale, softcap=case.softcap, upcast=False)
+        inputs.q_layout.seq(out, i).copy_(o)
+        inputs.q_layout.lse_seq(lse, i).copy_(l + lse_shift)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# references
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def small_attention(draw):
+    hk = draw(st.integers(1, 2))
+    h = hk * draw(st.sampled_from((1, 2, 3)))
+    d = draw(st.sampled_from((8, 16, 24)))
+    dv = draw(st.sampled_from((d, 8, 32)))
+    sq, sk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    causal = draw(st.booleans())
+    window = (draw(st.one_of(st.none(), st.integers(0, 45))), draw(st.one_of(st.none(), st.integers(0, 45))))
+    softcap = draw(st.sampled_from((0.0, 0.0, 2.0)))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(1, sq, h, d, generator=gen)
+    k = torch.randn(1, sk, hk, d, generator=gen)
+    v = torch.randn(1, sk, hk, dv, generator=gen)
+    return q, k, v, dict(causal=causal, window=window, softcap=softcap, softmax_scale=scale)
+
+
+@CPU_SETTINGS
+@given(small_attention())
+def test_autograd_reference_matches_bench_reference(x):
+    q, k, v, kw = x
+    out, lse = testing.attention_ref(q, k, v, **kw)
+    ref, ref_lse = bench.reference_attention(q, k, v, **kw)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5)
+
+
+def test_reference_gradients_are_exact_and_finite_on_empty_rows():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 4, 1, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 4, 1, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    # causal with sq > sk: the first two rows attend to nothing
+    def f(q, k, v):
+        out, lse = testing.attention_ref(q, k, v, causal=True, softcap=3.0)
+        return out, lse.masked_fill(torch.isneginf(lse), 0.0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    out, _ = testing.attention_ref(q, k, v, causal=True)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][0, :2], torch.zeros_like(grads[0][0, :2]))
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case,problem", CASES, ids=CASE_IDS)
+def test_layouts_put_nan_only_where_no_kernel_reads(case, problem):
+    x = testing.make_inputs(case, problem, device="cpu")
+    h = problem.nheads_kv * case.qhead_per_kvhead
+    for i in range(problem.batch):
+        q_i, k_i, v_i = x.q_layout.seq(x.q, i), x.k_seq(i), x.v_seq(i)
+        assert q_i.shape == (1, problem.seqlens_q[i], h, case.head_dim)
+        assert k_i.shape == (1, problem.seqlens_k[i], problem.nheads_kv, case.head_dim)
+        assert v_i.shape[-1] == case.head_dim_v
+        assert all(torch.isfinite(t).all() for t in (q_i, k_i, v_i))
+    if case.q_layout == "padded" or (case.q_layout == "dense" and problem.pad_q):
+        base = x.q if x.q._base is None else x.q._base
+        assert torch.isnan(base.float()).any()
+    if case.q_layout == "packed":
+        assert x.q.shape[0] == sum(problem.seqlens_q) and torch.isfinite(x.q.float()).all()
+        assert x.index["cu_seqlens_q"].tolist() == [0] + list(torch.tensor(problem.seqlens_q).cumsum(0).tolist())
+    if case.k_layout == "paged":
+        table = x.index["page_table"]
+        assert table.dtype == torch.int32 and sorted(table.flatten().tolist()) == list(range(x.k.shape[0]))
+        ps = problem.page_size
+        for i, s in enumerate(problem.seqlens_k):
+            pages = [x.k[int(table[i, j])] for j in range(-(-s // ps))]
+            gathered = torch.cat(pages)[:s] if pages else x.k.new_zeros(0, *x.k.shape[2:])
+            assert torch.equal(gathered, x.k_seq(i)[0])
+    assert x.lse_shape()[-2 if case.q_layout != "packed" else 0] == h
+
+
+def test_dense_layout_requires_equal_lengths():
+    with pytest.raises(ValueError, match="equal lengths"):
+        testing.make_inputs(AttnCase(head_dim=8, head_dim_v=8), AttnProblem((3, 4), (3, 4)), device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# forward checks
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case,problem", CASES, ids=CASE_IDS)
+def test_check_forward_passes_a_correct_low_precision_result(case, problem):
+    x = testing.make_inputs(case, problem, device="cpu")
+    out, lse = fake_kernel(x, case, problem)
+    stats = testing.check_forward(x, case, problem, out, lse if case.return_lse else None)
+    assert stats["out"]["err"] <= stats["out"]["tol"]
+
+
+@pytest.mark.parametrize("case,problem", CASES, ids=CASE_IDS)
+def test_check_forward_catches_an_unwritten_element(case, problem):
+    x = testing.make_inputs(case, problem, device="cpu")
+    out, lse = fake_kernel(x, case, problem)
+    last = max(i for i, s in enumerate(problem.seqlens_q) if s)
+    x.q_layout.seq(out, last)[0, -1, -1, -1] = float("nan")
+    with pytest.raises(CheckFailure, match="not finite"):
+        testing.check_forward(x, case, problem, out, lse)
+
+
+def test_check_forward_catches_a_wrong_window_and_wrong_lse():
+    case = AttnCase("bfloat16", 32, 32, 1, None, "local_lr", 0.0, True, "dense", "dense")
+    problem = AttnProblem((64,), (64,), nheads_kv=2, window_left=4, window_right=2, seed=9)
+    x = testing.make_inputs(case, problem, device="cpu")
+    out, lse = fake_kernel(x, case, problem, window=(5, 2))  # off by one on the left
+    with pytest.raises(CheckFailure, match="out: max error"):
+        testing.check_forward(x, case, problem, out, lse)
+    out, lse = fake_kernel(x, case, problem, lse_shift=0.05)
+    with pytest.raises(CheckFailure, match="lse: max error"):
+        testing.check_forward(x, case, problem, out, lse)
+
+
+def test_check_forward_catches_lse_on_empty_rows_and_missing_lse():
+    case = AttnCase("bfloat16", 16, 16, 1, None, "causal", 0.0, True, "dense", "dense")
+    problem = AttnProblem((10,), (4,), seed=3)  # rows 0..5 see no key
+    x = testing.make_inputs(case, problem, device="cpu")
+    out, lse = fake_kernel(x, case, problem)
+    assert torch.isneginf(lse[0, 0, :6]).all()
+    testing.check_forward(x, case, problem, out, lse)
+    bad = lse.clone()
+    bad[0, 0, 0] = 0.0
+    with pytest.raises(CheckFailure, match="-inf pattern"):
+        testing.check_forward(x, case, problem, out, bad)
+    with pytest.raises(CheckFailure, match="requested"):
+        testing.check_forward(x, case, problem, out, None)
+
+
+def test_check_forward_catches_a_write_into_the_out_gap():
+    case = AttnCase("float16", 16, 16, 1, None, "none", 0.0, False, "dense", "dense")
+    problem = AttnProblem((8, 8), (8, 8), pad_q=4, seed=1)
+    x = testing.make_inputs(case, problem, device="cpu")
+    out_buf, x.out_gap = testing._nan_out(x, case, "cpu")
+    out, _ = fake_kernel(x, case, problem)
+    out_buf.copy_(out)
+    testing.check_forward(x, case, problem, out_buf, None)
+    x.out_gap[1, 0] = 0.0
+    with pytest.raises(CheckFailure, match="gap"):
+        testing.check_forward(x, case, problem, out_buf, None)
+
+
+def test_rule_matches_upstream_formula():
+    ref = torch.tensor([0.1, -2.0, 3.0])
+    pt = ref + torch.tensor([0.01, 0.0, 0.0])
+    tol, pt_err, atol = testing.rule_tolerance(ref, pt, torch.bfloat16, rtol=2.0)
+    ref_lp = ref.to(torch.bfloat16)
+    assert atol == pytest.approx(2 * (ref_lp + 0.3 - 0.3 - ref_lp).abs().max().item())
+    assert tol == pytest.approx(2 * pt_err + atol)
+    testing.assert_close_to_ref("x", ref + tol * 0.99, ref, pt, torch.bfloat16)
+    with pytest.raises(CheckFailure):
+        testing.assert_close_to_ref("x", ref + tol * 1.01 + 1e-6, ref, pt, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward checks (the public API replaced by a differentiable CPU stand-in)
+# ------------------------------------------------------------------------------------------------
+
+
+def _stand_in(grad_scale: float = 1.0):
+    """forward_via_api replacement: the fp32 reference, differentiable, assembled in q's layout."""
+
+    def forward_via_api(inputs, case, problem):
+        outs, lses = [], []
+        for i in range(problem.batch):
+            q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
+            o, l = testing.attention_ref(q_i, k_i, v_i, causal=case.causal, window=problem.window(case),
+                                         softmax_scale=problem.softmax_scale, softcap=case.softcap)
+            outs.append(o[0] + (grad_scale - 1.0) * (o[0] - o[0].detach()))  # same value, scaled gradient
+            lses.append(l[0])
+        if inputs.q_layout.kind == "packed":
+            out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+        else:
+            width = inputs.q.shape[1]
+            out = torch.stack([F.pad(o, (0, 0, 0, 0, 0, width - o.shape[0])) for o in outs])
+            lse = torch.stack([F.pad(l, (0, width - l.shape[1])) for l in lses])
+        return out.to(case.torch_dtype), lse
+
+    return forward_via_api
+
+
+@pytest.mark.parametrize("layout", [("dense", "dense"), ("packed", "packed"), ("padded", "padded")])
+def test_check_backward_passes_correct_gradients_and_catches_wrong_ones(monkeypatch, layout):
+    case = AttnCase("bfloat16", 16, 16, 2, None, "local_lr", 0.0, True, *layout, backward=True)
+    lens = (12, 12) if layout[0] == "dense" else (12, 7)
+    problem = AttnProblem(lens, (12, 12) if layout[1] == "dense" else (14, 9), nheads_kv=1,
+                          window_left=3, window_right=1, pad_q=2, pad_k=3, seed=11)
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in())
+    stats = testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+    assert set(stats) >= {"out", "lse", "dq", "dk", "dv"}
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in(grad_scale=1.1))
+    with pytest.raises(CheckFailure, match="dq|dk|dv"):
+        testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+# ------------------------------------------------------------------------------------------------
+# static cases and dynamic strategy
+# ------------------------------------------------------------------------------------------------
+
+
+def _table(*entries):
+    rows = [dict(head_dim=d, mask=m, num_threads=c.num_threads, tile_m=c.tile_m, tile_n=c.tile_n,
+                 num_stages=c.num_stages, q_in_regs=c.q_in_regs,
+                 provenance=dict(gpu="test", mode="emulated", date="2026-11-29", command="test"))
+            for d, m, c in entries]
+    return parse_fwd_table({"schema": 1, "fwd": rows})
+
+
+TABLE = _table((64, "causal", FwdConfig(128, 64, 64, 2)), (128, "none", FwdConfig(256, 128, 96, 1)),
+               (256, "none", FwdConfig(128, 64, 32, 1)))
+
+
+@pytest.mark.parametrize("mode", ["emulated", "sm120"])
+def test_static_cases_cover_every_path_within_its_supports(mode):
+    paths = kernel_paths(TABLE)
+    fwd, bwd = static_cases(paths, fuzz_profiles.PLANS["fast"], seed=7, mode=mode)
+    assert {c.path.name for c in fwd} == {p.name for p in paths}
+    assert len({c.id for c in fwd + bwd}) == len(fwd + bwd)
+    for c in fwd + bwd:
+        s, case = c.path.supports, c.case
+        assert c.path.error(case.head_dim, case.head_dim_v) is None, c.id
+        assert case.head_dim in s.head_dims and case.dtype in s.dtypes
+        if c.path.name.startswith("table-d128"):
+            assert 96 < case.head_dim <= 128
+    gaps = BACKWARD_GAPS[mode]
+    assert bwd and all(c.api == "public" and c.case.backward for c in bwd)
+    for c in bwd:
+        assert c.case.head_dim in c.path.supports.backward_head_dims
+        if "varlen" in gaps:
+            assert c.case.is_dense
+        if "d64-noncausal" in gaps:
+            assert not (c.case.head_dim == 64 and c.case.mask == "none")
+    again = static_cases(paths, fuzz_profiles.PLANS["fast"], seed=7, mode=mode)
+    assert [c.id for c in again[0] + again[1]] == [c.id for c in fwd + bwd]
+    other = static_cases(paths, fuzz_profiles.PLANS["fast"], seed=8, mode=mode)
+    assert [c.id for c in other[0]] != [c.id for c in fwd]
+
+
+def test_static_cases_spread_the_static_dimensions():
+    fwd, _ = static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["deep"], seed=1, mode="emulated")
+    seen = lambda f: {f(c.case) for c in fwd}  # noqa: E731
+    assert seen(lambda c: c.mask) == set(testing.MASKS)
+    assert seen(lambda c: c.dtype) == {"float16", "bfloat16"}
+    assert {1, 2, 4, 8} <= seen(lambda c: c.qhead_per_kvhead)
+    assert seen(lambda c: (c.q_layout, c.k_layout)) >= {("dense", "dense"), ("packed", "packed"), ("padded", "padded")}
+    assert seen(lambda c: c.return_lse) == {True, False} and len(seen(lambda c: c.softcap)) >= 3
+    assert {c.api for c in fwd} == {"driver", "public"}
+    assert any(c.case.head_dim != c.case.head_dim_v for c in fwd)
+
+
+_FAST_CASES = static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["fast"], seed=3, mode="sm120")
+
+
+@CPU_SETTINGS
+@given(data=st.data(), index=st.integers(0, len(_FAST_CASES[0]) + len(_FAST_CASES[1]) - 1))
+def test_dynamic_problems_respect_layout_budget_and_backward_gaps(data, index):
+    plan = fuzz_profiles.PLANS["fast"]
+    fc = (_FAST_CASES[0] + _FAST_CASES[1])[index]
+    p = data.draw(problems(fc, plan))
+    case = fc.case
+    assert len(p.seqlens_q) == len(p.seqlens_k) == p.batch <= plan.max_batch
+    assert 1 <= p.nheads_kv <= plan.max_kv_heads
+    if case.q_layout == "dense":
+        assert len(set(p.seqlens_q)) == 1 and p.seqlens_q[0] >= 1
+    if case.k_layout == "dense":
+        assert len(set(p.seqlens_k)) == 1 and p.seqlens_k[0] >= 1
+    assert (p.window_left is not None) == case.has_window[0]
+    assert (p.window_right is not None) == case.has_window[1]
+    if case.backward:
+        assert max(p.seqlens_q + p.seqlens_k) <= plan.max_seqlen_bwd
+        assert min(p.seqlens_k) >= 1
+        if case.causal or case.local:
+            assert all(sk >= sq for sq, sk in zip(p.seqlens_q, p.seqlens_k))
+    else:
+        assert max(p.seqlens_q + p.seqlens_k) <= plan.max_seqlen
+        h = p.nheads_kv * case.qhead_per_kvhead
+        # each sequence's keys are capped by the per-sequence share of the budget
+        assert all(sk <= max(1, plan.fwd_work // p.batch // (h * max(sq, 1))) or sk <= 80
+                   for sq, sk in zip(p.seqlens_q, p.seqlens_k))
+
+
+def test_plan_overrides_and_shards(monkeypatch):
+    monkeypatch.setenv(fuzz_profiles.PLAN_ENV, "fwd_cases=3,bwd_examples=1")
+    plan = fuzz_profiles.active_plan()
+    assert plan.fwd_cases == 3 and plan.bwd_examples == 1
+    monkeypatch.setenv(fuzz_profiles.PLAN_ENV, "nonsense=1")
+    with pytest.raises(ValueError, match="unknown field"):
+        fuzz_profiles.active_plan()
+    monkeypatch.setenv(fuzz_profiles.SHARD_ENV, "2/4")
+    assert fuzz_profiles.shard() == (2, 4)
+    monkeypatch.setenv(fuzz_profiles.SHARD_ENV, "4/4")
+    with pytest.raises(ValueError):
+        fuzz_profiles.shard()
+
+
+def test_profiles_are_registered():
+    from hypothesis import settings as hsettings
+
+    for name, plan in fuzz_profiles.PLANS.items():
+        assert hsettings.get_profile(name).max_examples == plan.fwd_examples
+        assert hsettings.get_profile(name).deadline is None
+
+
+# ------------------------------------------------------------------------------------------------
+# report and watchdog
+# ------------------------------------------------------------------------------------------------
+
+
+def test_report_counts_and_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(fuzz_report, "COUNTS", fuzz_report.defaultdict(lambda: fuzz_report.defaultdict(int)))
+    monkeypatch.setattr(fuzz_report, "CASES_SEEN", set())
+    fuzz_report.record_case("p1", "case-a")
+    fuzz_report.record_case("p1", "case-a")
+    fuzz_report.record_example("p1", "fwd", True)
+    fuzz_report.record_example("p1", "fwd", False)
+    fuzz_report.record_example("p2", "bwd", True)
+    lines = fuzz_report.summary_lines()
+    assert lines[1].split() == ["p1", "1", "0", "1", "1", "0", "0"]
+    assert lines[-1].split() == ["TOTAL", "1", "0", "1", "1", "1", "0"]
+    fuzz_report.write_json(str(tmp_path / "s.json"))
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["paths"]["p2"]["bwd_pass"] == 1
+
+
+def test_watchdog_kills_a_hung_process_with_a_message(tmp_path):
+    tests_dir = Path(__file__).resolve().parent
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(tests_dir)!r})
+        from watchdog import Watchdog
+        wd = Watchdog(seconds=0.5, backstop=30, report_path={str(tmp_path / 'r.json')!r})
+        wd.arm("tests/x.py::test_hang[case]")
+        time.sleep(30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "WATCHDOG: tests/x.py::test_hang[case] still running after 0 s" in proc.stderr
+    assert "time.sleep" in proc.stderr or "line 7" in proc.stderr  # the stack dump
+    assert (tmp_path / "r.json.hang").exists()
+
+
+def test_watchdog_message_escapes_pytest_capture(tmp_path):
+    """Under pytest's fd capture the message must still reach the real stderr before the exit."""
+    tests_dir = Path(__file__).resolve().parent
+    (tmp_path / "test_hang.py").write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(tests_dir)!r})
+        from watchdog import Watchdog
+
+        def test_hang(request):
+            capture = request.config.pluginmanager.getplugin("capturemanager")
+            wd = Watchdog(seconds=0.5, backstop=30,
+                          before_report=lambda: capture.suspend_global_capture(in_=False))
+            wd.arm(request.node.nodeid)
+            print("captured output")
+            time.sleep(30)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_hang.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "WATCHDOG: test_hang.py::test_hang still running" in proc.stdout + proc.stderr
+
+
+def test_watchdog_rearm_and_disarm_do_not_fire():
+    from watchdog import Watchdog
+
+    with Watchdog(seconds=0.2, backstop=5) as wd:
+        wd.arm("a")
+        wd.arm("b")
+    import time
+
+    time.sleep(0.4)  # a fired timer would have ended this process
+
+
+def test_watchdog_env_default(monkeypatch):
+    from watchdog import WATCHDOG_ENV, Watchdog
+
+    monkeypatch.setenv(WATCHDOG_ENV, "0")
+    wd = Watchdog()
+    wd.arm("never")
+    assert wd._timer is None
+    monkeypatch.delenv(WATCHDOG_ENV)
+    assert Watchdog().seconds == 300
+    assert os.environ.get(WATCHDOG_ENV) is None

@@ -1,0 +1,70 @@
+"""CPU checks of scripts/sanitize.py: its cases come from the registry, fit each path, and its log parser."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from flash_attn_sm120.config import FwdConfig
+from flash_attn_sm120.paths import KernelPath, Supports, kernel_paths
+from flash_attn_sm120.testing import AttnCase, make_inputs
+
+_SPEC = importlib.util.spec_from_file_location(
+    "sanitize_script", Path(__file__).resolve().parent.parent / "scripts" / "sanitize.py"
+)
+sanitize = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(sanitize)
+
+
+def test_every_path_gets_every_shape_and_cases_fit_the_path():
+    paths = kernel_paths()
+    cases = sanitize.build_cases(paths)
+    assert {c["path"] for c in cases} == {p.name for p in paths if p.head_dims()}
+    for p in paths:
+        assert {c["shape"] for c in cases if c["path"] == p.name} == {name for name, _, _ in sanitize.SHAPES}
+    by_name = {p.name: p for p in paths}
+    for c in cases:
+        case, path = AttnCase(**c["case"]), by_name[c["path"]]
+        assert path.error(case.head_dim, case.head_dim_v) is None
+        assert c["family"] != "dispatch"
+
+
+def test_adapt_respects_a_restricted_path_and_makes_runnable_problems():
+    tma_like = KernelPath("tma-like", "cpasync", FwdConfig(128, 64, 64, 2),
+                          Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False,
+                                   local=False, softcap=False, splits=True, paged=True))
+    cases = sanitize.build_cases([tma_like])
+    assert {c["shape"] for c in cases} == {name for name, _, _ in sanitize.SHAPES} | {"splitkv", "paged"}
+    for c in cases:
+        case = AttnCase(**c["case"])
+        assert case.head_dim in (64, 96, 128) and case.softcap == 0.0 and not case.local
+        assert case.pack_gqa in (None, False)
+        if c["shape"] in ("splitkv", "paged"):
+            assert c["api"] == "public"
+        else:
+            assert case.is_dense
+            pd = dict(c["problem"])
+            pd["seqlens_q"], pd["seqlens_k"] = tuple(pd["seqlens_q"]), tuple(pd["seqlens_k"])
+            make_inputs(case, sanitize.AttnProblem(**pd), device="cpu")  # equal lengths where dense
+
+
+def test_families_filter():
+    assert sanitize.build_cases(kernel_paths(), families={"no-such-family"}) == []
+
+
+@pytest.mark.parametrize("tool,log,expect", [
+    ("memcheck", "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n", (True, 0, 0)),
+    ("memcheck", "========= Invalid __global__ read\n========= ERROR SUMMARY: 3 errors\n", (True, 3, 0)),
+    ("racecheck", "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n", (True, 1, 1)),
+    ("racecheck", "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", (True, 0, 0)),
+    ("memcheck", "Traceback (most recent call last):\nRuntimeError: boom\n", (False, 0, 0)),
+])
+def test_parse_summary(tool, log, expect):
+    s = sanitize.parse_summary(tool, log)
+    assert (s["parsed"], s["errors"], s["warnings"]) == expect
+
+
+def test_list_runs_without_a_gpu(capsys):
+    assert sanitize.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "cpasync" in out and "dense-causal-gqa" in out
