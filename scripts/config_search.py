@@ -245,7 +245,7 @@ def _precompile(args):
         return f"{name} FAILED {type(e).__name__}: {e}"[:300]
 
 
-def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4, extra=()) -> dict:
+def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4, extra=(), only=()) -> dict:
     """(bucket, mask) -> configs to screen: pruning survivors, upstream's config, `extra` configs that
     survived pruning at the default warp floor (known-good shapes kept despite a higher floor)."""
     cands = survivors(out, min_warps_per_sm)
@@ -257,6 +257,8 @@ def _groups(out: Path, buckets, masks, min_warps_per_sm: int = 4, extra=()) -> d
             group = cands.get((b, m), []) + [c for c in extra if c in floor.get((b, m), []) and c not in cands.get((b, m), [])]
             if ups.error(b, b) is None and ups not in group:
                 group = [ups] + group
+            if only:
+                group = [c for c in group if c in only or c == ups]
             groups[(b, m)] = group
     return groups
 
@@ -289,9 +291,9 @@ def _run_jobs(out, jobs, gpus, reps, rnd, compile_workers):
 
 
 def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_workers: int,
-               finalists: int, screen_reps: int, min_warps_per_sm: int = 4, extra=()) -> None:
+               finalists: int, screen_reps: int, min_warps_per_sm: int = 4, extra=(), only=()) -> None:
     """Screen every survivor on one problem, then gate and fully time the best `finalists` per group."""
-    groups = _groups(out, buckets, masks, min_warps_per_sm, extra)
+    groups = _groups(out, buckets, masks, min_warps_per_sm, extra, only)
     done = _read_keys(out.glob("times*.jsonl"))
     screen = [(b, m, c, "upstream" if c == upstream_fwd_config(b) else "candidate")
               for (b, m), group in groups.items() for c in group if f"screen/{_key(c, b, m)}" not in done]
@@ -312,8 +314,13 @@ def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_wo
 
 
 # -------------------------------------------------------------------------------------- write
-def pick_winners(rows: list[dict]) -> dict:
-    """(bucket, mask) -> (winner row, upstream row); upstream stays unless beaten beyond the spread."""
+def pick_winners(rows: list[dict], shippable=None) -> dict:
+    """(bucket, mask) -> (winner row, upstream row) among correct final rows.
+
+    `shippable(bucket, mask, config_dict) -> bool` (default: all) excludes configs that may not ship
+    (those that spill on sm_120a). Among the rest the fastest wins, except that upstream's own config
+    is kept when it is shippable and the best beats it by no more than the measured spread.
+    """
     by_group: dict = {}
     for r in rows:
         if r.get("round", "final") == "final" and r.get("correct") and "geomean_tflops" in r:
@@ -321,8 +328,11 @@ def pick_winners(rows: list[dict]) -> dict:
     winners = {}
     for key, group in by_group.items():
         ups = next((r for r in group if r["role"] == "upstream"), None)
-        best = max(group, key=lambda r: r["geomean_tflops"])
-        if ups is not None and best is not ups:
+        ok = [r for r in group if shippable is None or shippable(key[0], key[1], r["config"])]
+        if not ok:
+            continue
+        best = max(ok, key=lambda r: r["geomean_tflops"])
+        if ups is not None and ups in ok and best is not ups:
             spread = max(max(x["spread"] for x in best["problems"]), max(x["spread"] for x in ups["problems"]))
             if best["geomean_tflops"] <= ups["geomean_tflops"] * (1 + spread):
                 best = ups
@@ -330,9 +340,18 @@ def pick_winners(rows: list[dict]) -> dict:
     return winners
 
 
+def shippable_from_prune(out: Path):
+    """No spills on sm_120a (stack, local loads/stores) according to the prune file."""
+    clean = set()
+    for row in _read_rows(out / "prune_sm120a.jsonl"):
+        if "error" not in row and row["spill_bytes"] == 0 and row["local_loads"] == 0 and row["local_stores"] == 0:
+            clean.add((row["bucket"], row["mask"], json.dumps(row["config"], sort_keys=True)))
+    return lambda b, m, cfg: (b, m, json.dumps(cfg, sort_keys=True)) in clean
+
+
 def stage_write(out: Path, toml_path: Path, command: str) -> None:
     rows = [r for f in sorted(out.glob("times*.jsonl")) for r in _read_rows(f)]
-    winners = pick_winners(rows)
+    winners = pick_winners(rows, shippable_from_prune(out))
     lines = [l for l in toml_path.read_text().splitlines() if not l.startswith("[[fwd]]")]
     header = []
     for l in lines:
@@ -389,6 +408,7 @@ def main(argv=None) -> None:
     ap.add_argument("--screen-reps", type=int, default=10)
     ap.add_argument("--min-warps", type=int, default=4, help="prune configs with fewer resident warps per SM")
     ap.add_argument("--extra", type=json.loads, default=[], help='JSON list of FwdConfig dicts always screened')
+    ap.add_argument("--only", type=json.loads, default=[], help="JSON list of FwdConfig dicts: screen just these")
     ap.add_argument("--round", default="final")
     ap.add_argument("--shard", type=Path)
     ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
@@ -404,7 +424,8 @@ def main(argv=None) -> None:
         stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
     elif args.stage == "time":
         stage_time(args.out, args.buckets, args.masks, gpus, args.reps, args.compile_workers, args.finalists,
-                   args.screen_reps, args.min_warps, [FwdConfig(**c) for c in args.extra])
+                   args.screen_reps, args.min_warps, [FwdConfig(**c) for c in args.extra],
+                   [FwdConfig(**c) for c in args.only])
     elif args.stage == "time-shard":
         jobs = [(b, m, FwdConfig(**c), r) for b, m, c, r in json.loads(args.shard.read_text())]
         _time_candidates(args.out, jobs, gpus[0], args.reps, f"-gpu{gpus[0]}", args.round)
