@@ -70,12 +70,13 @@ def upstream_fwd_config(head_dim: int) -> FwdConfig:
     return FwdConfig(128, 128, 128 if head_dim <= 64 else 64, 1, False)
 
 
-# Tried in order when the table has no entry that fits a head dim: all fit 99 KB up to d=256.
+# Tried in order when the table has no entry for a problem. 4 warps, 64x64, 1 stage fits 99 KB and
+# compiles without spills on sm_120a for every head dim up to 256 (tests/test_codegen.py checks it);
+# upstream's own tiles are not used as fallbacks because they spill above d=96 (104 B at d=128,
+# 832 B at d=192) or do not fit at all (d=256).
 _FALLBACKS = (
-    FwdConfig(128, 128, 64, 1, False),
     FwdConfig(128, 64, 64, 1, False),
     FwdConfig(128, 64, 32, 1, False),
-    FwdConfig(128, 64, 32, 1, True),
 )
 
 
@@ -157,7 +158,8 @@ def select_fwd_config(
     """The table's config for this problem, or the first fallback that fits; pure.
 
     Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
-    entry; then the fallbacks. A config that cannot run the actual head dims is skipped.
+    entry; then the fallbacks (spill-free on sm_120a). A config that cannot run the actual head
+    dims is skipped.
     """
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
@@ -167,7 +169,7 @@ def select_fwd_config(
         cfg = by_key.get((bucket, m))
         if cfg is not None and cfg.error(head_dim, head_dim_v) is None:
             return cfg
-    for cfg in (upstream_fwd_config(max(head_dim, head_dim_v)),) + _FALLBACKS:
+    for cfg in _FALLBACKS:
         if cfg.error(head_dim, head_dim_v) is None:
             return cfg
     raise ValueError(f"no SM120 forward config fits head dims ({head_dim}, {head_dim_v})")

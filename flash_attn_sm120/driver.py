@@ -154,7 +154,13 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
             return unpacked
     reason = check(statics)
     if config_given:
-        raise NotImplementedError(f"kernel family {statics.config.family!r} cannot run this call: {reason}")
+        cfg = statics.config
+        bad_config = FAMILIES[cfg.family].config_error(
+            statics.head_dim, statics.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.num_threads, cfg.q_in_regs
+        )
+        if bad_config is not None:
+            raise ValueError(f"SM120 forward config not implementable: {bad_config}")
+        raise NotImplementedError(f"kernel family {cfg.family!r} cannot run this call: {reason}")
     table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
     fallback = select_fwd_config(table, statics.head_dim, statics.head_dim_v, causal, local)
     return replace(statics, config=fallback)

@@ -134,6 +134,12 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
     KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192
     KernelPath("upstream-config", "cpasync", _upstream_config),
+    # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, no varlen / GQA packing
+    KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"),
+               Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False)),
+    # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
+    KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),
+               Supports(head_dims=tuple(range(16, 257, 16)), splits=True, paged=True)),
 )
 
 

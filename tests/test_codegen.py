@@ -32,6 +32,19 @@ def test_shipped_config_codegen(head_dim, mask, cfg):
     assert r.ctas_per_sm >= 1
 
 
+@pytest.mark.parametrize("head_dim", [72, 136, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fallback_configs_do_not_spill(head_dim, causal):
+    """Buckets without a table entry get a fallback; it must meet the same codegen gate."""
+    from flash_attn_sm120.config import select_fwd_config
+
+    table = [e for e in load_fwd_table() if e.head_dim < 192]  # force the fallback above d=128
+    cfg = select_fwd_config(table if head_dim > 128 else [], head_dim, head_dim, causal, False)
+    r = report_row(cfg, head_dim, causal=causal)
+    assert r.spill_bytes == 0 and r.local_loads == 0 and r.local_stores == 0, (cfg, r.regs, r.spill_bytes)
+    assert r.smem_bytes <= hardware.SMEM_PER_BLOCK_MAX
+
+
 def test_upstream_default_spills_on_sm120a():
     """The reason for the project: upstream's 4-warp 128x64 d=128 default spills on sm_120a."""
     r = report_row(upstream_fwd_config(128), 128, upstream_class=True)

@@ -63,8 +63,8 @@ def test_selection_order():
     assert select_fwd_config(table, 120, 120, True, False).tile_n == 64  # bucket 128
     assert select_fwd_config(table, 128, 128, False, True).tile_n == 64  # local -> causal
     assert select_fwd_config(table, 64, 64, True, False).num_stages == 2  # causal -> none
-    # no entry for the bucket: upstream's own default
-    assert select_fwd_config(table, 96, 96, False, False) == upstream_fwd_config(96)
+    # no entry for the bucket: the spill-free fallback
+    assert select_fwd_config(table, 96, 96, False, False) == FwdConfig(128, 64, 64, 1)
 
 
 def test_selection_skips_config_that_cannot_run_actual_dims():

@@ -21,7 +21,10 @@ def test_every_path_gets_every_shape_and_cases_fit_the_path():
     cases = sanitize.build_cases(paths)
     assert {c["path"] for c in cases} == {p.name for p in paths if p.head_dims()}
     for p in paths:
-        assert {c["shape"] for c in cases if c["path"] == p.name} == {name for name, _, _ in sanitize.SHAPES}
+        extra = {"splitkv"} if p.supports.splits else set()
+        extra |= {"paged"} if p.supports.paged else set()
+        expected = {name for name, _, _ in sanitize.SHAPES} | extra if p.head_dims() else set()
+        assert {c["shape"] for c in cases if c["path"] == p.name} == expected
     by_name = {p.name: p for p in paths}
     for c in cases:
         case, path = AttnCase(**c["case"]), by_name[c["path"]]
