@@ -605,7 +605,7 @@ def apply_edits(text: str, edits, rel: str) -> str:
 
 
 def step_sm120_fwd_table(ctx: Context) -> str:
-    """Patch 1: SM120 forward with 8-warp tiles and the tuned tile table."""
+    """Patch 1: SM120 forward with warps/tiles/stages from the measured table (4 or 8 warps)."""
     ctx.families["cpasync"] = FamilySpec(
         "flash_attn.cute.flash_fwd_sm120", "FlashAttentionForwardSm120", "sm120_config_error", "sm120_fwd_smem_bytes"
     )
@@ -637,12 +637,11 @@ def step_sm120_fwd_table(ctx: Context) -> str:
         measured += ["Commands:", "\n".join(f"  {c}" for c in commands)]
     else:
         measured = [
-            "Measured: no entries yet. The table is empty, so every problem keeps SM120's previous "
-            "choice (4 warps, 128x128 up to d=64 else 128x64, one stage); this patch adds the "
-            "mechanism and the SM120 rules without changing a default."
+            "Measured: no entries yet. The table is empty, so every problem gets the fallback (4 warps, "
+            "64x64, one stage); this patch adds the mechanism and the SM120 rules."
         ]
     return commit_message(
-        "[Cute,Sm120] Forward with 8-warp tiles and the tuned tile table",
+        "[Cute,Sm120] Forward tiles from a measured table (warps, tiles, stages, Q in registers)",
         "SM120 (RTX PRO 6000 Blackwell, RTX 5090, DGX Spark) runs the SM80-style forward (mma.sync "
         "m16n8k16, cp.async) with 99 KB of shared memory per block. Its dispatch was fixed: 128 threads "
         "(4 warps), 128x128 tiles up to d=64 and 128x64 above, one cp.async stage, Q in shared memory.",
@@ -650,7 +649,9 @@ def step_sm120_fwd_table(ctx: Context) -> str:
         [
             "flash_fwd_sm120_configs.py (new): a table of (head-dim bucket, mask) -> threads, tile_m, "
             "tile_n, cp.async stages, Q in registers, with each measurement's provenance as comments, "
-            "and a pure selection rule. Problems without an entry keep the previous choice.",
+            "and a pure selection rule. Problems without an entry get 4 warps, 64x64, one stage, which "
+            "fits 99 KB and compiles without spills on sm_120a at every head dim up to 256 (the previous "
+            "128x64 spills above d=96 and does not fit at d=256).",
             "flash_fwd_sm120.py: can_implement applies the SM120 rules of sm120_config_error, which "
             "names the reason for a refusal: 4 or 8 warps stacked along M (tile_m a multiple of 16 rows "
             "per warp), tile_n a multiple of 16, tile_m a multiple of the rows one Q/O copy covers, 1-3 "
@@ -660,11 +661,15 @@ def step_sm120_fwd_table(ctx: Context) -> str:
             "table; an explicit tile_mn keeps 4 warps and one stage unless the table's entry has those "
             "tiles.",
         ],
-        "Why: with 4 warps each thread holds a quarter of a 128-row tile's S and O accumulators; at "
-        "d=128 the 128x64 kernel runs out of registers on sm_120a and spills to local memory. Eight "
-        "warps stacked along M halve the accumulators per thread, and a second cp.async stage keeps "
-        "the next K/V tile loading while the current one is in the MMAs. Which combination wins "
-        "depends on the head dim and the mask, hence a measured table rather than one rule.",
+        "Why: an SM120 SM has 100 KB of shared memory, so the 64 KB d=128 tile runs one CTA (4 warps) "
+        "per SM, and with 4 warps each thread holds a quarter of a 128-row tile's S and O accumulators: "
+        "at d=128 the 128x64 kernel runs out of registers on sm_120a and spills to local memory. Smaller "
+        "tiles with Q in registers (sharing V's buffer) fit two CTAs per SM without spilling, 8 warps "
+        "stacked along M halve the accumulators per thread, and a second cp.async stage keeps the next "
+        "K/V tile loading during the MMAs. Which combination wins depends on the head dim and the mask, "
+        "hence a measured table rather than one rule. Q in registers is refused with more than one stage: "
+        "the prologue's cp.async wait count assumes Q is not in registers and Q would be read before it "
+        "lands (caught as wrong results by the correctness gate).",
         *measured,
         "Tested:",
         [

@@ -244,11 +244,9 @@ def test_patched_upstream_compiles_table_defaults_without_spills(tmp_path):
         ), f"patched selection ignored the table: {case}"
         assert case["interface_tiles"] == [e["tile_m"], e["tile_n"]], "interface._get_fwd_config ignored the table"
         assert case["can_implement"], f"patched can_implement refuses the table's config {cfg}"
-        # with an empty table the selection is SM120's previous default: 4 warps, 1 stage
+        # with an empty table the selection is the package's spill-free fallback (config._FALLBACKS[0])
         empty = case["empty_table"]
-        assert (empty["num_threads"], empty["tile_m"], empty["tile_n"], empty["num_stages"]) == (
-            128, 128, 128 if case["d"] <= 64 else 64, 1
-        )
+        assert (empty["num_threads"], empty["tile_m"], empty["tile_n"], empty["num_stages"]) == (128, 64, 64, 1)
         _assert_no_spills(case)
 
 
