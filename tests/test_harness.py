@@ -1,0 +1,199 @@
+"""CPU tests of the research harness: problem sets, FLOP counts, summary parsing, lineage decisions,
+config-search enumeration / pruning / winner selection, and the no-GPU behaviour of prepare.py."""
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash_attn_sm120 import bench
+from flash_attn_sm120.bench import Problem
+from flash_attn_sm120.config import FwdConfig, upstream_fwd_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+prepare = _load("prepare")
+lineage = _load("lineage")
+search = _load("config_search")
+
+
+# ------------------------------------------------------------------------------------ problem sets
+def test_seed_set_is_the_issue_list():
+    names = [p.name for p in bench.problem_set("seed")]
+    for base in ("b1s8192h16d128", "b2s4096h16d128", "b2s4096h16d96", "b4s2048h32d64"):
+        assert base in names and base + "-causal" in names
+    assert len(names) == 8
+
+
+def test_sets_cover_their_promises():
+    real = bench.problem_set("real")
+    assert any(p.nheads // p.nheads_kv == 8 for p in real) and any(p.nheads // p.nheads_kv == 4 for p in real)
+    assert {p.head_dim for p in real} >= {64, 128, 256}
+    assert min(p.seqlen_q for p in real if not p.is_varlen) == 512
+    assert max(p.seqlen_q for p in real if not p.is_varlen) == 32768
+    assert any(p.is_varlen for p in real)
+    decode = bench.problem_set("decode")
+    assert {p.seqlen_q for p in decode} <= set(range(1, 17)) and max(p.seqlen_k for p in decode) == 131072
+    assert all(p.nheads_kv < p.nheads for p in decode)
+    assert len(bench.problem_set("all")) == sum(len(bench.problem_set(s)) for s in ("seed", "real", "decode", "bwd"))
+    with pytest.raises(ValueError, match="unknown problem set"):
+        bench.problem_set("nope")
+
+
+def test_flops():
+    p = Problem(2, 1024, 1024, 8, 8, 128)
+    assert bench.attention_flops(p) == 4 * 2 * 8 * 1024 * 1024 * 128
+    causal = Problem(2, 1024, 1024, 8, 8, 128, causal=True)
+    assert bench.attention_flops(causal) == bench.attention_flops(p) / 2  # causal counted as half
+    assert bench.backward_flops(p) == 2.5 * bench.attention_flops(p)
+    # window (0, 0): one key per query
+    diag = Problem(1, 64, 64, 1, 1, 64, window=(0, 0))
+    assert bench.attention_flops(diag) == 2 * 1 * (64 + 64) * 64
+    # varlen sums its sequences
+    v = Problem(2, 0, 0, 4, 4, 64, seqlens_q=(10, 20), seqlens_k=(10, 20))
+    assert bench.attention_flops(v) == 2 * 4 * 128 * (100 + 400)
+    assert bench.kv_bytes(Problem(1, 1, 4096, 32, 8, 128)) == 4096 * 8 * 256 * 2
+
+
+def test_timing_summary_and_geomean():
+    t = bench.summarize_times([1.0] * 8 + [2.0, 0.5])
+    assert t.median_ms == 1.0 and t.reps == 10 and t.spread > 0
+    assert math.isclose(bench.geomean([2, 8]), 4)
+    assert math.isnan(bench.geomean([]))
+    assert bench.rotations_for(Problem(1, 128, 128, 1, 1, 64)) == 8  # tiny inputs: many copies
+    assert bench.rotations_for(Problem(1, 8192, 8192, 16, 16, 128)) == 2
+
+
+# -------------------------------------------------------------------------------- summary parsing
+def test_summary_round_trip():
+    class Info:
+        name, mode = "NVIDIA H200", "emulated"
+
+    rows = [prepare.Row("experiment", "candidate", "p1", "emulated", "ok", ms=1.0, spread=0.02, tflops=100.0,
+                        peak_vram_mib=10.0),
+            prepare.Row("experiment", "candidate", "p2", "emulated", "ok", ms=1.0, spread=0.01, tflops=400.0,
+                        peak_vram_mib=20.0),
+            prepare.Row("upstream_sm120", "reference", "p1", "emulated", "ok", tflops=50.0)]
+    s = prepare.summarize(rows, Info)
+    assert s["fwd_tflops_geomean"] == pytest.approx(200.0) and s["fwd_tflops_peak"] == 400.0
+    assert s["correct"] is True and s["peak_vram_mib"] == 20.0 and s["max_spread"] == 0.02
+    back = prepare.parse_summary("noise\n" + prepare.format_summary(s) + "\ntrailing: x\n")
+    assert back["gpu"] == "NVIDIA H200" and back["mode"] == "emulated" and back["correct"] is True
+    assert back["fwd_tflops_geomean"] == pytest.approx(200.0) and math.isnan(back["bwd_tflops_geomean"])
+    rows[1].status = "incorrect"
+    assert prepare.summarize(rows, Info)["correct"] is False
+
+
+def test_prepare_without_gpu_exits_with_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare.py"), "--set", "seed"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0
+    assert "no CUDA GPU" in r.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------- lineage
+BEST = {"fwd_tflops_geomean": 100.0, "max_spread": 0.02}
+
+
+@pytest.mark.parametrize("summary,code,status", [
+    ({"correct": True, "fwd_tflops_geomean": 105.0, "max_spread": 0.01}, 0, "keep"),
+    ({"correct": True, "fwd_tflops_geomean": 101.5, "max_spread": 0.01}, 0, "discard"),  # within spread
+    ({"correct": True, "fwd_tflops_geomean": 90.0, "max_spread": 0.01}, 0, "discard"),
+    ({"correct": False, "fwd_tflops_geomean": 500.0, "max_spread": 0.01}, 0, "incorrect"),
+    ({"correct": True, "fwd_tflops_geomean": 500.0}, 1, "crash"),
+    (None, 0, "crash"),
+    ({"correct": True, "fwd_tflops_geomean": float("nan")}, 0, "crash"),
+    ({"correct": True, "fwd_tflops_geomean": 500.0}, None, "crash"),  # timed out
+])
+def test_decide(summary, code, status):
+    assert lineage.decide(summary, BEST, code)[0] == status
+
+
+def test_decide_first_run_is_baseline_and_spread_is_the_larger():
+    assert lineage.decide({"correct": True, "fwd_tflops_geomean": 1.0}, None, 0)[0] == "keep"
+    noisy = {"correct": True, "fwd_tflops_geomean": 104.0, "max_spread": 0.05}
+    assert lineage.decide(noisy, BEST, 0)[0] == "discard"  # +4% inside the candidate's 5% spread
+
+
+def test_best_kept_and_rows(tmp_path):
+    path = tmp_path / "results.tsv"
+    for g, status, pset in [(100, "keep", "seed"), (120, "discard", "seed"), (110, "keep", "seed"), (500, "keep", "real")]:
+        lineage.append_row(dict(commit="c", time="t", gpu="G", mode="emulated", set=pset, fwd_tflops_geomean=g,
+                                status=status, description="d"), path)
+    rows = lineage.read_rows(path)
+    assert len(rows) == 4
+    assert float(lineage.best_kept(rows, "G", "emulated", "seed")["fwd_tflops_geomean"]) == 110
+    assert lineage.best_kept(rows, "G", "sm120", "seed") is None
+
+
+def test_promote_text_replaces_only_overridden_entries():
+    text = ('schema = 1\n\n[[fwd]]\nhead_dim = 64\nmask = "none"\nnum_threads = 128\n\n'
+            '[[fwd]]\nhead_dim = 128\nmask = "causal"\nnum_threads = 128\n')
+    row = dict(gpu="G", mode="emulated", time="2026-11-29T00:00:00", fwd_tflops_geomean="123.4", commit="abc", set="seed")
+    out = lineage.promote_text(text, {(128, "causal"): FwdConfig(256, 128, 96, 1)}, row)
+    assert out.count("[[fwd]]") == 2 and "num_threads = 256" in out and 'head_dim = 64' in out
+    assert 'mode = "emulated"' in out and "tflops = 123.4" in out
+    from flash_attn_sm120.config import parse_fwd_table, tomllib
+
+    doc = tomllib.loads(out.replace('[[fwd]]\nhead_dim = 64\nmask = "none"\nnum_threads = 128\n', ""))
+    assert parse_fwd_table(doc)[0].config == FwdConfig(256, 128, 96, 1)
+
+
+# ------------------------------------------------------------------------------- config search
+def test_enumeration_is_exactly_the_implementable_grid():
+    cands = search.enumerate_candidates(128)
+    assert all(c.error(128, 128) is None for c in cands)
+    assert FwdConfig(256, 128, 96, 1) in cands and FwdConfig(128, 64, 64, 1, True) in cands
+    assert not any(c.q_in_regs and c.num_stages > 1 for c in cands)
+    assert FwdConfig(128, 128, 128, 2) not in cands  # 128 KB of shared memory
+    assert len(search.enumerate_candidates(256)) < len(search.enumerate_candidates(64))
+
+
+def test_prune_rule():
+    row = dict(spill_bytes=0, local_loads=0, local_stores=0, ctas_per_sm=1, warps_per_sm=4)
+    assert search.keep_after_prune(row)
+    assert not search.keep_after_prune(dict(row, spill_bytes=8))
+    assert not search.keep_after_prune(dict(row, local_stores=2))
+    assert not search.keep_after_prune(dict(row, ctas_per_sm=0))
+    assert not search.keep_after_prune(row, min_warps_per_sm=8)
+
+
+def _final(bucket, cfg, tflops, role="candidate", spread=0.01):
+    return dict(round="final", bucket=bucket, mask="none", config=cfg.to_dict(), role=role, correct=True,
+                geomean_tflops=tflops, problems=[dict(spread=spread)])
+
+
+def test_pick_winners_rules():
+    ups, a, b = upstream_fwd_config(128), FwdConfig(256, 128, 96), FwdConfig(128, 128, 48, 2)
+    rows = [_final(128, ups, 100.0, "upstream"), _final(128, a, 100.5), _final(128, b, 95.0),
+            dict(_final(128, FwdConfig(128, 64, 64), 999.0), correct=False)]
+    best, up = search.pick_winners(rows)[(128, "none")]
+    assert best["config"] == ups.to_dict()  # +0.5% is inside the spread: upstream stays
+    rows[1]["geomean_tflops"] = 110.0
+    assert search.pick_winners(rows)[(128, "none")][0]["config"] == a.to_dict()
+    # upstream's tile spills: it cannot ship, the best shippable config wins even if slower
+    shippable = lambda bucket, mask, cfg: cfg != ups.to_dict() and cfg != a.to_dict()
+    assert search.pick_winners(rows, shippable)[(128, "none")][0]["config"] == b.to_dict()
+
+
+def test_search_resumes_from_logged_keys(tmp_path):
+    f = tmp_path / "times.jsonl"
+    f.write_text('{"key": "screen/128/none/x"}\n{"key": "final/128/none/x"}\n{"broken json\n')
+    assert search._read_keys(f) == {"screen/128/none/x", "final/128/none/x"}
