@@ -138,6 +138,52 @@ def clear_cache() -> None:
     _compile_cache = _make_cache()
 
 
+def build_statics(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    local: bool,
+    pack_gqa: bool,
+    has_lse: bool,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    window_size_left: Optional[int],
+    window_size_right: Optional[int],
+    score_mod: Optional[Callable],
+    mask_mod: Optional[Callable],
+    aux_tensors: Optional[list],
+    config: FwdConfig,
+    emulate_host_smem: Optional[tuple],
+) -> FwdStatics:
+    """The compile key of a forward call (resolved causal/local flags, resolved config)."""
+    return FwdStatics(
+        dtype=str(q.dtype).replace("torch.", ""),
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        qhead_per_kvhead=q.shape[-2] // v.shape[-2],
+        causal=causal,
+        local=local,
+        pack_gqa=pack_gqa,
+        has_lse=has_lse,
+        has_cu_seqlens_q=cu_seqlens_q is not None,
+        has_cu_seqlens_k=cu_seqlens_k is not None,
+        has_seqused_q=seqused_q is not None,
+        has_seqused_k=seqused_k is not None,
+        has_window_left=window_size_left is not None,
+        has_window_right=window_size_right is not None,
+        score_mod_hash=fa_utils.hash_callable(score_mod) if score_mod is not None else False,
+        mask_mod_hash=fa_utils.hash_callable(mask_mod) if mask_mod is not None else False,
+        aux_metadata=get_aux_tensor_metadata(aux_tensors) if aux_tensors is not None else None,
+        broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
+        config=config,
+        emulate_host_smem=emulate_host_smem,
+    )
+
+
 def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causal: bool, local: bool) -> FwdStatics:
     """Make the compile key one its family can serve.
 
@@ -231,27 +277,11 @@ def forward(
             raise ValueError("softcap and score_mod cannot be used together")
         score_mod = fa_utils.create_softcap_scoremod(softcap)
 
-    statics = FwdStatics(
-        dtype=str(q.dtype).replace("torch.", ""),
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        qhead_per_kvhead=qhead_per_kvhead,
-        causal=causal,
-        local=local,
-        pack_gqa=pack_gqa,
-        has_lse=lse is not None,
-        has_cu_seqlens_q=varlen_q,
-        has_cu_seqlens_k=cu_seqlens_k is not None,
-        has_seqused_q=seqused_q is not None,
-        has_seqused_k=seqused_k is not None,
-        has_window_left=window_size_left is not None,
-        has_window_right=window_size_right is not None,
-        score_mod_hash=fa_utils.hash_callable(score_mod) if score_mod is not None else False,
-        mask_mod_hash=fa_utils.hash_callable(mask_mod) if mask_mod is not None else False,
-        aux_metadata=get_aux_tensor_metadata(aux_tensors) if aux_tensors is not None else None,
-        broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
-        config=config,
-        emulate_host_smem=emulate_host_smem,
+    statics = build_statics(
+        q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, has_lse=lse is not None,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        window_size_left=window_size_left, window_size_right=window_size_right, score_mod=score_mod,
+        mask_mod=mask_mod, aux_tensors=aux_tensors, config=config, emulate_host_smem=emulate_host_smem,
     )
     statics = _route(statics, pack_gqa_chosen, config_given, causal, local)
     aux_scalars = tuple(aux_scalars) if aux_scalars else None

@@ -32,7 +32,7 @@ from flash_attn.cute.utils import AuxData
 from flash_attn_sm120 import driver, hardware, splitkv
 from flash_attn_sm120.config import _FALLBACKS, FwdConfig, load_fwd_table, select_fwd_config, upstream_fwd_config
 from flash_attn_sm120.decode import DECODE_FAMILY, is_decode, load_decode_table, select_decode_config
-from flash_attn_sm120.driver import FwdStatics, _TORCH_TO_CUTE
+from flash_attn_sm120.driver import FwdStatics, _TORCH_TO_CUTE, build_statics
 from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
 
 
@@ -291,27 +291,11 @@ def forward(
     else:
         o_kernel, lse_kernel = out, lse
     statics = SplitKVStatics(
-        FwdStatics(
-            dtype=str(q.dtype).replace("torch.", ""),
-            head_dim=head_dim,
-            head_dim_v=head_dim_v,
-            qhead_per_kvhead=qhead_per_kvhead,
-            causal=causal_r,
-            local=local,
-            pack_gqa=pack_gqa,
-            has_lse=lse_kernel is not None,
-            has_cu_seqlens_q=varlen_q,
-            has_cu_seqlens_k=cu_seqlens_k is not None,
-            has_seqused_q=seqused_q is not None,
-            has_seqused_k=seqused_k is not None,
-            has_window_left=left is not None,
-            has_window_right=right is not None,
-            score_mod_hash=fa_utils.hash_callable(score_mod) if score_mod is not None else False,
-            mask_mod_hash=fa_utils.hash_callable(mask_mod) if mask_mod is not None else False,
-            aux_metadata=get_aux_tensor_metadata(aux_tensors) if aux_tensors is not None else None,
-            broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
-            config=kcfg,
-            emulate_host_smem=emulate_host_smem,
+        build_statics(
+            q, k, v, causal=causal_r, local=local, pack_gqa=pack_gqa, has_lse=lse_kernel is not None,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            window_size_left=left, window_size_right=right, score_mod=score_mod, mask_mod=mask_mod,
+            aux_tensors=aux_tensors, config=kcfg, emulate_host_smem=emulate_host_smem,
         ),
         is_split_kv=is_split,
         paged=page_table is not None,

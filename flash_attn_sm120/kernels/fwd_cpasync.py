@@ -176,24 +176,33 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         return sm120_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs) is None
 
     def _get_shared_storage_cls(self):
-        storage = super()._get_shared_storage_cls()
-        self.smem_bytes_unpadded = storage.size_in_bytes()
-        self.smem_bytes_launched = self.smem_bytes_unpadded
-        if self.emulate_host_smem is None:
-            return storage
-        host_per_sm, host_per_block = self.emulate_host_smem
-        padded = hardware.emulation_padded_smem(
-            self.smem_bytes_unpadded,
-            self.num_threads,
-            static_smem=hardware.DSL_STATIC_SMEM,
-            host_smem_per_sm=host_per_sm,
-            host_smem_per_block_max=host_per_block,
-        )
-        if padded == self.smem_bytes_unpadded:
-            return storage
-        storage = _padded_struct(storage, padded)
-        self.smem_bytes_launched = storage.size_in_bytes()
+        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)
+
+
+def emulation_storage(kernel, storage, num_threads: int):
+    """Record `storage`'s size on `kernel` and, in SM120 emulation, return it padded.
+
+    Sets kernel.smem_bytes_unpadded / smem_bytes_launched (read by the codegen report and tests).
+    With kernel.emulate_host_smem set, the struct gets a trailing pad so that the host GPU keeps no
+    more CTAs of `num_threads` threads per SM than SM120 would (hardware.emulation_padded_smem).
+    """
+    kernel.smem_bytes_unpadded = storage.size_in_bytes()
+    kernel.smem_bytes_launched = kernel.smem_bytes_unpadded
+    if kernel.emulate_host_smem is None:
         return storage
+    host_per_sm, host_per_block = kernel.emulate_host_smem
+    padded = hardware.emulation_padded_smem(
+        kernel.smem_bytes_unpadded,
+        num_threads,
+        static_smem=hardware.DSL_STATIC_SMEM,
+        host_smem_per_sm=host_per_sm,
+        host_smem_per_block_max=host_per_block,
+    )
+    if padded == kernel.smem_bytes_unpadded:
+        return storage
+    storage = _padded_struct(storage, padded)
+    kernel.smem_bytes_launched = storage.size_in_bytes()
+    return storage
 
 
 def _padded_struct(storage, total_bytes: int):

@@ -87,7 +87,7 @@ from quack import copy_utils, layout_utils
 from quack import sm90_utils as quack_sm90_utils
 
 from flash_attn_sm120 import hardware
-from flash_attn_sm120.kernels.fwd_cpasync import _padded_struct
+from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 SUPPORTED_NUM_THREADS = (128, 256)  # MMA warps: 4 or 8
@@ -389,24 +389,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             mbar_K: mbar_k
             mbar_V: mbar_v
 
-        storage = SharedStorageTma
-        self.smem_bytes_unpadded = storage.size_in_bytes()
-        self.smem_bytes_launched = self.smem_bytes_unpadded
-        if self.emulate_host_smem is None:
-            return storage
-        host_per_sm, host_per_block = self.emulate_host_smem
-        padded = hardware.emulation_padded_smem(
-            self.smem_bytes_unpadded,
-            self.num_threads_total,
-            static_smem=hardware.DSL_STATIC_SMEM,
-            host_smem_per_sm=host_per_sm,
-            host_smem_per_block_max=host_per_block,
-        )
-        if padded == self.smem_bytes_unpadded:
-            return storage
-        storage = _padded_struct(storage, padded)
-        self.smem_bytes_launched = storage.size_in_bytes()
-        return storage
+        return emulation_storage(self, SharedStorageTma, self.num_threads_total)
 
     def sQO_layout_for_size(self):
         """sQ doubles as sO: the buffer must hold the larger of the two."""
