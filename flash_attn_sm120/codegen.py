@@ -206,12 +206,16 @@ def report_row(
     keep_sass: Optional[dict] = None,
 ) -> CodegenResult:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    cubin, smem_dyn = compile_fwd_cubin(config, head_dim, head_dim_v, causal=causal, dtype=dtype, upstream_class=upstream_class)
+    kernels: list = []
+    cubin, smem_dyn = compile_fwd_cubin(config, head_dim, head_dim_v, causal=causal, dtype=dtype,
+                                        upstream_class=upstream_class, kernel_out=kernels)
+    # families with extra warps (the TMA producer warpgroup) launch more threads than config.num_threads
+    threads = getattr(kernels[0], "num_threads_total", config.num_threads)
     res, hist, sass_text = inspect_cubin(cubin)
     if keep_sass is not None:
         keep_sass["text"] = sass_text
     smem_total = smem_dyn + res["shared"]
-    occ = hardware.sm120_occupancy(smem_total, config.num_threads, res["regs"])
+    occ = hardware.sm120_occupancy(smem_total, threads, res["regs"])
     lds, sts = hist.get("LDL", 0), hist.get("STL", 0)
     return CodegenResult(
         name=name or f"{config.name}-d{head_dim}{'-causal' if causal else ''}",
@@ -231,7 +235,7 @@ def report_row(
         smem_static=res["shared"],
         ctas_per_sm=occ.ctas_per_sm,
         ctas_limiter=occ.limiter,
-        warps_per_sm=occ.ctas_per_sm * config.num_warps,
+        warps_per_sm=occ.ctas_per_sm * (threads // 32),
         sass=hist,
         note=note,
     )
