@@ -64,6 +64,18 @@ class FwdConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_row(cls, raw: dict, default_family: str = "cpasync") -> "FwdConfig":
+        """A config from a TOML table row (KeyError names a missing required key)."""
+        return cls(
+            num_threads=int(raw["num_threads"]),
+            tile_m=int(raw["tile_m"]),
+            tile_n=int(raw["tile_n"]),
+            num_stages=int(raw.get("num_stages", 1)),
+            q_in_regs=bool(raw.get("q_in_regs", False)),
+            family=str(raw.get("family", default_family)),
+        )
+
 
 # upstream's own SM120 choice (flash_attn/cute/interface.py, _get_fwd_config): 4 warps, 1 stage
 def upstream_fwd_config(head_dim: int) -> FwdConfig:
@@ -110,14 +122,7 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
         where = f"fwd entry {i}"
         try:
             head_dim, mask = int(raw["head_dim"]), str(raw["mask"])
-            cfg = FwdConfig(
-                num_threads=int(raw["num_threads"]),
-                tile_m=int(raw["tile_m"]),
-                tile_n=int(raw["tile_n"]),
-                num_stages=int(raw.get("num_stages", 1)),
-                q_in_regs=bool(raw.get("q_in_regs", False)),
-                family=str(raw.get("family", "cpasync")),
-            )
+            cfg = FwdConfig.from_row(raw)
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e}") from None
         if head_dim not in HEAD_DIM_BUCKETS:

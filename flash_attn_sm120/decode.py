@@ -53,14 +53,7 @@ def parse_decode_table(data: dict) -> list[DecodeEntry]:
         where = f"decode entry {i}"
         try:
             head_dim = int(raw["head_dim"])
-            cfg = FwdConfig(
-                num_threads=int(raw["num_threads"]),
-                tile_m=int(raw["tile_m"]),
-                tile_n=int(raw["tile_n"]),
-                num_stages=int(raw.get("num_stages", 1)),
-                q_in_regs=bool(raw.get("q_in_regs", False)),
-                family=str(raw.get("family", DECODE_FAMILY)),
-            )
+            cfg = FwdConfig.from_row(raw, DECODE_FAMILY)
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e}") from None
         if head_dim not in HEAD_DIM_BUCKETS:

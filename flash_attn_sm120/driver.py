@@ -62,10 +62,14 @@ class FwdStatics:
     emulate_host_smem: Optional[tuple]
 
 
-def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False):
-    """The kernel object for a compile key (no compilation)."""
+def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False,
+                kernel_cls: Optional[type] = None, **extra):
+    """The kernel object for a compile key (no compilation).
+
+    kernel_cls defaults to the config's family; `extra` goes to its constructor (e.g. is_split_kv).
+    """
     cfg = statics.config
-    cls = FAMILIES[cfg.family].kernel_cls
+    cls = kernel_cls or FAMILIES[cfg.family].kernel_cls
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,
@@ -83,6 +87,7 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
         mask_mod=mask_mod,
         has_aux_tensors=has_aux_tensors,
         emulate_host_smem=statics.emulate_host_smem,
+        **extra,
     )
 
 

@@ -32,7 +32,7 @@ from flash_attn.cute.utils import AuxData
 from flash_attn_sm120 import driver, hardware, splitkv
 from flash_attn_sm120.config import _FALLBACKS, FwdConfig, load_fwd_table, select_fwd_config, upstream_fwd_config
 from flash_attn_sm120.decode import DECODE_FAMILY, is_decode, load_decode_table, select_decode_config
-from flash_attn_sm120.driver import FwdStatics, _TORCH_TO_CUTE, build_statics
+from flash_attn_sm120.driver import FwdStatics, build_statics
 from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
 
 
@@ -113,26 +113,8 @@ def plan(
 
 def make_splitkv_kernel(statics: SplitKVStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False):
     """The kernel object for a compile key (no compilation)."""
-    s, cfg = statics.fwd, statics.fwd.config
-    return FlashAttentionForwardSm120SplitKV(
-        _TORCH_TO_CUTE[getattr(torch, s.dtype)],
-        s.head_dim,
-        s.head_dim_v,
-        s.qhead_per_kvhead,
-        is_causal=s.causal,
-        is_local=s.local,
-        pack_gqa=s.pack_gqa,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        num_stages=cfg.num_stages,
-        num_threads=cfg.num_threads,
-        Q_in_regs=cfg.q_in_regs,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        has_aux_tensors=has_aux_tensors,
-        emulate_host_smem=s.emulate_host_smem,
-        is_split_kv=statics.is_split_kv,
-    )
+    return driver.make_kernel(statics.fwd, score_mod, mask_mod, has_aux_tensors,
+                              kernel_cls=FlashAttentionForwardSm120SplitKV, is_split_kv=statics.is_split_kv)
 
 
 def compile_splitkv_kernel(
