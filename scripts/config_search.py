@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,26 +44,21 @@ from flash_attn_sm120.bench import Problem, geomean  # noqa: E402
 from flash_attn_sm120.config import HEAD_DIM_BUCKETS, FwdConfig, upstream_fwd_config  # noqa: E402
 
 THREADS = (128, 256)
-TILE_M = (64, 128)
+TILE_M = (64, 128, 256)  # 256 rows only with 8 warps (32 rows per warp)
 TILE_N = (32, 64, 80, 96, 112, 128)
 STAGES = (1, 2, 3)
+FAMILIES = ("cpasync",)  # add "tma" with --grid '{"families": ["tma"]}'
 MASKS = ("none", "causal")
 
 
 def enumerate_candidates(head_dim: int, grid: dict | None = None) -> list[FwdConfig]:
     """All configs of the grid that are implementable on SM120 at this head dim (pure)."""
-    g = dict(threads=THREADS, tile_m=TILE_M, tile_n=TILE_N, stages=STAGES, q_in_regs=(False, True))
+    g = dict(threads=THREADS, tile_m=TILE_M, tile_n=TILE_N, stages=STAGES, q_in_regs=(False, True),
+             families=FAMILIES)
     g.update(grid or {})
-    out = []
-    for t in g["threads"]:
-        for m in g["tile_m"]:
-            for n in g["tile_n"]:
-                for s in g["stages"]:
-                    for qr in g["q_in_regs"]:
-                        cfg = FwdConfig(t, m, n, s, qr)
-                        if cfg.error(head_dim, head_dim) is None:
-                            out.append(cfg)
-    return out
+    grid_points = itertools.product(g["families"], g["threads"], g["tile_m"], g["tile_n"], g["stages"], g["q_in_regs"])
+    cands = (FwdConfig(t, m, n, s, qr, family=f) for f, t, m, n, s, qr in grid_points)
+    return [c for c in cands if c.error(head_dim, head_dim) is None]
 
 
 def keep_after_prune(row: dict, min_warps_per_sm: int = 4) -> bool:
@@ -349,30 +346,43 @@ def shippable_from_prune(out: Path):
     return lambda b, m, cfg: (b, m, json.dumps(cfg, sort_keys=True)) in clean
 
 
+def entry_text(best: dict, ups: dict | None, command: str) -> str:
+    """One [[fwd]] table entry with provenance for a winning final row (pure)."""
+    c = best["config"]
+    return (
+        f"[[fwd]]\nhead_dim = {best['bucket']}\nmask = \"{best['mask']}\"\nfamily = \"{c['family']}\"\n"
+        f"num_threads = {c['num_threads']}\ntile_m = {c['tile_m']}\ntile_n = {c['tile_n']}\n"
+        f"num_stages = {c['num_stages']}\nq_in_regs = {str(c['q_in_regs']).lower()}\n"
+        f"[fwd.provenance]\ngpu = \"{best['gpu']}\"\nmode = \"{best['mode']}\"\ndate = \"{best['date']}\"\n"
+        f"tflops = {best['geomean_tflops']:.1f}\n"
+        + (f"upstream_tflops = {ups['geomean_tflops']:.1f}\n" if ups else "")
+        + f"problems = {json.dumps([p['name'] for p in best['problems']])}\n"
+        f"command = \"{command}\"\n"
+    )
+
+
+def merge_table(text: str, entries: dict) -> str:
+    """The table text with the (bucket, mask) -> entry text of `entries` replacing or adding those
+    groups; every other entry (a bucket this search did not cover) is kept as it was (pure)."""
+    blocks = re.split(r"(?m)^(?=\[\[fwd\]\])", text)
+    header, kept = blocks[0], {}
+    for block in blocks[1:]:
+        hd = re.search(r"(?m)^head_dim = (\d+)", block)
+        mk = re.search(r'(?m)^mask = "(\w+)"', block)
+        kept[(int(hd.group(1)), mk.group(1))] = block.rstrip() + "\n"
+    kept.update(entries)
+    return header.rstrip() + "\n\n" + "\n".join(kept[k] for k in sorted(kept))
+
+
 def stage_write(out: Path, toml_path: Path, command: str) -> None:
     rows = [r for f in sorted(out.glob("times*.jsonl")) for r in _read_rows(f)]
     winners = pick_winners(rows, shippable_from_prune(out))
-    lines = [l for l in toml_path.read_text().splitlines() if not l.startswith("[[fwd]]")]
-    header = []
-    for l in lines:
-        if l.startswith("[") or (l and not l.startswith("#") and not l.startswith("schema")):
-            break
-        header.append(l)
-    text = "\n".join(header).rstrip() + "\n"
-    for (bucket, mask), (best, ups) in sorted(winners.items()):
-        c = best["config"]
-        text += (
-            f"\n[[fwd]]\nhead_dim = {bucket}\nmask = \"{mask}\"\nfamily = \"{c['family']}\"\n"
-            f"num_threads = {c['num_threads']}\ntile_m = {c['tile_m']}\ntile_n = {c['tile_n']}\n"
-            f"num_stages = {c['num_stages']}\nq_in_regs = {str(c['q_in_regs']).lower()}\n"
-            f"[fwd.provenance]\ngpu = \"{best['gpu']}\"\nmode = \"{best['mode']}\"\ndate = \"{best['date']}\"\n"
-            f"tflops = {best['geomean_tflops']:.1f}\n"
-            + (f"upstream_tflops = {ups['geomean_tflops']:.1f}\n" if ups else "")
-            + f"problems = {json.dumps([p['name'] for p in best['problems']])}\n"
-            f"command = \"{command}\"\n"
-        )
-    toml_path.write_text(text)
-    print(f"wrote {len(winners)} entries to {toml_path}")
+    entries = {key: entry_text(best, ups, command) for key, (best, ups) in winners.items()}
+    toml_path.write_text(merge_table(toml_path.read_text(), entries))
+    print(f"wrote {len(entries)} entries to {toml_path}: " + ", ".join(
+        f"{b}/{m}={best['config']['family']}-w{best['config']['num_threads'] // 32}-"
+        f"{best['config']['tile_m']}x{best['config']['tile_n']}-s{best['config']['num_stages']}"
+        for (b, m), (best, _) in sorted(winners.items())))
 
 
 # ------------------------------------------------------------------------------------- helpers

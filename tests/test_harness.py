@@ -166,6 +166,33 @@ def test_enumeration_is_exactly_the_implementable_grid():
     assert len(search.enumerate_candidates(256)) < len(search.enumerate_candidates(64))
 
 
+def test_enumeration_covers_256_row_tiles_and_other_families():
+    cands = search.enumerate_candidates(128)
+    assert FwdConfig(256, 256, 32, 1) in cands  # 8 warps x 32 rows: spill-free on sm_120a
+    assert FwdConfig(256, 256, 64, 2) not in cands  # 112 KB of shared memory at d=128
+    tma = search.enumerate_candidates(128, {"families": ["tma"], "threads": [256]})
+    assert tma and all(c.family == "tma" and c.error(128, 128) is None for c in tma)
+    assert FwdConfig(256, 256, 32, 2, family="tma") in tma
+
+
+def test_write_merges_winners_into_the_table_and_keeps_other_buckets():
+    prov = '[fwd.provenance]\ngpu = "G"\nmode = "emulated"\ndate = "2026-11-29"\ncommand = "c"\n'
+    text = (
+        "# header\nschema = 1\n\n[[fwd]]\nhead_dim = 256\nmask = \"causal\"\nnum_threads = 128\n"
+        "tile_m = 64\ntile_n = 64\n" + prov + "\n[[fwd]]\nhead_dim = 128\nmask = \"none\"\nnum_threads = 128\n"
+        "tile_m = 128\ntile_n = 48\nnum_stages = 2\n" + prov
+    )
+    best = dict(_final(128, FwdConfig(256, 256, 32, 2), 380.0), gpu="G", mode="emulated", date="2026-11-29")
+    best["problems"] = [dict(name="b1s8192h16d128", spread=0.01)]
+    out = search.merge_table(text, {(128, "none"): search.entry_text(best, None, "cmd")})
+    from flash_attn_sm120.config import parse_fwd_table, tomllib
+
+    entries = {(e.head_dim, e.mask): e.config for e in parse_fwd_table(tomllib.loads(out))}
+    assert entries[(128, "none")] == FwdConfig(256, 256, 32, 2)
+    assert entries[(256, "causal")] == FwdConfig(128, 64, 64, 1)  # not searched: kept
+    assert out.startswith("# header") and out.count("[[fwd]]") == 2 and 'command = "cmd"' in out
+
+
 def test_prune_rule():
     row = dict(spill_bytes=0, local_loads=0, local_stores=0, ctas_per_sm=1, warps_per_sm=4)
     assert search.keep_after_prune(row)
