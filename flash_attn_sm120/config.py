@@ -135,9 +135,11 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
         prov = raw.get("provenance")
         if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
             raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
-        if (head_dim, mask) in seen:
-            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask})")
-        seen.add((head_dim, mask))
+        # a (bucket, mask) may list one entry per kernel family: the first is the measured fastest,
+        # later ones serve the calls an earlier family refuses (e.g. varlen on the TMA family)
+        if (head_dim, mask, cfg.family) in seen:
+            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}, family {cfg.family})")
+        seen.add((head_dim, mask, cfg.family))
         entries.append(TableEntry(head_dim, mask, cfg, dict(prov)))
     return entries
 
@@ -163,17 +165,19 @@ def select_fwd_config(
     """The table's config for this problem, or the first fallback that fits; pure.
 
     Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
-    entry; then the fallbacks (spill-free on sm_120a). A config that cannot run the actual head
-    dims is skipped.
+    entry; then the fallbacks (spill-free on sm_120a). Within a key, entries are tried in table
+    order; a config that cannot run the actual head dims is skipped.
     """
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
-    by_key = {(e.head_dim, e.mask): e.config for e in table}
+    by_key: dict = {}
+    for e in table:  # entries of one key in table order: the first that runs these dims is chosen
+        by_key.setdefault((e.head_dim, e.mask), []).append(e.config)
     order = [kind] + (["causal"] if kind == "local" else []) + ["none"]
     for m in order:
-        cfg = by_key.get((bucket, m))
-        if cfg is not None and cfg.error(head_dim, head_dim_v) is None:
-            return cfg
+        for cfg in by_key.get((bucket, m), ()):
+            if cfg.error(head_dim, head_dim_v) is None:
+                return cfg
     for cfg in _FALLBACKS:
         if cfg.error(head_dim, head_dim_v) is None:
             return cfg

@@ -212,6 +212,7 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
         if bad_config is not None:
             raise ValueError(f"SM120 forward config not implementable: {bad_config}")
         raise NotImplementedError(f"kernel family {cfg.family!r} cannot run this call: {reason}")
+    # the table's cp.async entry of the same (bucket, mask), listed after the faster family's
     table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
     fallback = select_fwd_config(table, statics.head_dim, statics.head_dim_v, causal, local)
     return replace(statics, config=fallback)

@@ -62,8 +62,9 @@ class _Sm120AttnFunc(torch.autograd.Function):
     """Forward on this package's kernels, backward on upstream's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool):
-        needs_grad = any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled()
+    def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
+        # needs_grad comes from the caller: grad mode is always off inside Function.forward, and the
+        # backward needs the LSE even when the caller did not ask for it
         # paged, split (num_splits != 1) and decode-shaped calls: driver_splitkv; the rest: driver
         route = {n: fwd_kwargs.pop(n, None) for n in ("page_table", "num_splits", "max_seqlen_q", "max_seqlen_k")}
         route["num_splits"] = 1 if route["num_splits"] is None else route["num_splits"]
@@ -92,7 +93,7 @@ class _Sm120AttnFunc(torch.autograd.Function):
         dq, dk, dv = upstream._flash_attn_bwd(
             q, k, v, out, dout, lse, dlse=dlse if ctx.return_lse else None, **kw
         )[:3]
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attn_func(
@@ -150,7 +151,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
         window_size_right=right, deterministic=deterministic, _tensors=(), _tensor_names=(),
     )
-    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse)
+    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def flash_attn_varlen_func(
@@ -231,7 +232,7 @@ def flash_attn_varlen_func(
         window_size_right=right, deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
-    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse)
+    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def _locals_without_target(scope: dict) -> dict:

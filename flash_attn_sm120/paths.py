@@ -128,6 +128,12 @@ def _upstream_config(head_dim: int, head_dim_v: int) -> FwdConfig:
     return upstream_fwd_config(max(head_dim, head_dim_v))
 
 
+# What a forced config of a family can run (the dispatcher sends the rest to the cp.async entry)
+FAMILY_LIMITS: dict[str, dict] = {
+    "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False),
+}
+
+
 BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-table", "dispatch", None),
     KernelPath("cpasync-w8-128x96-s1", "cpasync", FwdConfig(256, 128, 96, 1)),
@@ -135,8 +141,7 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192
     KernelPath("upstream-config", "cpasync", _upstream_config),
     # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, no varlen / GQA packing
-    KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"),
-               Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False)),
+    KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"), Supports(**FAMILY_LIMITS["tma"])),
     # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
     KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),
                Supports(head_dims=tuple(range(16, 257, 16)), splits=True, paged=True)),
@@ -149,13 +154,21 @@ def _bucket_dims(bucket: int) -> tuple[int, ...]:
 
 
 def table_paths(table: Iterable[TableEntry]) -> tuple[KernelPath, ...]:
-    """One path per table entry, restricted to the head dims of its bucket."""
-    return tuple(
-        KernelPath(
-            f"table-d{e.head_dim}-{e.mask}", e.config.family, e.config, Supports(head_dims=_bucket_dims(e.head_dim))
-        )
-        for e in table
-    )
+    """One path per table entry, restricted to the head dims of its bucket and what its family runs.
+
+    The first entry of a (bucket, mask) is "table-d<bucket>-<mask>"; a later entry of another family
+    (the fallback for calls the first refuses) is "table-d<bucket>-<mask>-<family>".
+    """
+    paths, seen = [], set()
+    for e in table:
+        key = (e.head_dim, e.mask)
+        name = f"table-d{e.head_dim}-{e.mask}" + (f"-{e.config.family}" if key in seen else "")
+        seen.add(key)
+        limits = dict(FAMILY_LIMITS.get(e.config.family, {}))
+        family_dims = limits.pop("head_dims", ALL_HEAD_DIMS)
+        dims = tuple(d for d in _bucket_dims(e.head_dim) if d in family_dims)
+        paths.append(KernelPath(name, e.config.family, e.config, Supports(head_dims=dims, **limits)))
+    return tuple(paths)
 
 
 def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:

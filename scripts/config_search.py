@@ -361,24 +361,42 @@ def entry_text(best: dict, ups: dict | None, command: str) -> str:
     )
 
 
-def merge_table(text: str, entries: dict) -> str:
-    """The table text with the (bucket, mask) -> entry text of `entries` replacing or adding those
-    groups; every other entry (a bucket this search did not cover) is kept as it was (pure)."""
-    blocks = re.split(r"(?m)^(?=\[\[fwd\]\])", text)
-    header, kept = blocks[0], {}
-    for block in blocks[1:]:
+def table_blocks(text: str) -> dict:
+    """(bucket, mask) -> the [[fwd]] entry texts of that group, in table order (pure)."""
+    groups: dict = {}
+    for block in re.split(r"(?m)^(?=\[\[fwd\]\])", text)[1:]:
         hd = re.search(r"(?m)^head_dim = (\d+)", block)
         mk = re.search(r'(?m)^mask = "(\w+)"', block)
-        kept[(int(hd.group(1)), mk.group(1))] = block.rstrip() + "\n"
-    kept.update(entries)
-    return header.rstrip() + "\n\n" + "\n".join(kept[k] for k in sorted(kept))
+        groups.setdefault((int(hd.group(1)), mk.group(1)), []).append(block.rstrip() + "\n")
+    return groups
+
+
+def merge_table(text: str, entries: dict) -> str:
+    """The table text with the (bucket, mask) -> entry text(s) of `entries` replacing or adding those
+    groups; every other entry (a bucket this search did not cover) is kept as it was (pure)."""
+    header, kept = re.split(r"(?m)^(?=\[\[fwd\]\])", text)[0], table_blocks(text)
+    kept.update({k: [v] if isinstance(v, str) else list(v) for k, v in entries.items()})
+    return header.rstrip() + "\n\n" + "\n".join(b for k in sorted(kept) for b in kept[k])
 
 
 def stage_write(out: Path, toml_path: Path, command: str) -> None:
     rows = [r for f in sorted(out.glob("times*.jsonl")) for r in _read_rows(f)]
-    winners = pick_winners(rows, shippable_from_prune(out))
-    entries = {key: entry_text(best, ups, command) for key, (best, ups) in winners.items()}
-    toml_path.write_text(merge_table(toml_path.read_text(), entries))
+    shippable = shippable_from_prune(out)
+    winners = pick_winners(rows, shippable)
+    # a group won by another family also lists its best cp.async config, which the dispatcher uses
+    # for the calls that family refuses (varlen, GQA packing, other head dims)
+    cpasync = pick_winners([r for r in rows if r["config"].get("family", "cpasync") == "cpasync"], shippable)
+    old_text = toml_path.read_text()
+    entries = {}
+    for key, (best, ups) in winners.items():
+        entries[key] = [entry_text(best, ups, command)]
+        if best["config"].get("family", "cpasync") == "cpasync":
+            continue
+        if key in cpasync:
+            entries[key].append(entry_text(cpasync[key][0], ups, command))
+        else:  # no cp.async finalist this round: keep the table's cp.async entry (and its provenance)
+            entries[key] += [b for b in table_blocks(old_text).get(key, []) if 'family = "cpasync"' in b]
+    toml_path.write_text(merge_table(old_text, entries))
     print(f"wrote {len(entries)} entries to {toml_path}: " + ", ".join(
         f"{b}/{m}={best['config']['family']}-w{best['config']['num_threads'] // 32}-"
         f"{best['config']['tile_m']}x{best['config']['tile_n']}-s{best['config']['num_stages']}"

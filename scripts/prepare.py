@@ -82,13 +82,23 @@ class _null:
         return False
 
 
+def _cpasync_table_config(p: Problem):
+    """The shipped table restricted to its cp.async entries: the best config of upstream's kernel
+    family, the yardstick of a new kernel family."""
+    from flash_attn_sm120.config import load_fwd_table, select_fwd_config
+
+    table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
+    return select_fwd_config(table, p.head_dim, p.dv, p.causal, p.window != (None, None))
+
+
 def reference_impls(info) -> list[Impl]:
     """References timed in the same run as the candidates."""
     import torch
 
     from flash_attn_sm120.config import upstream_fwd_config
 
-    refs = [sm120_impl("upstream_sm120", lambda p: upstream_fwd_config(max(p.head_dim, p.dv)), info, "reference")]
+    refs = [sm120_impl("upstream_sm120", lambda p: upstream_fwd_config(max(p.head_dim, p.dv)), info, "reference"),
+            sm120_impl("sm120_cpasync_table", _cpasync_table_config, info, "reference")]
     if info.is_emulated:
         # upstream's SM120 kernel without padding: what an H200 shows and SM120 would not
         unpadded = type(info)(info.name, info.capability, info.num_sms, info.smem_per_sm, info.smem_per_block_max,

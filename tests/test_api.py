@@ -110,6 +110,34 @@ def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
     assert out.shape == q.shape and "upstream" not in calls
 
 
+@pytest.mark.parametrize("grad,return_lse,want", [(True, False, True), (False, False, False), (False, True, True)])
+def test_forward_computes_lse_for_autograd(monkeypatch, grad, return_lse, want):
+    """The backward needs the LSE even when the caller did not ask for it. Grad mode is off inside
+    autograd.Function.forward, so the caller decides (a deep-fuzz find: every backward without
+    return_lse reached upstream's backward with lse=None)."""
+    seen = {}
+
+    def fake_forward(q, k, v, need_lse, **kw):
+        seen["need_lse"] = need_lse
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if need_lse else None
+        return torch.zeros_like(q), lse
+
+    def fake_bwd(q, k, v, out, dout, lse, **kw):
+        seen["bwd_lse"] = lse
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(interface.driver_splitkv, "takes_this_path", lambda **kw: False)
+    monkeypatch.setattr(interface.driver, "forward", fake_forward)
+    monkeypatch.setattr(interface.upstream, "_flash_attn_bwd", fake_bwd)
+    q, k, v = (torch.zeros(1, 32, 2, 64, requires_grad=grad) for _ in range(3))
+    bwd_kwargs = dict(_tensors=(), _tensor_names=())
+    out, lse = interface._Sm120AttnFunc.apply(q, k, v, {}, bwd_kwargs, return_lse, grad)
+    assert seen["need_lse"] is want
+    if grad:
+        out.sum().backward()
+        assert seen["bwd_lse"] is not None and q.grad is not None
+
+
 @pytest.mark.parametrize("feature,kwargs,match", [
     ("learnable_sink", dict(learnable_sink=torch.zeros(4)), "learnable sink"),
     ("qv", dict(qv=torch.zeros(1)), "qv"),

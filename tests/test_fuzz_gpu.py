@@ -35,6 +35,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import given, seed, strategies as st  # noqa: E402
 
 import fuzz_report  # noqa: E402
+from flash_attn.cute.interface import _resolve_causal_local_window  # noqa: E402
 from flash_attn_sm120 import driver, flash_attn_func, testing  # noqa: E402
 from flash_attn_sm120.device import execution_mode  # noqa: E402
 from flash_attn_sm120.paths import kernel_paths  # noqa: E402
@@ -56,6 +57,7 @@ fuzz_report.RUN_INFO.update(
     bwd_examples=PLAN.bwd_examples,
 )
 _compiles_per_case: dict[str, int] = defaultdict(int)
+_mask_kinds_per_case: dict[str, set] = defaultdict(set)
 
 
 @pytest.fixture
@@ -92,11 +94,16 @@ def _run_example(fc: FuzzCase, problem: testing.AttnProblem, watchdog: Watchdog,
         compiled = _compiles() - before
         fuzz_report.record_compiles(fc.path.name, compiled)
         _compiles_per_case[fc.id] += compiled
-        # driver API: one config, one key per case. (The public API may also take the decode route
-        # for seqlen_q <= 16, with its own config, so it may compile twice.)
-        assert fc.api != "driver" or _compiles_per_case[fc.id] <= 1, (
-            f"{fc.id}: {_compiles_per_case[fc.id]} forward compiles for one static case: a dynamic size or"
-            " value entered the compile key (every new size would recompile)"
+        # driver API: one config, one key per mask kind per case. A window value may change the mask
+        # kind, as upstream resolves it (a right window of 0 with no left window is causal; a
+        # causal case with a left window is local), and each kind is its own kernel. Any other
+        # dynamic size or value must not recompile. (The public API may also take the decode route
+        # for seqlen_q <= 16, with its own config, so it is not counted.)
+        _mask_kinds_per_case[fc.id].add(_resolve_causal_local_window(case.causal, *problem.window(case))[:2])
+        assert fc.api != "driver" or _compiles_per_case[fc.id] <= len(_mask_kinds_per_case[fc.id]), (
+            f"{fc.id}: {_compiles_per_case[fc.id]} forward compiles for one static case and "
+            f"{len(_mask_kinds_per_case[fc.id])} mask kind(s): a dynamic size or value entered the compile key"
+            " (every new size would recompile)"
         )
         passed = True
     except Exception as e:
