@@ -225,6 +225,7 @@ def forward(
         max_k = _host_int(max_seqlen_k) if cu_seqlens_k is not None and _host_int(max_seqlen_k) else capacity
 
     causal_r, local, left, right = _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)
+    pack_gqa_given = pack_gqa  # None = the caller left it to us (a family may then run it unpacked)
     if pack_gqa is None:
         pack_gqa = qhead_per_kvhead > 1
     if qhead_per_kvhead == 1:
@@ -244,7 +245,8 @@ def forward(
     )
     if page_table is None and p.num_splits == 1:
         cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
-        return driver.forward(q, k, v, config=cfg if (p.decode or config is not None) else None, **common)
+        return driver.forward(q, k, v, config=cfg if (p.decode or config is not None) else None,
+                              **dict(common, pack_gqa=pack_gqa_given))
 
     kcfg = kernel_config(p.config, head_dim, head_dim_v)
     if softmax_scale is None:

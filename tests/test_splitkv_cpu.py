@@ -329,3 +329,22 @@ def test_upstream_combine_compiles_for_sm120a(d, splits, varlen):
     assert res["stack"] == 0 and res["local"] == 0
     assert hist.get("LDGSTS", 0) > 0
     assert not _forbidden(hist), _forbidden(hist)
+
+
+@pytest.mark.parametrize("pack_gqa,want", [(None, None), (True, True), (False, False)])
+def test_unsplit_decode_route_leaves_a_defaulted_pack_gqa_to_the_driver(monkeypatch, pack_gqa, want):
+    """An unsplit decode-shaped call is handed to driver.forward with pack_gqa as the caller gave it:
+    a defaulted None lets a family that refuses GQA packing (TMA) run the call unpacked instead of
+    raising (a deep-fuzz find: backward cases with seqlen_q <= 16 on the TMA table entries)."""
+    import flash_attn_sm120.device as devmod
+
+    seen = {}
+    info = DeviceInfo("fake", (12, 0), 188, 101376, 101376, "sm120")
+    monkeypatch.setattr(devmod, "device_info", lambda dev: info)
+    monkeypatch.setattr(driver, "forward", lambda q, k, v, **kw: seen.update(kw) or (None, None))
+    q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    driver_splitkv.forward(q, k, v, softmax_scale=None, causal=False, window_size_left=None,
+                           window_size_right=None, softcap=None, pack_gqa=pack_gqa, need_lse=True, num_splits=1,
+                           emulate_host_smem=None)
+    assert "pack_gqa" in seen and seen["pack_gqa"] is want
