@@ -19,9 +19,9 @@ from prepare import run, sm120_impl  # noqa: E402
 
 from flash_attn_sm120.config import FwdConfig, head_dim_bucket, mask_kind  # noqa: E402,F401
 
-DESCRIPTION = "shipped config table (d192 has no entry: fallback 4 warps 64x64)"
-TARGET_SET = "real"  # the problems the loop optimizes (prepare.py --set)
-SUBSET = "d192"  # only problems whose name contains this (e.g. "d256"); "" = the whole set
+DESCRIPTION = "seed set, shipped table of round 1 (cp.async only): the baseline of this lineage"
+TARGET_SET = "seed"  # the problems the loop optimizes (prepare.py --set)
+SUBSET = ""  # only problems whose name contains this (e.g. "d256"); "" = the whole set
 REFERENCES = "upstream_sm120"  # timed beside the experiment in the same process
 
 # (head_dim bucket, mask) -> FwdConfig; buckets 64/96/128/192/256, masks none/causal/local.
