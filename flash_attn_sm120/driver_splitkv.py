@@ -15,6 +15,7 @@ Compiled kernels are cached per (driver.FwdStatics, split, paged) key, like driv
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,6 +59,7 @@ class SplitPlan:
     ctas_per_sm: int
 
 
+@lru_cache(maxsize=1024)  # pure; saves the feasibility checks on every call
 def kernel_config(config: FwdConfig, head_dim: int, head_dim_v: int) -> FwdConfig:
     """`config`'s tiles on the splitkv family, or the first cp.async-valid fallback."""
     for cfg in (config, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS:

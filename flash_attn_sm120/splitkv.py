@@ -21,6 +21,7 @@ SM120's slot count.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 # Upstream's heuristic caps splits at 128; its combine kernel takes at most 256.
@@ -66,6 +67,7 @@ def clamp_num_splits(requested: int, n_blocks: int) -> int:
     return max(1, min(requested, useful_max_splits(n_blocks)))
 
 
+@lru_cache(maxsize=4096)  # pure and called per decode step: a host-time hot spot (~90 us uncached)
 def choose_num_splits(
     *,
     total_mblocks: int,
