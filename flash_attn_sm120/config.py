@@ -27,6 +27,9 @@ MASK_KINDS = ("none", "causal", "local")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FWD_TABLE_PATH = CONFIG_DIR / "sm120_fwd.toml"
 TABLE_ENV = "FLASH_ATTN_SM120_FWD_TABLE"  # path of another table to use (experiments, searches)
+# comma list of kernel families the table may choose (default: all). "cpasync" keeps a real SM120 on
+# upstream's kernel family until the TMA family has run there (see kernels/fwd_tma.py, RISK).
+FAMILIES_ENV = "FLASH_ATTN_SM120_FAMILIES"
 
 
 @dataclass(frozen=True)
@@ -145,14 +148,23 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
 
 
 def load_fwd_table(path: Path | str | None = None) -> tuple[TableEntry, ...]:
-    """The shipped table, or `path`, or the file named by FLASH_ATTN_SM120_FWD_TABLE."""
-    return _load_cached(str(path or os.environ.get(TABLE_ENV) or FWD_TABLE_PATH))
+    """The shipped table, or `path`, or the file named by FLASH_ATTN_SM120_FWD_TABLE; restricted to the
+    kernel families named by FLASH_ATTN_SM120_FAMILIES when that is set (e.g. "cpasync")."""
+    return _load_cached(str(path or os.environ.get(TABLE_ENV) or FWD_TABLE_PATH),
+                        os.environ.get(FAMILIES_ENV, "").replace(" ", ""))
 
 
 @lru_cache(maxsize=8)
-def _load_cached(path: str) -> tuple[TableEntry, ...]:
+def _load_cached(path: str, families: str = "") -> tuple[TableEntry, ...]:
     with open(path, "rb") as f:
-        return tuple(parse_fwd_table(tomllib.load(f)))
+        entries = tuple(parse_fwd_table(tomllib.load(f)))
+    if not families:
+        return entries
+    allowed = set(families.split(","))
+    unknown = allowed - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"{FAMILIES_ENV}: unknown kernel families {sorted(unknown)} (known: {', '.join(FAMILIES)})")
+    return tuple(e for e in entries if e.config.family in allowed)
 
 
 def select_fwd_config(

@@ -99,3 +99,21 @@ def test_config_errors_name_the_problem():
     assert "num_threads" in FwdConfig(192, 128, 64).error(128, 128)
     assert "num_stages" in FwdConfig(128, 128, 64, 4).error(128, 128)
     assert "unknown kernel family" in FwdConfig(family="nope").error(128, 128)
+
+
+def test_families_env_restricts_the_table(monkeypatch):
+    """FLASH_ATTN_SM120_FAMILIES=cpasync keeps the dispatcher on upstream's kernel family (the escape
+    hatch for a real SM120 until the TMA family has run there)."""
+    from flash_attn_sm120 import config as cfgmod
+
+    table = cfgmod.load_fwd_table()
+    if not any(e.config.family != "cpasync" for e in table):
+        pytest.skip("the shipped table has no non-cp.async entry")
+    monkeypatch.setenv(cfgmod.FAMILIES_ENV, "cpasync")
+    restricted = cfgmod.load_fwd_table()
+    assert restricted and all(e.config.family == "cpasync" for e in restricted)
+    for d in (64, 96, 128):
+        assert cfgmod.select_fwd_config(restricted, d, d, True, False).family == "cpasync"
+    monkeypatch.setenv(cfgmod.FAMILIES_ENV, "cpasync,warp9")
+    with pytest.raises(ValueError, match="unknown kernel families"):
+        cfgmod.load_fwd_table()

@@ -55,8 +55,10 @@ RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe D
 later traced it to tile modes left ungrouped before `tma_partition`; this kernel partitions
 through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot
 show an SM120-only hang, so the first runs on a real SM120 must use a timeout
-(scripts/smoke_tma.py guards every call); the cp.async family (fwd_cpasync.py) stays the fallback
-and the default until measured.
+(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128
+on emulated measurements, with a cp.async entry after each TMA entry as the fallback;
+FLASH_ATTN_SM120_FAMILIES=cpasync restricts the table to the cp.async family (fwd_cpasync.py) until
+the family has run on a real SM120.
 """
 
 from dataclasses import dataclass
