@@ -1,0 +1,51 @@
+#!/bin/bash
+# The whole GPU correctness gate in one bounded command, for a lent GPU machine with a time limit:
+#   1. the hypothesis fuzz suite (profile $PROFILE, default deep) in $SHARDS shards run concurrently,
+#   2. every other GPU test file in $SHARDS chunks, concurrently with (1),
+#   3. compute-sanitizer (scripts/sanitize.py) with the time left.
+# One GPU is enough: compiles are CPU-bound, so concurrent processes overlap them. Everything stays
+# within $BUDGET seconds (default 560) and lands in $OUT (default ./gpu_correctness_out) with
+# $OUT/res.tgz holding it all (for tools that bring back only a few files).
+#
+#   source .gpu/b/env.sh && OUT=$OUT bash scripts/gpu_correctness.sh
+#   PROFILE=fast SHARDS=4 BUDGET=300 bash scripts/gpu_correctness.sh
+set -u
+OUT=${OUT:-./gpu_correctness_out}
+PROFILE=${PROFILE:-deep}
+SHARDS=${SHARDS:-6}
+BUDGET=${BUDGET:-560}
+R=$OUT/r
+mkdir -p "$R"
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+pack() { tar czf "$OUT/res.tgz" -C "$OUT" r; }
+if ! python3 -c "import torch; assert torch.cuda.get_device_capability()[0] == 12" 2>/dev/null; then
+  export FLASH_ATTN_SM120_EMULATE=1  # a non-SM120 GPU runs the SM120 kernels in emulation
+fi
+export FLASH_ATTN_SM120_WATCHDOG_S=${FLASH_ATTN_SM120_WATCHDOG_S:-300}
+tests_budget=$(( BUDGET * 6 / 10 ))
+last=$(( SHARDS - 1 ))
+for i in $(seq 0 $last); do
+  FLASH_ATTN_SM120_CACHE_DIR=/tmp/fa_sm120_fuzz$i FLASH_ATTN_SM120_FUZZ=$PROFILE FLASH_ATTN_SM120_FUZZ_SHARD=$i/$SHARDS \
+  FLASH_ATTN_SM120_FUZZ_REPORT=$R/fuzz_$i.json timeout $tests_budget python3 -m pytest -q -p no:cacheprovider \
+    tests/test_fuzz_gpu.py > "$R/fuzz_$i.log" 2>&1 &
+done
+python3 -m pytest --collect-only -q -m gpu tests --ignore=tests/test_fuzz_gpu.py 2>/dev/null | grep '::' > "$R/gpu_test_ids.txt"
+rm -f /tmp/fa_sm120_ids_*
+split -n r/$SHARDS -d "$R/gpu_test_ids.txt" /tmp/fa_sm120_ids_
+for f in /tmp/fa_sm120_ids_*; do
+  FLASH_ATTN_SM120_CACHE_DIR=/tmp/fa_sm120_cache_$(basename "$f") timeout $tests_budget \
+    python3 -m pytest -q -p no:cacheprovider $(cat "$f") > "$R/tests_$(basename "$f").log" 2>&1 &
+done
+wait
+echo "tests done after $(elapsed) s" >> "$R/times.txt"
+pack
+left=$(( BUDGET - 5 - $(elapsed) ))
+if [ $left -gt 30 ]; then
+  timeout $left python3 scripts/sanitize.py --log-dir "$R/sanitize" > "$R/sanitize.log" 2>&1
+  echo "sanitize exit $? after $(elapsed) s" >> "$R/times.txt"
+fi
+{ for f in "$R"/fuzz_*.log "$R"/tests_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+  grep -h "^FAILED" "$R"/*.log; tail -n 8 "$R/sanitize.log" 2>/dev/null; } > "$R/summary.txt"
+cat "$R/summary.txt"
+pack
