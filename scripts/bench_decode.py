@@ -63,6 +63,19 @@ def timed(fn, rotations: int) -> bench.Timing:
     return bench.time_cuda(fn, rotations=rotations, warmup=3, reps=30)
 
 
+def host_us_per_call(fn, rotations: int, calls: int = 20) -> float:
+    """CPU time to issue one call (launches are asynchronous, so this is the host work per call).
+    When it exceeds the GPU time, calls queued back to back leave the GPU idle and the events of
+    `timed` measure host time: compare the two columns."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i % rotations)
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     """Bytes read + written per second of a large device-to-device copy."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -139,6 +152,7 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool):
         times = {}
         for name, fn in variants.items():
             t = timed(fn, rot)
+            host_us = host_us_per_call(fn, rot)
             times[name] = t.median_ms
             bw = kv_bytes / (t.median_ms * 1e-3)
             row = dict(
@@ -146,10 +160,12 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool):
                 kv_bytes=kv_bytes, median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
                 kv_bandwidth_GBps=bw / 1e9, copy_bandwidth_GBps=copy_bw / 1e9, frac_of_copy=bw / copy_bw,
                 num_splits_auto=plan.num_splits, decode_config=plan.config.name, rotations=rot,
+                host_us_per_call=host_us,
             )
             rows.append(row)
             print(f"[{label}] decode b={b:<3} sk={sk:<6} {name:<36} {t.median_ms:8.4f} ms  "
-                  f"{bw / 1e9:7.1f} GB/s = {bw / copy_bw:5.1%} of copy  (splits auto={plan.num_splits})", flush=True)
+                  f"{bw / 1e9:7.1f} GB/s = {bw / copy_bw:5.1%} of copy  (splits auto={plan.num_splits}; "
+                  f"host {host_us:6.1f} us/call)", flush=True)
         ours = [v for k, v in times.items() if k.startswith("ours")]
         print(f"[{label}] decode b={b:<3} sk={sk:<6} best ours / upstream time = {min(ours) / times['upstream']:.3f}",
               flush=True)
