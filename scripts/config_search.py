@@ -371,6 +371,11 @@ def table_blocks(text: str) -> dict:
     return groups
 
 
+def _block_family(block: str) -> str:
+    m = re.search(r'(?m)^family = "(\w+)"', block)
+    return m.group(1) if m else "cpasync"  # the table's default family
+
+
 def merge_table(text: str, entries: dict) -> str:
     """The table text with the (bucket, mask) -> entry text(s) of `entries` replacing or adding those
     groups; every other entry (a bucket this search did not cover) is kept as it was (pure)."""
@@ -395,7 +400,7 @@ def stage_write(out: Path, toml_path: Path, command: str) -> None:
         if key in cpasync:
             entries[key].append(entry_text(cpasync[key][0], ups, command))
         else:  # no cp.async finalist this round: keep the table's cp.async entry (and its provenance)
-            entries[key] += [b for b in table_blocks(old_text).get(key, []) if 'family = "cpasync"' in b]
+            entries[key] += [b for b in table_blocks(old_text).get(key, []) if _block_family(b) == "cpasync"]
     toml_path.write_text(merge_table(old_text, entries))
     print(f"wrote {len(entries)} entries to {toml_path}: " + ", ".join(
         f"{b}/{m}={best['config']['family']}-w{best['config']['num_threads'] // 32}-"

@@ -224,3 +224,34 @@ def test_search_resumes_from_logged_keys(tmp_path):
     f = tmp_path / "times.jsonl"
     f.write_text('{"key": "screen/128/none/x"}\n{"key": "final/128/none/x"}\n{"broken json\n')
     assert search._read_keys(f) == {"screen/128/none/x", "final/128/none/x"}
+
+
+def test_write_keeps_a_cpasync_fallback_after_a_tma_winner(tmp_path):
+    """A group won by the TMA family gets a cp.async entry after it: this round's best cp.async
+    finalist, or else the table's previous cp.async entry; a cp.async winner stands alone."""
+    import json
+
+    tma = FwdConfig(256, 128, 64, 2, True, family="tma")
+    cp_a, cp_b = FwdConfig(128, 64, 64, 1, True), FwdConfig(128, 128, 48, 2)
+    prov = '[fwd.provenance]\ngpu = "G"\nmode = "emulated"\ndate = "2026-11-28"\ncommand = "old"\n'
+    toml = tmp_path / "t.toml"
+    toml.write_text('schema = 1\n\n[[fwd]]\nhead_dim = 128\nmask = "causal"\nnum_threads = 128\ntile_m = 64\n'
+                    'tile_n = 64\nq_in_regs = true\n' + prov)
+    prune = [dict(bucket=128, mask=m, config=c.to_dict(), spill_bytes=0, local_loads=0, local_stores=0)
+             for m, c in (("causal", tma), ("none", tma), ("none", cp_b))]
+    (tmp_path / "prune_sm120a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prune))
+
+    def final(mask, cfg, tflops):
+        return dict(_final(128, cfg, tflops), mask=mask, gpu="H", mode="emulated", date="2026-11-29",
+                    problems=[dict(name="p", spread=0.01)])
+
+    rows = [final("causal", tma, 340.0), final("none", tma, 380.0), final("none", cp_b, 360.0)]
+    (tmp_path / "times.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    search.stage_write(tmp_path, toml, "cmd")
+    from flash_attn_sm120.config import parse_fwd_table, tomllib
+
+    got = [(e.head_dim, e.mask, e.config) for e in parse_fwd_table(tomllib.loads(toml.read_text()))]
+    # causal: no cp.async finalist this round, the old cp.async entry is kept after the TMA winner
+    assert got[:2] == [(128, "causal", tma), (128, "causal", cp_a)]
+    # none: the round's cp.async finalist follows the TMA winner
+    assert got[2:] == [(128, "none", tma), (128, "none", cp_b)]
