@@ -60,7 +60,8 @@ from flash_attn_sm120.kernels import fwd_cpasync as pkg_fwd_cpasync  # noqa: E40
 
 UPSTREAM_DISTRIBUTION = "flash-attn-4"
 DEFAULT_TABLE = ROOT / "configs" / "sm120_fwd.toml"
-DEFAULT_PRUNE = ROOT / "configs" / "measurements" / "search" / "prune_sm120a.jsonl"
+# sm_120a prune results of every search round; a later round's row of the same key wins
+DEFAULT_PRUNE = tuple(ROOT / "configs" / "measurements" / d / "prune_sm120a.jsonl" for d in ("search", "search_2"))
 DEFAULT_OUT = ROOT / "upstream_patches"
 
 AUTHOR_NAME = "flash_attn_sm120"
@@ -274,10 +275,14 @@ def load_table(path: Path) -> tuple:
         return tuple(pkg_config.parse_fwd_table(tomllib.load(f)))
 
 
-def load_prune(path: Optional[Path]) -> dict:
+def load_prune(path) -> dict:
+    """Prune rows by key from one JSONL path or several (None: none)."""
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
     rows = {}
-    if path is not None and path.exists():
-        for line in path.read_text().splitlines():
+    for p in map(Path, paths):
+        if not p.exists():
+            continue
+        for line in p.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -713,7 +718,7 @@ def generate(
     out_dir: Path,
     *,
     table_path: Path = DEFAULT_TABLE,
-    prune_path: Optional[Path] = DEFAULT_PRUNE,
+    prune_path=DEFAULT_PRUNE,
     pinned: Optional[tuple[str, str]] = None,
     steps: tuple[Step, ...] = STEPS,
 ) -> list[Path]:
@@ -769,7 +774,8 @@ def main(argv=None, *, pinned: Optional[tuple[str, str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if the patches in --out are stale")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE, help="SM120 forward config table (TOML)")
-    ap.add_argument("--prune", type=Path, default=DEFAULT_PRUNE, help="sm_120a prune results (JSONL) for codegen facts")
+    ap.add_argument("--prune", type=Path, nargs="+", default=DEFAULT_PRUNE,
+                    help="sm_120a prune results (JSONL files, later ones win) for codegen facts")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     kwargs = dict(table_path=args.table, prune_path=args.prune, pinned=pinned)
