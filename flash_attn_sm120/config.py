@@ -167,6 +167,11 @@ def _load_cached(path: str, families: str = "") -> tuple[TableEntry, ...]:
     return tuple(e for e in entries if e.config.family in allowed)
 
 
+# (id(table), dims, flags) -> (table, config): the selection runs on every forward call and its tables
+# are long-lived tuples; keeping the table in the value guards against a reused id
+_SELECT_MEMO: dict = {}
+
+
 def select_fwd_config(
     table: Iterable[TableEntry],
     head_dim: int,
@@ -174,12 +179,26 @@ def select_fwd_config(
     causal: bool,
     local: bool,
 ) -> FwdConfig:
-    """The table's config for this problem, or the first fallback that fits; pure.
+    """The table's config for this problem, or the first fallback that fits; pure (memoized for tuples).
 
     Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
     entry; then the fallbacks (spill-free on sm_120a). Within a key, entries are tried in table
     order; a config that cannot run the actual head dims is skipped.
     """
+    if not isinstance(table, tuple):
+        return _select_uncached(table, head_dim, head_dim_v, causal, local)
+    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local))
+    hit = _SELECT_MEMO.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    cfg = _select_uncached(table, head_dim, head_dim_v, causal, local)
+    if len(_SELECT_MEMO) > 4096:
+        _SELECT_MEMO.clear()
+    _SELECT_MEMO[key] = (table, cfg)
+    return cfg
+
+
+def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool) -> FwdConfig:
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
     by_key: dict = {}
