@@ -76,7 +76,8 @@ def _check_devices(q, *others: tuple[str, Optional[torch.Tensor]]) -> None:
         raise ValueError(f"q is on {q.device}; the kernels need CUDA tensors")
 
 
-def _check_index_tensor(name: str, t, shape: tuple, device: torch.device) -> None:
+def check_index_tensor(name: str, t, shape: tuple, device: torch.device) -> None:
+    """An optional int32 index tensor (cu_seqlens / seqused) of this shape on q's device, contiguous."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
@@ -178,10 +179,10 @@ def validate_varlen(
         batch = q.shape[0]
     if cu_seqlens_k is None and k.shape[0] != batch:
         raise ValueError(f"k has batch {k.shape[0]} but q describes {batch} sequences")
-    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
-    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
-    _check_index_tensor("seqused_q", seqused_q, (batch,), q.device)
-    _check_index_tensor("seqused_k", seqused_k, (batch,), q.device)
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
+    check_index_tensor("seqused_q", seqused_q, (batch,), q.device)
+    check_index_tensor("seqused_k", seqused_k, (batch,), q.device)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if m is not None and not isinstance(m, torch.Tensor):
             if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:

@@ -50,21 +50,6 @@ def _check_tensor(name: str, t, ndim: int, device: Optional[torch.device]) -> No
         raise ValueError(f"{name} rows must be 16-byte aligned (storage offset {t.storage_offset()}, strides {t.stride()})")
 
 
-def _check_index(name: str, t, shape: tuple, device: torch.device) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {str(t.dtype).replace('torch.', '')}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
-    if t.dim() and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous")
-
-
 def validate_paged(
     q, k, v, page_table, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k
 ) -> validation.ProblemShape:
@@ -109,9 +94,9 @@ def validate_paged(
             f"page_table has {page_table.shape[0]} rows but q describes {batch} sequences "
             "(cache shape does not match page_table)"
         )
-    _check_index("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
-    _check_index("seqused_q", seqused_q, (batch,), q.device)
-    _check_index("seqused_k", seqused_k, (batch,), q.device)
+    validation.check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
+    validation.check_index_tensor("seqused_q", seqused_q, (batch,), q.device)
+    validation.check_index_tensor("seqused_k", seqused_k, (batch,), q.device)
     num_heads = q.shape[-2]
     if q.shape[-1] != head_dim:
         raise ValueError(f"k head dim {head_dim} does not match q head dim {q.shape[-1]}")
