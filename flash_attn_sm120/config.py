@@ -167,6 +167,18 @@ def _load_cached(path: str, families: str = "") -> tuple[TableEntry, ...]:
     return tuple(e for e in entries if e.config.family in allowed)
 
 
+def family_entries(family: str, table: Optional[Iterable[TableEntry]] = None) -> tuple[TableEntry, ...]:
+    """The table's entries of one kernel family (default table: load_fwd_table()). The cp.async
+    entries are the dispatcher's fallback for calls another family refuses, and the best configs of
+    upstream's kernel family (the yardstick of a new one)."""
+    return _family_entries(tuple(load_fwd_table() if table is None else table), family)
+
+
+@lru_cache(maxsize=16)
+def _family_entries(table: tuple, family: str) -> tuple[TableEntry, ...]:
+    return tuple(e for e in table if e.config.family == family)
+
+
 # (id(table), dims, flags) -> (table, config): the selection runs on every forward call and its tables
 # are long-lived tuples; keeping the table in the value guards against a reused id
 _SELECT_MEMO: dict = {}

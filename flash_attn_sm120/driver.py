@@ -28,7 +28,7 @@ from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcas
 from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120.config import FwdConfig, load_fwd_table, select_fwd_config
+from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.kernels import FAMILIES
 
 CACHE_DIR_ENV = "FLASH_ATTN_SM120_CACHE_DIR"
@@ -213,8 +213,7 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
             raise ValueError(f"SM120 forward config not implementable: {bad_config}")
         raise NotImplementedError(f"kernel family {cfg.family!r} cannot run this call: {reason}")
     # the table's cp.async entry of the same (bucket, mask), listed after the faster family's
-    table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
-    fallback = select_fwd_config(table, statics.head_dim, statics.head_dim_v, causal, local)
+    fallback = select_fwd_config(family_entries("cpasync"), statics.head_dim, statics.head_dim_v, causal, local)
     return replace(statics, config=fallback)
 
 

@@ -85,10 +85,9 @@ class _null:
 def _cpasync_table_config(p: Problem):
     """The shipped table restricted to its cp.async entries: the best config of upstream's kernel
     family, the yardstick of a new kernel family."""
-    from flash_attn_sm120.config import load_fwd_table, select_fwd_config
+    from flash_attn_sm120.config import family_entries, select_fwd_config
 
-    table = [e for e in load_fwd_table() if e.config.family == "cpasync"]
-    return select_fwd_config(table, p.head_dim, p.dv, p.causal, p.window != (None, None))
+    return select_fwd_config(family_entries("cpasync"), p.head_dim, p.dv, p.causal, p.window != (None, None))
 
 
 def reference_impls(info) -> list[Impl]:

@@ -117,3 +117,37 @@ def test_families_env_restricts_the_table(monkeypatch):
     monkeypatch.setenv(cfgmod.FAMILIES_ENV, "cpasync,warp9")
     with pytest.raises(ValueError, match="unknown kernel families"):
         cfgmod.load_fwd_table()
+
+
+def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
+    """A table-chosen TMA config that cannot serve a call (varlen here) falls back to the table's
+    cp.async entry of the same (bucket, mask); a defaulted pack_gqa is first turned off; an explicitly
+    requested config raises NotImplementedError instead."""
+    import torch
+
+    from flash_attn_sm120 import driver
+    from flash_attn_sm120.config import family_entries, load_fwd_table
+
+    tma = next((e for e in load_fwd_table() if e.config.family == "tma" and e.mask == "causal"), None)
+    if tma is None:
+        pytest.skip("the shipped table has no causal TMA entry")
+    d = tma.head_dim
+    q = torch.zeros(2, 64, 8, d, dtype=torch.bfloat16)
+    k = torch.zeros(2, 64, 2, d, dtype=torch.bfloat16)
+
+    def statics(**kw):
+        args = dict(causal=True, local=False, pack_gqa=False, has_lse=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                    seqused_q=None, seqused_k=None, window_size_left=None, window_size_right=None,
+                    score_mod=None, mask_mod=None, aux_tensors=None, config=tma.config, emulate_host_smem=None)
+        args.update(kw)
+        return driver.build_statics(q, k, k, **args)
+
+    plain = statics(pack_gqa=True)
+    assert driver._route(plain, False, False, True, False).config == tma.config  # runs unpacked on TMA
+    assert not driver._route(plain, False, False, True, False).pack_gqa
+    varlen = statics(seqused_k=torch.zeros(2, dtype=torch.int32))
+    routed = driver._route(varlen, False, False, True, False)
+    want = next(e.config for e in family_entries("cpasync") if (e.head_dim, e.mask) == (d, "causal"))
+    assert routed.config == want
+    with pytest.raises(NotImplementedError, match="varlen"):
+        driver._route(varlen, False, True, True, False)
