@@ -217,6 +217,44 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
     return replace(statics, config=fallback)
 
 
+def resolve_pack_gqa(pack_gqa: Optional[bool], qhead_per_kvhead: int) -> bool:
+    """Upstream's default: GQA heads are packed into the M tile unless the caller says otherwise;
+    never with one query head per KV head."""
+    if qhead_per_kvhead == 1:
+        return False
+    return qhead_per_kvhead > 1 if pack_gqa is None else pack_gqa
+
+
+def softcap_score_mod(softcap: Optional[float], score_mod: Optional[Callable]) -> Optional[Callable]:
+    """The score_mod a call runs: softcap (0 or None = off) becomes upstream's softcap score_mod."""
+    if softcap is None or softcap == 0.0:
+        return score_mod
+    if score_mod is not None:
+        raise ValueError("softcap and score_mod cannot be used together")
+    return fa_utils.create_softcap_scoremod(softcap)
+
+
+def allocate_outputs(q: torch.Tensor, num_heads: int, head_dim_v: int, varlen_q: bool, need_lse: bool,
+                     out: Optional[torch.Tensor], lse: Optional[torch.Tensor]):
+    """(out, lse, lse_shape): the caller's buffers, else new ones; lse only when given or needed.
+    Shapes: out (b, s, h, dv) / varlen (total_q, h, dv); lse (b, h, s) / varlen (h, total_q)."""
+    q_rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
+    if out is None:
+        out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[0], num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
+    if lse is None and need_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return out, lse, lse_shape
+
+
+def empty_result(out: torch.Tensor, lse: Optional[torch.Tensor]):
+    """No keys (or no queries): zero output, -inf LSE, no kernel."""
+    out.zero_()
+    if lse is not None:
+        lse.fill_(float("-inf"))
+    return out, lse
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -246,41 +284,23 @@ def forward(
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv, head_dim_v = v.shape[-2:]
     qhead_per_kvhead = num_heads // num_heads_kv
-    varlen_q = cu_seqlens_q is not None
-    q_rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if softcap == 0.0:
-        softcap = None
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
     pack_gqa_chosen = pack_gqa is not None
-    if pack_gqa is None:
-        pack_gqa = qhead_per_kvhead > 1
-    if qhead_per_kvhead == 1:
-        pack_gqa = False
-
-    if out is None:
-        out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse_shape = (q.shape[0], num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
-    if lse is None and need_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    pack_gqa = resolve_pack_gqa(pack_gqa, qhead_per_kvhead)
+    out, lse, _ = allocate_outputs(q, num_heads, head_dim_v, cu_seqlens_q is not None, need_lse, out, lse)
     if k.shape[-3] == 0 or out.numel() == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
+        return empty_result(out, lse)
 
     config_given = config is not None or bool(_forced_config)
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
         config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
-    if softcap is not None:
-        if score_mod is not None:
-            raise ValueError("softcap and score_mod cannot be used together")
-        score_mod = fa_utils.create_softcap_scoremod(softcap)
+    score_mod = softcap_score_mod(softcap, score_mod)
 
     statics = build_statics(
         q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, has_lse=lse is not None,

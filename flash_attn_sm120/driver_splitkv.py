@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import torch
 
 import cutlass.cute as cute
-from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.cache_utils import JITCache, JITPersistentCache
 from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
 from flash_attn.cute.interface import _flash_attn_fwd_combine, _resolve_causal_local_window
@@ -211,7 +210,6 @@ def forward(
     qhead_per_kvhead = num_heads // num_heads_kv
     varlen_q = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    q_rows = (q.shape[0],) if varlen_q else tuple(q.shape[:2])
     if varlen_q:
         max_q = _host_int(max_seqlen_q)
         if max_q is None:
@@ -228,10 +226,7 @@ def forward(
 
     causal_r, local, left, right = _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)
     pack_gqa_given = pack_gqa  # None = the caller left it to us (a family may then run it unpacked)
-    if pack_gqa is None:
-        pack_gqa = qhead_per_kvhead > 1
-    if qhead_per_kvhead == 1:
-        pack_gqa = False
+    pack_gqa = driver.resolve_pack_gqa(pack_gqa, qhead_per_kvhead)
     p = plan(
         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal_r, local=local, window_size_left=left,
         window_size_right=right, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads=num_heads,
@@ -253,22 +248,10 @@ def forward(
     kcfg = kernel_config(p.config, head_dim, head_dim_v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if softcap == 0.0:
-        softcap = None
-    if softcap is not None:
-        if score_mod is not None:
-            raise ValueError("softcap and score_mod cannot be used together")
-        score_mod = fa_utils.create_softcap_scoremod(softcap)
-    if out is None:
-        out = torch.empty(*q_rows, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse_shape = (batch, num_heads, q.shape[1]) if not varlen_q else (num_heads, q.shape[0])
-    if lse is None and need_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    score_mod = driver.softcap_score_mod(softcap, score_mod)
+    out, lse, lse_shape = driver.allocate_outputs(q, num_heads, head_dim_v, varlen_q, need_lse, out, lse)
     if capacity == 0 or out.numel() == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
+        return driver.empty_result(out, lse)
 
     is_split = p.num_splits > 1
     if is_split:

@@ -364,3 +364,24 @@ def test_host_overhead_script_runs_the_real_dispatch_path():
     line = next(l for l in res.stdout.splitlines() if l.startswith("host time per call"))
     assert float(line.split(":")[1].split()[0]) > 0
     assert "plan" in res.stdout  # the profile shows the split planner
+
+
+def test_driver_call_helpers_shared_by_both_drivers():
+    """resolve_pack_gqa / softcap_score_mod / allocate_outputs / empty_result: the rules both
+    driver.forward and driver_splitkv.forward apply."""
+    assert driver.resolve_pack_gqa(None, 4) is True and driver.resolve_pack_gqa(False, 4) is False
+    assert driver.resolve_pack_gqa(True, 1) is False and driver.resolve_pack_gqa(None, 1) is False
+    mod = object()
+    assert driver.softcap_score_mod(None, mod) is mod and driver.softcap_score_mod(0.0, None) is None
+    assert callable(driver.softcap_score_mod(30.0, None))
+    with pytest.raises(ValueError, match="softcap and score_mod"):
+        driver.softcap_score_mod(30.0, mod)
+    q = torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)
+    out, lse, shape = driver.allocate_outputs(q, 8, 32, False, True, None, None)
+    assert out.shape == (2, 5, 8, 32) and lse.shape == shape == (2, 8, 5) and lse.dtype == torch.float32
+    out, lse, shape = driver.allocate_outputs(q.view(10, 8, 64), 8, 32, True, False, None, None)
+    assert out.shape == (10, 8, 32) and lse is None and shape == (8, 10)
+    given = torch.full((10, 8, 32), float("nan"), dtype=torch.bfloat16)
+    lse_given = torch.full((8, 10), float("nan"))
+    out, lse = driver.empty_result(*driver.allocate_outputs(q.view(10, 8, 64), 8, 32, True, False, given, lse_given)[:2])
+    assert out is given and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
