@@ -2,18 +2,23 @@
 
 For b in {1, 8, 64} x seqlen_k in {4k, 32k, 128k} (combos over ~8 GB of K+V skipped), GQA 32:8,
 d = 128, seqlen_q = 1, it times
-  * ours-dense:  this package, dense KV, num_splits=0 (automatic split count, decode config);
+  * ours-dense:  this package's SplitKV driver, dense KV, num_splits=0 (automatic split count,
+                 decode config);
+  * ours-api:    the same through the public flash_attn_func (validation and autograd wrapper included);
   * ours-paged:  the same over a shuffled page table (page size --page-size);
   * upstream:    upstream FA4's SM120 path: the cp.async family with upstream's config
                  (config.upstream_fwd_config(128): 4 warps, 128x64, 1 stage), dense KV, no split
                  (padded to SM120 occupancy in emulation, like ours),
-and reports KV bandwidth = bytes of K and V read / time, next to the device's copy bandwidth
+each twice: eager (calls queued back to back, CUDA events: includes the host whenever the host
+path is longer than the GPU work) and inside a CUDA graph (bench.time_cuda_graph: the GPU time, as
+an inference engine that captures its decode step sees it). It reports KV bandwidth = bytes of K
+and V read / time, next to the device's copy bandwidth
 measured in the same run (a large device-to-device copy, bytes read + written). Then paged vs
 dense prefill (b=4, s=4096, causal, 32:8, d=128) for a few page sizes.
 Every line carries the mode label (SM120 native / SM120 emulated on ...); --out writes JSON.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --out decode.json
-  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --candidates --out cand.json  # decode configs
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --candidates --splits 0,32,64 --batches 1,8
 
 Targets (issue 7): ours >= 60% of copy bandwidth at b=1, seqlen_k >= 32k; ours never slower than
 upstream on any decode shape; paged prefill within 10% of dense.
@@ -35,6 +40,7 @@ import torch  # noqa: E402
 from flash_attn_sm120 import bench, driver, driver_splitkv  # noqa: E402
 from flash_attn_sm120.config import FwdConfig, upstream_fwd_config  # noqa: E402
 from flash_attn_sm120.device import device_info  # noqa: E402
+from flash_attn_sm120.interface import flash_attn_func  # noqa: E402
 
 H, HK, D = 32, 8, 128
 KV_LIMIT_BYTES = 8 * 10**9
@@ -45,6 +51,7 @@ CANDIDATES = [  # decode configs for --candidates (splitkv family, d=128)
     FwdConfig(128, 64, 32, 3, False, "splitkv"),
     FwdConfig(128, 64, 32, 2, False, "splitkv"),  # 48 KB: 2 CTAs per SM
     FwdConfig(256, 128, 64, 2, False, "splitkv"),
+    FwdConfig(128, 64, 32, 1, False, "splitkv"),  # 32 KB: 2 CTAs per SM, one tile in flight each
 ]
 
 
@@ -125,10 +132,26 @@ def decode_shapes():
             yield b, sk
 
 
-def run_decode(label, emulate, copy_bw, page_size, candidates: bool):
+def _graph_or_none(fn, rot):
+    """CUDA-graph time per call, or None (with the reason printed) when fn cannot be captured."""
+    try:
+        return bench.time_cuda_graph(fn, rotations=rot, reps=10)
+    except Exception as e:  # noqa: BLE001 - reported in the row, the eager time still stands
+        print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:200]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _call_api(x, num_splits=0):
+    return flash_attn_func(x["q"], x["k"], x["v"], num_splits=num_splits)[0]
+
+
+def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_sweep=(0,), batches=(1, 8, 64)):
     rows = []
     gen = torch.Generator().manual_seed(0)
     for b, sk in decode_shapes():
+        if b not in batches:
+            continue
         p = bench.Problem(b, 1, sk, H, HK, D, tag="decode")
         rot = bench.rotations_for(p)
         sets = [bench.make_inputs(p, seed=i) for i in range(rot)]
@@ -136,9 +159,12 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool):
         variants = {"upstream": lambda i: _call_upstream(sets[i], emulate)}
         if candidates:
             for cfg in CANDIDATES:
-                variants[f"ours-dense[{cfg.name}]"] = (lambda c: lambda i: _call_ours(sets[i], emulate, config=c))(cfg)
+                for ns in splits_sweep:
+                    variants[f"ours-dense[{cfg.name}][splits={ns}]"] = (
+                        lambda c, n: lambda i: _call_ours(sets[i], emulate, num_splits=n, config=c))(cfg, ns)
         else:
             variants["ours-dense"] = lambda i: _call_ours(sets[i], emulate)
+            variants["ours-api"] = lambda i: _call_api(sets[i])
             paged = []
             for x in sets:
                 pk, pv, pt = _paged_copy(x["k"], x["v"], page_size, gen)
@@ -149,26 +175,37 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool):
             batch=b, max_seqlen_q=1, max_seqlen_k=sk, num_heads=H, num_heads_kv=HK, pack_gqa=True, num_splits=0,
             num_sms=device_info().num_sms,
         )
-        times = {}
+        gpu_times, eager_times = {}, {}
         for name, fn in variants.items():
             t = timed(fn, rot)
-            host_us = host_us_per_call(fn, rot)
-            times[name] = t.median_ms
+            host_us = None if candidates else host_us_per_call(fn, rot)
+            g = _graph_or_none(fn, rot)
+            eager_times[name] = t.median_ms
+            gpu_ms = g.median_ms if g else None
+            if gpu_ms is not None:
+                gpu_times[name] = gpu_ms
             bw = kv_bytes / (t.median_ms * 1e-3)
+            gbw = kv_bytes / (gpu_ms * 1e-3) if gpu_ms else None
             row = dict(
                 mode=label, kind="decode", variant=name, batch=b, seqlen_k=sk, nheads=H, nheads_kv=HK, head_dim=D,
                 kv_bytes=kv_bytes, median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
                 kv_bandwidth_GBps=bw / 1e9, copy_bandwidth_GBps=copy_bw / 1e9, frac_of_copy=bw / copy_bw,
+                graph_ms=gpu_ms, graph_p10_ms=g.p10_ms if g else None, graph_p90_ms=g.p90_ms if g else None,
+                graph_kv_bandwidth_GBps=gbw / 1e9 if gbw else None, graph_frac_of_copy=gbw / copy_bw if gbw else None,
                 num_splits_auto=plan.num_splits, decode_config=plan.config.name, rotations=rot,
                 host_us_per_call=host_us,
             )
             rows.append(row)
-            print(f"[{label}] decode b={b:<3} sk={sk:<6} {name:<36} {t.median_ms:8.4f} ms  "
-                  f"{bw / 1e9:7.1f} GB/s = {bw / copy_bw:5.1%} of copy  (splits auto={plan.num_splits}; "
-                  f"host {host_us:6.1f} us/call)", flush=True)
-        ours = [v for k, v in times.items() if k.startswith("ours")]
-        print(f"[{label}] decode b={b:<3} sk={sk:<6} best ours / upstream time = {min(ours) / times['upstream']:.3f}",
-              flush=True)
+            graph_txt = f"graph {gpu_ms:8.4f} ms {gbw / 1e9:7.1f} GB/s = {gbw / copy_bw:5.1%}" if gpu_ms else "graph n/a"
+            host_txt = f"; host {host_us:6.1f} us/call" if host_us is not None else ""
+            print(f"[{label}] decode b={b:<3} sk={sk:<6} {name:<44} eager {t.median_ms:8.4f} ms "
+                  f"{bw / copy_bw:5.1%} | {graph_txt}  (splits auto={plan.num_splits}{host_txt})", flush=True)
+        for kind, times in (("eager", eager_times), ("graph", gpu_times)):
+            ours = {k: v for k, v in times.items() if k.startswith("ours")}
+            if ours and "upstream" in times:
+                best = min(ours, key=ours.get)
+                print(f"[{label}] decode b={b:<3} sk={sk:<6} {kind}: best ours ({best}) / upstream time = "
+                      f"{ours[best] / times['upstream']:.3f}", flush=True)
         del sets, variants
         torch.cuda.empty_cache()
     return rows
@@ -202,13 +239,40 @@ def run_paged_prefill(label, emulate, page_sizes):
     return rows
 
 
+def profile_host(calls: int = 300, top: int = 30) -> None:
+    """cProfile of the public API's decode call (b=1, 4k keys, automatic splits): where the host
+    time per call goes. The GPU work is real; the profile counts only Python-visible host time."""
+    import cProfile
+    import pstats
+
+    p = bench.Problem(1, 1, 4096, H, HK, D, tag="decode")
+    x = bench.make_inputs(p, seed=0)
+    for _ in range(5):
+        _call_api(x)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        _call_api(x)
+    prof.disable()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    print(f"host profile: flash_attn_func decode b1 sk4096, {calls} calls, {host:.1f} us/call under cProfile")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="JSON file for the results")
     ap.add_argument("--page-size", type=int, default=64, help="page size of the paged decode rows")
     ap.add_argument("--prefill-page-sizes", default="16,64,256", help="page sizes of the paged prefill rows")
     ap.add_argument("--candidates", action="store_true", help="time the decode config candidates instead")
+    ap.add_argument("--splits", default="0", help="comma list of num_splits for --candidates (0 = chooser)")
+    ap.add_argument("--batches", default="1,8,64", help="comma list of batch sizes")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--profile-host", action="store_true", help="only a cProfile of the public decode call")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (SM120, or SM80+ with FLASH_ATTN_SM120_EMULATE=1)")
@@ -217,9 +281,13 @@ def main(argv=None):
         sys.exit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to run the SM120 kernels on this GPU")
     label = info.label()
     emulate = info.emulate_host_smem
+    if args.profile_host:
+        profile_host()
+        return
     copy_bw = copy_bandwidth()
     print(f"[{label}] device-to-device copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)", flush=True)
-    rows = run_decode(label, emulate, copy_bw, args.page_size, args.candidates)
+    rows = run_decode(label, emulate, copy_bw, args.page_size, args.candidates,
+                      tuple(int(x) for x in args.splits.split(",")), tuple(int(x) for x in args.batches.split(",")))
     if not args.no_prefill and not args.candidates:
         rows += run_paged_prefill(label, emulate, [int(x) for x in args.prefill_page_sizes.split(",")])
     if args.out:

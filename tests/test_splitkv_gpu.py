@@ -292,3 +292,62 @@ def test_chooser_sees_this_gpus_sm_count():
     assert p.num_splits == splitkv.choose_num_splits(total_mblocks=8, n_blocks=p.n_blocks, num_sms=info.num_sms,
                                                      ctas_per_sm=p.ctas_per_sm)
     assert p.num_splits * 8 <= info.num_sms * p.ctas_per_sm
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_step_captures_in_cuda_graph(paged):
+    """Inference engines capture the decode step in a CUDA graph: the split kernel, its fp32
+    partials and upstream's combine must all capture (no host sync, current stream), and a replay
+    over new data written into the captured inputs must match the reference."""
+    torch.manual_seed(11 + paged)
+    b, sk, h, hk, d, page = 2, 3000, 32, 8, 128, 64
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    kwargs = dict(num_splits=0, return_lse=True)
+    if paged:
+        pages = -(-sk // page)
+        table = torch.randperm(b * pages, device="cuda").to(torch.int32).view(b, pages).contiguous()
+        pool_k = torch.zeros(b * pages, page, hk, d, device="cuda", dtype=torch.bfloat16)
+        pool_v = torch.zeros_like(pool_k)
+        kwargs.update(page_table=table, seqused_k=torch.full((b,), sk, dtype=torch.int32, device="cuda"))
+
+        def load(kk, vv):  # write the dense KV into the shuffled pages
+            pad = pages * page - sk
+            pk = torch.nn.functional.pad(kk, (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hk, d)
+            pv = torch.nn.functional.pad(vv, (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hk, d)
+            pool_k[table.view(-1).long()] = pk
+            pool_v[table.view(-1).long()] = pv
+        load(k, v)
+        call = lambda: flash_attn_sm120.flash_attn_varlen_func(q, pool_k, pool_v, **kwargs)
+    else:
+        call = lambda: flash_attn_sm120.flash_attn_func(q, k, v, **kwargs)
+    eager_out, _ = call()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    assert driver_splitkv.plan(
+        head_dim=d, head_dim_v=d, causal=False, local=False, window_size_left=None, window_size_right=None,
+        batch=b, max_seqlen_q=1, max_seqlen_k=sk, num_heads=h, num_heads_kv=hk, pack_gqa=True, num_splits=0,
+        num_sms=device_info().num_sms,
+    ).num_splits > 1, "the case must exercise the split + combine path"
+    new = [torch.randn_like(t) for t in (q, k, v)]
+    q.copy_(new[0])
+    if paged:
+        load(new[1], new[2])
+    else:
+        k.copy_(new[1])
+        v.copy_(new[2])
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    refs = _reference([new[0][i] for i in range(b)], [new[1][i] for i in range(b)], [new[2][i] for i in range(b)],
+                      False, (None, None))
+    _check([out[i] for i in range(b)], [lse[i] for i in range(b)], refs, f"graph replay paged={paged}")
+    assert not torch.equal(out, eager_out), "the replay must compute on the new inputs"
