@@ -79,7 +79,7 @@ def _device_props(index: int):
 
 
 def device_info(device: torch.device | int | None = None, *, emulate: Optional[bool] = None) -> DeviceInfo:
-    """Describe a CUDA device and the mode this package runs it in."""
+    """Describe a CUDA device and the mode this package runs it in (memoized: called per attention call)."""
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is available")
     if device is None:
@@ -88,9 +88,14 @@ def device_info(device: torch.device | int | None = None, *, emulate: Optional[b
         index = device
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_info(index, emulation_requested() if emulate is None else bool(emulate))
+
+
+@lru_cache(maxsize=None)
+def _device_info(index: int, emulate: bool) -> DeviceInfo:
     props = _device_props(index)
     cap = (props.major, props.minor)
-    mode = mode_for_capability(cap, emulation_requested() if emulate is None else emulate)
+    mode = mode_for_capability(cap, emulate)
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or _FALLBACK_SMEM_PER_SM.get(props.major, 0)
     smem_block = getattr(props, "shared_memory_per_block_optin", 0) or _FALLBACK_SMEM_PER_BLOCK.get(props.major, 0)
     if cap[0] == 12:

@@ -149,6 +149,7 @@ compile_count = {"splitkv": 0}
 def clear_cache() -> None:
     global _compile_cache
     _compile_cache = _make_cache()
+    _PLANS.clear()
 
 
 def _host_int(x) -> Optional[int]:
@@ -163,6 +164,111 @@ def takes_this_path(
         return True
     seqlen_q = q.shape[1] if cu_seqlens_q is None else _host_int(max_seqlen_q)
     return is_decode(seqlen_q)
+
+
+@dataclass
+class CallPlan:
+    """Everything `forward` decides from a call's metadata: route, config, splits, compile key.
+
+    Pure in the key built by `_plan_key` (shapes, strides, dtype, device, flags, host ints), so it
+    is memoized per key: a decode step repeats the same metadata every call and its whole host
+    path is on the critical path (the GPU part of a b=1 decode is ~10 us).
+    """
+
+    split: SplitPlan
+    causal: bool  # resolved by upstream's window rule
+    local: bool
+    window_left: Optional[int]
+    window_right: Optional[int]
+    pack_gqa: bool
+    to_driver: bool  # dense and unsplit: driver.forward runs it
+    driver_config: Optional[FwdConfig]
+    softmax_scale: float
+    score_mod: Optional[Callable]
+    compile_key: Optional[tuple]
+    combine_arch: int
+    kernel: object = None  # the compiled kernel, once the first call has looked it up
+
+
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+
+
+def _meta(t: Optional[torch.Tensor]):
+    return None if t is None else (t.shape, t.stride())
+
+
+def _plan_key(q, k, v, *, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
+              pack_gqa, need_lse, emulate_host_smem, out, lse, config, num_sms, info) -> tuple:
+    return (info,
+        _meta(q), _meta(k), _meta(v), q.dtype, q.device, _meta(page_table), _meta(cu_seqlens_q),
+        _meta(cu_seqlens_k), seqused_q is not None, seqused_k is not None, _host_int(max_seqlen_q),
+        _host_int(max_seqlen_k), num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
+        pack_gqa, need_lse, emulate_host_smem, _meta(out), _meta(lse), config, num_sms,
+        driver._forced_config[-1] if driver._forced_config else None,
+    )
+
+
+def make_call_plan(
+    q, k, v, *, page_table, num_splits, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k, causal, window_size_left, window_size_right, softcap, softmax_scale, pack_gqa, need_lse, lse,
+    emulate_host_smem, score_mod, mask_mod, aux_tensors, aux_scalars, config, num_sms, info,
+) -> CallPlan:
+    """The host decisions of one call (see `forward`); reads only metadata, never tensor data.
+    info: the device's DeviceInfo (SM count, capability)."""
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_kv, head_dim_v = v.shape[-2:]
+    varlen_q = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    if varlen_q:
+        max_q = _host_int(max_seqlen_q)
+        if max_q is None:
+            max_q = q.shape[0]  # an upper bound: no auto split estimate is made too large a grid
+    else:
+        max_q = q.shape[1]
+    if page_table is not None:
+        capacity = page_table.shape[1] * k.shape[1]
+        max_k = min(_host_int(max_seqlen_k) or capacity, capacity)
+    else:
+        capacity = k.shape[-3]
+        max_k = _host_int(max_seqlen_k) if cu_seqlens_k is not None and _host_int(max_seqlen_k) else capacity
+
+    causal_r, local, left, right = _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)
+    pack = driver.resolve_pack_gqa(pack_gqa, num_heads // num_heads_kv)
+    p = plan(
+        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal_r, local=local, window_size_left=left,
+        window_size_right=right, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads=num_heads,
+        num_heads_kv=num_heads_kv, pack_gqa=pack, num_splits=num_splits, num_sms=num_sms or info.num_sms,
+        config=config,
+    )
+    arch = info.capability[0] * 10 + info.capability[1]
+    common = dict(split=p, causal=causal_r, local=local, window_left=left, window_right=right, pack_gqa=pack,
+                  combine_arch=arch)
+    if page_table is None and p.num_splits == 1:
+        cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
+        return CallPlan(**common, to_driver=True, driver_config=cfg if (p.decode or config is not None) else None,
+                        softmax_scale=softmax_scale, score_mod=score_mod, compile_key=None)
+
+    kcfg = kernel_config(p.config, head_dim, head_dim_v)
+    score_mod = driver.softcap_score_mod(softcap, score_mod)
+    is_split = p.num_splits > 1
+    statics = SplitKVStatics(
+        build_statics(
+            q, k, v, causal=causal_r, local=local, pack_gqa=pack, has_lse=is_split or need_lse or lse is not None,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            window_size_left=left, window_size_right=right, score_mod=score_mod, mask_mod=mask_mod,
+            aux_tensors=aux_tensors, config=kcfg, emulate_host_smem=emulate_host_smem,
+        ),
+        is_split_kv=is_split,
+        paged=page_table is not None,
+        page_table_broadcast=get_broadcast_dims(page_table) if page_table is not None else (),
+    )
+    aux_scalars = tuple(aux_scalars) if aux_scalars else None
+    key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    return CallPlan(**common, to_driver=False, driver_config=None, softmax_scale=scale, score_mod=score_mod,
+                    compile_key=key)
 
 
 def forward(
@@ -201,98 +307,79 @@ def forward(
     blocks of the chosen tile, and splitkv.MAX_SPLITS), <= 0 = chosen by splitkv.choose_num_splits.
     out / lse: optional preallocated outputs, (b, s, h, dv) / (b, h, s) (varlen: (total_q, h, dv) /
     (h, total_q)); lse is written when given or when need_lse.
+    Calls without score_mod / mask_mod / aux tensors reuse the CallPlan of earlier calls with the
+    same metadata; per call then only the outputs are allocated and the kernels launched.
     """
     from flash_attn_sm120.device import device_info
 
-    info = device_info(q.device)
-    num_heads, head_dim = q.shape[-2:]
-    num_heads_kv, head_dim_v = v.shape[-2:]
-    qhead_per_kvhead = num_heads // num_heads_kv
+    args = dict(
+        info=device_info(q.device), page_table=page_table, num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
+        softmax_scale=softmax_scale, pack_gqa=pack_gqa, need_lse=need_lse, lse=lse,
+        emulate_host_smem=emulate_host_smem, config=config, num_sms=num_sms,
+    )
+    memo = score_mod is None and mask_mod is None and aux_tensors is None and not aux_scalars
+    key = _plan_key(q, k, v, out=out, **args) if memo else None
+    cp = _PLANS.get(key) if memo else None
+    if cp is None:
+        cp = make_call_plan(q, k, v, score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                            aux_scalars=aux_scalars, **args)
+        if memo:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = cp
+    if cp.to_driver:
+        return driver.forward(
+            q, k, v, config=cp.driver_config, softmax_scale=softmax_scale, causal=causal,
+            window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
+            pack_gqa=pack_gqa, need_lse=need_lse, emulate_host_smem=emulate_host_smem, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod,
+            mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, out=out, lse=lse,
+        )
+
+    num_heads, head_dim_v = q.shape[-2], v.shape[-1]
     varlen_q = cu_seqlens_q is not None
-    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    if varlen_q:
-        max_q = _host_int(max_seqlen_q)
-        if max_q is None:
-            max_q = q.shape[0]  # an upper bound: no auto split estimate is made too large a grid
-    else:
-        max_q = q.shape[1]
-    if page_table is not None:
-        page_size = k.shape[1]
-        capacity = page_table.shape[1] * page_size
-        max_k = min(_host_int(max_seqlen_k) or capacity, capacity)
-    else:
-        capacity = k.shape[-3]
-        max_k = _host_int(max_seqlen_k) if cu_seqlens_k is not None and _host_int(max_seqlen_k) else capacity
-
-    causal_r, local, left, right = _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)
-    pack_gqa_given = pack_gqa  # None = the caller left it to us (a family may then run it unpacked)
-    pack_gqa = driver.resolve_pack_gqa(pack_gqa, qhead_per_kvhead)
-    p = plan(
-        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal_r, local=local, window_size_left=left,
-        window_size_right=right, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads=num_heads,
-        num_heads_kv=num_heads_kv, pack_gqa=pack_gqa, num_splits=num_splits, num_sms=num_sms or info.num_sms,
-        config=config,
-    )
-    common = dict(
-        softmax_scale=softmax_scale, causal=causal, window_size_left=window_size_left,
-        window_size_right=window_size_right, softcap=softcap, pack_gqa=pack_gqa, need_lse=need_lse,
-        emulate_host_smem=emulate_host_smem, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod, mask_mod=mask_mod,
-        aux_tensors=aux_tensors, aux_scalars=aux_scalars, out=out, lse=lse,
-    )
-    if page_table is None and p.num_splits == 1:
-        cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
-        return driver.forward(q, k, v, config=cfg if (p.decode or config is not None) else None,
-                              **dict(common, pack_gqa=pack_gqa_given))
-
-    kcfg = kernel_config(p.config, head_dim, head_dim_v)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    score_mod = driver.softcap_score_mod(softcap, score_mod)
     out, lse, lse_shape = driver.allocate_outputs(q, num_heads, head_dim_v, varlen_q, need_lse, out, lse)
+    capacity = page_table.shape[1] * k.shape[1] if page_table is not None else k.shape[-3]
     if capacity == 0 or out.numel() == 0:
         return driver.empty_result(out, lse)
 
-    is_split = p.num_splits > 1
-    if is_split:
-        o_kernel = torch.empty(p.num_splits, *out.shape, dtype=torch.float32, device=q.device)
-        lse_kernel = torch.empty(p.num_splits, *lse_shape, dtype=torch.float32, device=q.device)
+    splits = cp.split.num_splits
+    if splits > 1:
+        o_kernel = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
+        lse_kernel = torch.empty(splits, *lse_shape, dtype=torch.float32, device=q.device)
     else:
         o_kernel, lse_kernel = out, lse
-    statics = SplitKVStatics(
-        build_statics(
-            q, k, v, causal=causal_r, local=local, pack_gqa=pack_gqa, has_lse=lse_kernel is not None,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-            window_size_left=left, window_size_right=right, score_mod=score_mod, mask_mod=mask_mod,
-            aux_tensors=aux_tensors, config=kcfg, emulate_host_smem=emulate_host_smem,
-        ),
-        is_split_kv=is_split,
-        paged=page_table is not None,
-        page_table_broadcast=get_broadcast_dims(page_table) if page_table is not None else (),
-    )
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
-    key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
-    if key not in _compile_cache:
-        kernel = make_splitkv_kernel(statics, score_mod, mask_mod, aux_tensors is not None)
-        index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
-                 for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
-        _compile_cache[key] = compile_splitkv_kernel(
-            kernel,
-            *(to_cute_tensor(t) for t in (q, k, v, o_kernel)),
-            to_cute_tensor(lse_kernel, assumed_align=4) if lse_kernel is not None else None,
-            *index,
-            to_cute_tensor(page_table, assumed_align=4, leading_dim=1) if page_table is not None else None,
-            left,
-            right,
-            AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None, aux_scalars),
-        )
-        compile_count["splitkv"] += 1
-    _compile_cache[key](
-        q.detach(), k.detach(), v.detach(), o_kernel, lse_kernel, softmax_scale,
+    kernel = cp.kernel
+    if kernel is None:
+        if cp.compile_key not in _compile_cache:
+            statics = cp.compile_key[0]
+            kobj = make_splitkv_kernel(statics, cp.score_mod, mask_mod, aux_tensors is not None)
+            index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
+                     for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
+            _compile_cache[cp.compile_key] = compile_splitkv_kernel(
+                kobj,
+                *(to_cute_tensor(t) for t in (q, k, v, o_kernel)),
+                to_cute_tensor(lse_kernel, assumed_align=4) if lse_kernel is not None else None,
+                *index,
+                to_cute_tensor(page_table, assumed_align=4, leading_dim=1) if page_table is not None else None,
+                cp.window_left,
+                cp.window_right,
+                AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None,
+                        aux_scalars),
+            )
+            compile_count["splitkv"] += 1
+        kernel = _compile_cache[cp.compile_key]
+        if memo:
+            cp.kernel = kernel
+    kernel(
+        q.detach(), k.detach(), v.detach(), o_kernel, lse_kernel, cp.softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-        left, right, None, None, AuxData(aux_tensors, aux_scalars), None, None,
+        cp.window_left, cp.window_right, None, None, AuxData(aux_tensors, aux_scalars), None, None,
     )
-    if is_split:
+    if splits > 1:
         # the combine reads LSE partials token-major: (splits, b, s, h) / (splits, total_q, h) views
         _flash_attn_fwd_combine(
             o_kernel,
@@ -301,6 +388,6 @@ def forward(
             lse.transpose(-1, -2) if lse is not None else None,
             cu_seqlens_q,
             seqused_q,
-            _arch=info.capability[0] * 10 + info.capability[1],
+            _arch=cp.combine_arch,
         )
     return out, lse

@@ -58,6 +58,18 @@ def _check_common_features(
         )
 
 
+def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
+    """(out, lse or None) from the right driver: paged, split (num_splits != 1) and decode-shaped
+    calls go to driver_splitkv, the rest to driver."""
+    route = {n: fwd_kwargs.pop(n, None) for n in ("page_table", "num_splits", "max_seqlen_q", "max_seqlen_k")}
+    route["num_splits"] = 1 if route["num_splits"] is None else route["num_splits"]
+    if driver_splitkv.takes_this_path(q=q, page_table=route["page_table"], num_splits=route["num_splits"],
+                                      cu_seqlens_q=fwd_kwargs.get("cu_seqlens_q"),
+                                      max_seqlen_q=route["max_seqlen_q"]):
+        return driver_splitkv.forward(q, k, v, need_lse=need_lse, **route, **fwd_kwargs)
+    return driver.forward(q, k, v, need_lse=need_lse, **fwd_kwargs)
+
+
 class _Sm120AttnFunc(torch.autograd.Function):
     """Forward on this package's kernels, backward on upstream's."""
 
@@ -65,15 +77,7 @@ class _Sm120AttnFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
         # needs_grad comes from the caller: grad mode is always off inside Function.forward, and the
         # backward needs the LSE even when the caller did not ask for it
-        # paged, split (num_splits != 1) and decode-shaped calls: driver_splitkv; the rest: driver
-        route = {n: fwd_kwargs.pop(n, None) for n in ("page_table", "num_splits", "max_seqlen_q", "max_seqlen_k")}
-        route["num_splits"] = 1 if route["num_splits"] is None else route["num_splits"]
-        if driver_splitkv.takes_this_path(q=q, page_table=route["page_table"], num_splits=route["num_splits"],
-                                          cu_seqlens_q=fwd_kwargs.get("cu_seqlens_q"),
-                                          max_seqlen_q=route["max_seqlen_q"]):
-            out, lse = driver_splitkv.forward(q, k, v, need_lse=return_lse or needs_grad, **route, **fwd_kwargs)
-        else:
-            out, lse = driver.forward(q, k, v, need_lse=return_lse or needs_grad, **fwd_kwargs)
+        out, lse = _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse or needs_grad)
         ctx.save_for_backward(q, k, v, out, lse, *bwd_kwargs.pop("_tensors"))
         ctx.bwd_kwargs = bwd_kwargs
         ctx.return_lse = return_lse
@@ -131,7 +135,7 @@ def flash_attn_func(
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
-    validation.validate_dense(q, k, v)
+    validation.validate_dense_memo(q, k, v)
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
@@ -151,6 +155,8 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
         window_size_right=right, deterministic=deterministic, _tensors=(), _tensor_names=(),
     )
+    if not requires_grad:  # no graph to record: skip autograd.Function's per-call cost
+        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
     return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
@@ -232,6 +238,8 @@ def flash_attn_varlen_func(
         window_size_right=right, deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
+    if not requires_grad:  # no graph to record: skip autograd.Function's per-call cost
+        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
     return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 

@@ -15,7 +15,9 @@ the chosen config; the SM count is the GPU's own, so in emulation it is the host
 the fewest splits whose wave efficiency (CTAs / (waves x slots)) is within 95% of the best
 reachable, among split counts that actually change the blocks per split. This is the rule of
 FlashAttention-2/3's C++ `num_splits_heuristic` (which allows 85%), re-derived here with
-SM120's slot count.
+SM120's slot count. For long KV it starts the search higher: at least MIN_WAVES waves and at most
+MAX_BLOCKS_PER_SPLIT key blocks per split, while each split keeps MIN_BLOCKS_PER_SPLIT blocks
+(measured faster at 32k-128k keys; short KV keeps the one-wave rule).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ MIN_N_BLOCKS_TO_SPLIT = 4
 # An unsplit grid that fills this share of the CTA slots is not split.
 FULL_GRID_SHARE = 0.8
 EFFICIENCY_SLACK = 0.95  # decode reads KV at the rate of the busy SMs: stay near the best wave fill
+# Long KV: at least this many waves of CTAs, and at most MAX_BLOCKS_PER_SPLIT key blocks per split,
+# as long as every split keeps MIN_BLOCKS_PER_SPLIT blocks. Measured (H200, SM120 emulation, CUDA
+# graphs, configs/measurements/2026-11-29_decode_splits_emulated.md): b=1 / b=8 at 32k-128k keys
+# ran 2-8% faster with 32 splits than with the one-wave count, while 4k keys ran fastest with it.
+MIN_WAVES = 2
+MAX_BLOCKS_PER_SPLIT = 64
+MIN_BLOCKS_PER_SPLIT = 16
 
 
 def num_n_blocks(
@@ -92,8 +101,15 @@ def choose_num_splits(
         # s splits must change the blocks per split, or they only add empty splits
         return s == 1 or -(-n_blocks // s) != -(-n_blocks // (s - 1))
 
-    best = max(efficiency(s) for s in range(1, limit + 1) if eligible(s))
-    for s in range(1, limit + 1):
+    # long KV: enough splits for MIN_WAVES waves and short splits, if each split keeps enough blocks
+    low = max(-(-n_blocks // MAX_BLOCKS_PER_SPLIT), -(-MIN_WAVES * slots // total_mblocks))
+    low = -(-n_blocks // -(-n_blocks // low))  # the fewest splits with that many blocks per split
+    if 1 < low <= limit and -(-n_blocks // low) >= MIN_BLOCKS_PER_SPLIT:
+        first = low
+    else:
+        first = 1
+    best = max(efficiency(s) for s in range(first, limit + 1) if eligible(s))
+    for s in range(first, limit + 1):
         if eligible(s) and efficiency(s) >= EFFICIENCY_SLACK * best:
             return s
     return 1  # pragma: no cover (the best split count always qualifies)

@@ -51,20 +51,34 @@ def test_choice_is_in_range_and_near_best_wave_efficiency(total, n_blocks, sms, 
     # split counts that change the blocks per split (the others only add empty splits)
     eligible = [c for c in range(1, limit + 1) if c == 1 or -(-n_blocks // c) != -(-n_blocks // (c - 1))]
     assert s in eligible
-    best = max(_eff(total, c, slots) for c in eligible)
+    # long KV: at least MIN_WAVES waves and at most MAX_BLOCKS_PER_SPLIT blocks per split, unless
+    # that would leave a split fewer than MIN_BLOCKS_PER_SPLIT blocks
+    low = max(-(-n_blocks // splitkv.MAX_BLOCKS_PER_SPLIT), -(-splitkv.MIN_WAVES * slots // total))
+    low = -(-n_blocks // -(-n_blocks // low))  # same blocks per split, fewest splits
+    long_kv = 1 < low <= limit and -(-n_blocks // low) >= splitkv.MIN_BLOCKS_PER_SPLIT
+    if long_kv:
+        assert s >= low and -(-n_blocks // s) <= splitkv.MAX_BLOCKS_PER_SPLIT
+    first = low if long_kv else 1
+    best = max(_eff(total, c, slots) for c in eligible if c >= first)
     assert _eff(total, s, slots) >= splitkv.EFFICIENCY_SLACK * best - 1e-9
-    # never more CTAs than slots when one wave suffices for the best efficiency
-    assert total * s <= max(slots, total) * math.ceil(total * s / slots)
+    if not long_kv:  # never more CTAs than slots when one wave suffices for the best efficiency
+        assert total * s <= max(slots, total) * math.ceil(total * s / slots)
+    # the fewest such split count
+    assert all(_eff(total, c, slots) < splitkv.EFFICIENCY_SLACK * best - 1e-9 for c in eligible if first <= c < s)
 
 
 def test_decode_b1_fills_the_gpu():
-    """One sequence, 8 KV heads, 32k keys at tile_n 64: 8 CTAs unsplit -> about one full wave."""
+    """One sequence, 8 KV heads at tile_n 64: 8 CTAs unsplit. 4k keys -> about one full wave; 32k
+    keys (long KV) -> about two waves of splits of <= 64 blocks, measured faster (see splitkv.py)."""
+    short = splitkv.num_n_blocks(4096, 64)
+    assert 0.95 * 132 <= 8 * splitkv.choose_num_splits(total_mblocks=8, n_blocks=short, num_sms=132,
+                                                       ctas_per_sm=1) <= 132
     n_blocks = splitkv.num_n_blocks(32768, 64)
     s188 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=188, ctas_per_sm=1)
     s132 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=132, ctas_per_sm=1)
-    assert 0.95 * 188 <= 8 * s188 <= 188
-    assert 0.95 * 132 <= 8 * s132 <= 132
-    assert s188 > s132  # the real SM count matters
+    assert s132 == 32  # 256 CTAs ~ 2 waves on 132 SMs, 16 blocks per split (the 32-split rows measured best)
+    assert 0.95 * 188 <= 8 * s188 <= 188  # on 188 SMs two waves would leave < 16 blocks per split
+    assert s188 != s132  # the real SM count matters
     s2 = splitkv.choose_num_splits(total_mblocks=8, n_blocks=n_blocks, num_sms=188, ctas_per_sm=2)
     assert s2 > s188  # so do the CTAs per SM
 
@@ -363,7 +377,7 @@ def test_host_overhead_script_runs_the_real_dispatch_path():
     assert res.returncode == 0, res.stderr[-2000:]
     line = next(l for l in res.stdout.splitlines() if l.startswith("host time per call"))
     assert float(line.split(":")[1].split()[0]) > 0
-    assert "plan" in res.stdout  # the profile shows the split planner
+    assert "_plan_key" in res.stdout  # after the first call only the memo key is built
 
 
 def test_driver_call_helpers_shared_by_both_drivers():
@@ -385,3 +399,73 @@ def test_driver_call_helpers_shared_by_both_drivers():
     lse_given = torch.full((8, 10), float("nan"))
     out, lse = driver.empty_result(*driver.allocate_outputs(q.view(10, 8, 64), 8, 32, True, False, given, lse_given)[:2])
     assert out is given and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+def _stub_split_launch(monkeypatch, info):
+    """driver_splitkv.forward on CPU tensors: device query, compile and launches replaced."""
+    import flash_attn_sm120.device as devmod
+
+    launches = []
+    monkeypatch.setattr(devmod, "device_info", lambda dev: info)
+    monkeypatch.setattr(driver_splitkv, "make_splitkv_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(driver_splitkv, "compile_splitkv_kernel", lambda *a, **k: lambda *x: launches.append(x))
+    monkeypatch.setattr(driver_splitkv, "to_cute_tensor", lambda *a, **k: None)
+    monkeypatch.setattr(driver_splitkv, "_flash_attn_fwd_combine", lambda *a, **k: launches.append("combine"))
+    driver_splitkv.clear_cache()
+    return launches
+
+
+def test_call_plan_is_memoized_per_metadata(monkeypatch):
+    """Same metadata -> the same CallPlan (the decode step's host path skips planning); any change
+    of shape, stride, flag or split request -> its own plan; score_mod calls are never memoized."""
+    info = DeviceInfo("fake", (12, 0), 188, 101376, 101376, "sm120")
+    launches = _stub_split_launch(monkeypatch, info)
+    built = []
+    real = driver_splitkv.make_call_plan
+    monkeypatch.setattr(driver_splitkv, "make_call_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 32768, 8, 128, dtype=torch.bfloat16)
+    kw = dict(softmax_scale=None, causal=False, window_size_left=None, window_size_right=None, softcap=None,
+              pack_gqa=None, need_lse=False, emulate_host_smem=None)
+    for _ in range(3):
+        driver_splitkv.forward(q, k, k, num_splits=0, **kw)
+    assert len(built) == 1 and len(driver_splitkv._PLANS) == 1
+    (cp,) = driver_splitkv._PLANS.values()
+    assert cp.kernel is not None and cp.split.num_splits > 1 and not cp.to_driver
+    assert launches.count("combine") == 3 and len(launches) == 6
+    assert driver_splitkv.compile_count["splitkv"] >= 1
+    driver_splitkv.forward(q, k, k, num_splits=4, **kw)  # another split request
+    driver_splitkv.forward(q, k, k, num_splits=0, **dict(kw, causal=True))  # another flag
+    driver_splitkv.forward(q, k[:, :16384], k[:, :16384], num_splits=0, **kw)  # another shape
+    kt = torch.zeros(1, 8, 32768, 128, dtype=torch.bfloat16).transpose(1, 2)  # same shape, other strides
+    driver_splitkv.forward(q, kt, kt, num_splits=0, **kw)
+    assert len(built) == 5 and len(driver_splitkv._PLANS) == 5
+    assert {p.split.num_splits for p in driver_splitkv._PLANS.values()} >= {4, cp.split.num_splits}
+    mod = lambda *a: a[0]  # noqa: E731 (a score_mod: plans are rebuilt every call)
+    driver_splitkv.forward(q, k, k, num_splits=0, score_mod=mod, **kw)
+    driver_splitkv.forward(q, k, k, num_splits=0, score_mod=mod, **kw)
+    assert len(built) == 7 and len(driver_splitkv._PLANS) == 5
+    other = DeviceInfo("fake-small", (12, 0), 48, 101376, 101376, "sm120")  # another GPU: its own plan
+    import flash_attn_sm120.device as devmod
+    monkeypatch.setattr(devmod, "device_info", lambda dev: other)
+    driver_splitkv.forward(q, k, k, num_splits=0, **kw)
+    assert len(built) == 8
+    driver_splitkv.clear_cache()
+    assert not driver_splitkv._PLANS
+
+
+def test_call_plan_matches_the_pure_planner(monkeypatch):
+    """The memoized plan holds what driver_splitkv.plan decides for the same call."""
+    info = DeviceInfo("fake", (12, 0), 188, 101376, 101376, "sm120")
+    _stub_split_launch(monkeypatch, info)
+    q = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 8192, 8, 128, dtype=torch.bfloat16)
+    driver_splitkv.forward(q, k, k, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                           softcap=None, pack_gqa=None, need_lse=True, emulate_host_smem=None, num_splits=0)
+    (cp,) = driver_splitkv._PLANS.values()
+    want = driver_splitkv.plan(head_dim=128, head_dim_v=128, causal=False, local=False, window_size_left=None,
+                               window_size_right=None, batch=2, max_seqlen_q=1, max_seqlen_k=8192, num_heads=32,
+                               num_heads_kv=8, pack_gqa=True, num_splits=0, num_sms=188)
+    assert cp.split == want and cp.softmax_scale == pytest.approx(128 ** -0.5)
+    assert cp.compile_key[0].fwd.has_lse and cp.compile_key[0].is_split_kv == (want.num_splits > 1)
+    driver_splitkv.clear_cache()

@@ -351,3 +351,20 @@ def test_decode_step_captures_in_cuda_graph(paged):
                       False, (None, None))
     _check([out[i] for i in range(b)], [lse[i] for i in range(b)], refs, f"graph replay paged={paged}")
     assert not torch.equal(out, eager_out), "the replay must compute on the new inputs"
+
+
+def test_validation_memo_keys_on_alignment_and_never_caches_failures():
+    """The public API skips re-validating metadata that passed before; a view with the same shape
+    and strides but a misaligned address, or another dtype, must still be refused every time."""
+    q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 512, 2, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attn_sm120.flash_attn_func(q, kv, kv, num_splits=0)
+    flash_attn_sm120.flash_attn_func(q, kv, kv, num_splits=0)  # memo hit
+    flat = torch.randn(kv.numel() + 8, device="cuda", dtype=torch.bfloat16)
+    shifted = flat[1:1 + kv.numel()].view_as(kv)  # same shape and strides, 2-byte offset
+    assert shifted.stride() == kv.stride()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="aligned"):
+            flash_attn_sm120.flash_attn_func(q, shifted, shifted, num_splits=0)
+        with pytest.raises(TypeError, match="dtype"):
+            flash_attn_sm120.flash_attn_func(q.float(), kv, kv, num_splits=0)
