@@ -35,7 +35,6 @@ class KernelFamily:
 FAMILIES: dict[str, KernelFamily] = {
     "cpasync": KernelFamily("cpasync", FlashAttentionForwardSm120CpAsync, sm120_config_error, smem_bytes),
     "tma": KernelFamily("tma", fwd_tma.FlashAttentionForwardSm120Tma, fwd_tma.tma_config_error, fwd_tma.smem_bytes),
-    "splitkv": KernelFamily(
-        "splitkv", fwd_splitkv.FlashAttentionForwardSm120SplitKV, fwd_splitkv.splitkv_config_error, smem_bytes
-    ),
+    # same tiles and shared memory as cpasync, so the same rules
+    "splitkv": KernelFamily("splitkv", fwd_splitkv.FlashAttentionForwardSm120SplitKV, sm120_config_error, smem_bytes),
 }

@@ -59,25 +59,12 @@ from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import SingleTileScheduler, SingleTileVarlenScheduler, TileSchedulerArguments
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync, sm120_config_error
+from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync
 
 # PagedKVManager's layout flag for "V pages laid out like K pages" (see the module docstring)
 _PAGED_V_LIKE_K = 90
 MAX_PAGE_SIZE = 512
 PAGE_SIZE_MULTIPLE = 16
-
-
-def splitkv_config_error(
-    head_dim: int,
-    head_dim_v: int,
-    tile_m: int,
-    tile_n: int,
-    num_stages: int,
-    num_threads: int,
-    q_in_regs: bool = False,
-) -> Optional[str]:
-    """Why a splitkv config cannot run on SM120 (None if it can): the cp.async family's rules."""
-    return sm120_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, q_in_regs)
 
 
 def paged_head_dim_error(head_dim: int, head_dim_v: int) -> Optional[str]:
