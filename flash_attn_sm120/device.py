@@ -73,11 +73,6 @@ def mode_for_capability(capability: tuple[int, int], emulate: bool) -> str:
     return "upstream"
 
 
-@lru_cache(maxsize=None)
-def _device_props(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
 def device_info(device: torch.device | int | None = None, *, emulate: Optional[bool] = None) -> DeviceInfo:
     """Describe a CUDA device and the mode this package runs it in (memoized: called per attention call)."""
     if not torch.cuda.is_available():
@@ -93,7 +88,7 @@ def device_info(device: torch.device | int | None = None, *, emulate: Optional[b
 
 @lru_cache(maxsize=None)
 def _device_info(index: int, emulate: bool) -> DeviceInfo:
-    props = _device_props(index)
+    props = torch.cuda.get_device_properties(index)
     cap = (props.major, props.minor)
     mode = mode_for_capability(cap, emulate)
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or _FALLBACK_SMEM_PER_SM.get(props.major, 0)

@@ -176,15 +176,13 @@ class CallPlan:
     """
 
     split: SplitPlan
-    causal: bool  # resolved by upstream's window rule
-    local: bool
-    window_left: Optional[int]
+    kv_capacity: int  # keys K/V can hold: dense seqlen_k, or pages per row x page size
+    window_left: Optional[int]  # resolved by upstream's window rule (as the compile key's flags)
     window_right: Optional[int]
-    pack_gqa: bool
-    to_driver: bool  # dense and unsplit: driver.forward runs it
+    to_driver: bool  # dense and unsplit: driver.forward runs it (with the arguments as given)
     driver_config: Optional[FwdConfig]
     softmax_scale: float
-    score_mod: Optional[Callable]
+    score_mod: Optional[Callable]  # softcap folded in
     compile_key: Optional[tuple]
     combine_arch: int
     kernel: object = None  # the compiled kernel, once the first call has looked it up
@@ -201,8 +199,8 @@ def _meta(t: Optional[torch.Tensor]):
 def _plan_key(q, k, v, *, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
               max_seqlen_k, num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
               pack_gqa, need_lse, emulate_host_smem, out, lse, config, num_sms, info) -> tuple:
-    return (info,
-        _meta(q), _meta(k), _meta(v), q.dtype, q.device, _meta(page_table), _meta(cu_seqlens_q),
+    return (
+        info, _meta(q), _meta(k), _meta(v), q.dtype, q.device, _meta(page_table), _meta(cu_seqlens_q),
         _meta(cu_seqlens_k), seqused_q is not None, seqused_k is not None, _host_int(max_seqlen_q),
         _host_int(max_seqlen_k), num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
         pack_gqa, need_lse, emulate_host_smem, _meta(out), _meta(lse), config, num_sms,
@@ -242,16 +240,16 @@ def make_call_plan(
         num_heads_kv=num_heads_kv, pack_gqa=pack, num_splits=num_splits, num_sms=num_sms or info.num_sms,
         config=config,
     )
-    arch = info.capability[0] * 10 + info.capability[1]
-    common = dict(split=p, causal=causal_r, local=local, window_left=left, window_right=right, pack_gqa=pack,
-                  combine_arch=arch)
+    score_mod = driver.softcap_score_mod(softcap, score_mod)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    common = dict(split=p, kv_capacity=capacity, window_left=left, window_right=right, softmax_scale=scale,
+                  score_mod=score_mod, combine_arch=info.capability[0] * 10 + info.capability[1])
     if page_table is None and p.num_splits == 1:
         cfg = replace(p.config, family="cpasync") if p.config.family == DECODE_FAMILY else p.config
         return CallPlan(**common, to_driver=True, driver_config=cfg if (p.decode or config is not None) else None,
-                        softmax_scale=softmax_scale, score_mod=score_mod, compile_key=None)
+                        compile_key=None)
 
     kcfg = kernel_config(p.config, head_dim, head_dim_v)
-    score_mod = driver.softcap_score_mod(softcap, score_mod)
     is_split = p.num_splits > 1
     statics = SplitKVStatics(
         build_statics(
@@ -266,9 +264,7 @@ def make_call_plan(
     )
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    return CallPlan(**common, to_driver=False, driver_config=None, softmax_scale=scale, score_mod=score_mod,
-                    compile_key=key)
+    return CallPlan(**common, to_driver=False, driver_config=None, compile_key=key)
 
 
 def forward(
@@ -313,8 +309,8 @@ def forward(
     from flash_attn_sm120.device import device_info
 
     args = dict(
-        info=device_info(q.device), page_table=page_table, num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        info=device_info(q.device), page_table=page_table, num_splits=num_splits, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
         softmax_scale=softmax_scale, pack_gqa=pack_gqa, need_lse=need_lse, lse=lse,
         emulate_host_smem=emulate_host_smem, config=config, num_sms=num_sms,
@@ -341,8 +337,7 @@ def forward(
     num_heads, head_dim_v = q.shape[-2], v.shape[-1]
     varlen_q = cu_seqlens_q is not None
     out, lse, lse_shape = driver.allocate_outputs(q, num_heads, head_dim_v, varlen_q, need_lse, out, lse)
-    capacity = page_table.shape[1] * k.shape[1] if page_table is not None else k.shape[-3]
-    if capacity == 0 or out.numel() == 0:
+    if cp.kv_capacity == 0 or out.numel() == 0:
         return driver.empty_result(out, lse)
 
     splits = cp.split.num_splits

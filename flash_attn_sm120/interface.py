@@ -70,6 +70,14 @@ def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
     return driver.forward(q, k, v, need_lse=need_lse, **fwd_kwargs)
 
 
+def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requires_grad: bool):
+    """Through autograd when a backward may follow; otherwise straight to the driver (no graph to
+    record: autograd.Function's per-call cost matters to small decode calls)."""
+    if not requires_grad:
+        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
+    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+
+
 class _Sm120AttnFunc(torch.autograd.Function):
     """Forward on this package's kernels, backward on upstream's."""
 
@@ -155,9 +163,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
         window_size_right=right, deterministic=deterministic, _tensors=(), _tensor_names=(),
     )
-    if not requires_grad:  # no graph to record: skip autograd.Function's per-call cost
-        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
-    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def flash_attn_varlen_func(
@@ -238,9 +244,7 @@ def flash_attn_varlen_func(
         window_size_right=right, deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
-    if not requires_grad:  # no graph to record: skip autograd.Function's per-call cost
-        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
-    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def _locals_without_target(scope: dict) -> dict:
