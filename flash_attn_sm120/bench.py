@@ -265,6 +265,18 @@ def reference_attention(q, k, v, causal=False, window=(None, None), softmax_scal
     return out, lse
 
 
+def write_pages(pool, dense, page_table) -> None:
+    """Write dense rows (b, s, h, d) into a page pool (num_pages, page_size, h, d) through
+    page_table (b, pages_per_seq): sequence i's rows j*page_size.. go to page page_table[i, j];
+    the last page's tail gets zeros."""
+    import torch
+
+    b, s = dense.shape[:2]
+    pages, page_size = page_table.shape[1], pool.shape[1]
+    rows = torch.nn.functional.pad(dense, (0, 0, 0, 0, 0, pages * page_size - s))
+    pool[page_table.reshape(-1).long()] = rows.reshape(b * pages, page_size, *dense.shape[2:])
+
+
 def time_cuda(fn: Callable[[int], object], rotations: int = 3, warmup: int = 3, reps: int = 30) -> Timing:
     """Median time of fn(i) with CUDA events; i cycles over `rotations` input sets.
 
@@ -276,13 +288,20 @@ def time_cuda(fn: Callable[[int], object], rotations: int = 3, warmup: int = 3, 
     for i in range(warmup):
         fn(i % rotations)
     torch.cuda.synchronize()
+    return summarize_times(event_times(lambda i: fn(i % rotations), reps))
+
+
+def event_times(run: Callable[[int], object], reps: int) -> list[float]:
+    """Milliseconds of run(i) for i < reps: CUDA events around each, queued back to back, one sync."""
+    import torch
+
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for i, (start, end) in enumerate(events):
         start.record()
-        fn(i % rotations)
+        run(i)
         end.record()
     torch.cuda.synchronize()
-    return summarize_times([s.elapsed_time(e) for s, e in events])
+    return [s.elapsed_time(e) for s, e in events]
 
 
 def time_cuda_graph(
@@ -314,14 +333,9 @@ def time_cuda_graph(
             fn(i % rotations)
     graph.replay()
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
+    times = event_times(lambda i: graph.replay(), reps)
     del graph
-    return summarize_times([s.elapsed_time(e) / calls for s, e in events])
+    return summarize_times([t / calls for t in times])
 
 
 def rotations_for(p: Problem, l2_bytes: int = 60 * 2**20) -> int:

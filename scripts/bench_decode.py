@@ -58,13 +58,8 @@ CANDIDATES = [  # decode configs for --candidates (splitkv family, d=128)
 def timed(fn, rotations: int) -> bench.Timing:
     """bench.time_cuda with fewer repetitions for slow calls (an unsplit b=1 decode over 128k keys
     runs on 8 SMs and takes seconds)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn(0)  # compile / load outside the probe
-    start.record()
-    fn(0)
-    end.record()
-    end.synchronize()
-    probe_ms = start.elapsed_time(end)
+    probe_ms = bench.event_times(lambda i: fn(0), 1)[0]
     if probe_ms > 50:
         return bench.time_cuda(fn, rotations=rotations, warmup=1, reps=5)
     return bench.time_cuda(fn, rotations=rotations, warmup=3, reps=30)
@@ -100,11 +95,8 @@ def _paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Gen
     table = perm.view(b, pages).contiguous()
     pool_k = torch.empty(b * pages, page_size, *k.shape[2:], dtype=k.dtype, device=k.device)
     pool_v = torch.empty_like(pool_k)
-    pad = pages * page_size - s
-    kk = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(b * pages, page_size, *k.shape[2:])
-    vv = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(b * pages, page_size, *k.shape[2:])
-    pool_k[table.view(-1).long()] = kk
-    pool_v[table.view(-1).long()] = vv
+    bench.write_pages(pool_k, k, table)
+    bench.write_pages(pool_v, v, table)
     return pool_k, pool_v, table
 
 

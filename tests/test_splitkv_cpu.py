@@ -469,3 +469,23 @@ def test_call_plan_matches_the_pure_planner(monkeypatch):
     assert cp.split == want and cp.softmax_scale == pytest.approx(128 ** -0.5)
     assert cp.compile_key[0].fwd.has_lse and cp.compile_key[0].is_split_kv == (want.num_splits > 1)
     driver_splitkv.clear_cache()
+
+
+def test_write_pages_round_trips_through_a_shuffled_table():
+    """bench.write_pages (the benchmark's and the CUDA-graph test's page filler): gathering the pages
+    back in table order gives the dense rows, and the last page's tail is zero."""
+    from flash_attn_sm120.bench import write_pages
+
+    torch.manual_seed(0)
+    b, s, h, d, page = 2, 70, 3, 16, 16
+    dense = torch.randn(b, s, h, d)
+    pages = -(-s // page)
+    table = torch.randperm(b * pages + 3)[: b * pages].to(torch.int32).view(b, pages)
+    pool = torch.full((b * pages + 3, page, h, d), float("nan"))
+    write_pages(pool, dense, table)
+    for i in range(b):
+        rows = pool[table[i].long()].reshape(-1, h, d)
+        assert torch.equal(rows[:s], dense[i])
+        assert torch.equal(rows[s:], torch.zeros_like(rows[s:]))
+    unused = sorted(set(range(b * pages + 3)) - set(table.view(-1).tolist()))
+    assert torch.isnan(pool[unused]).all()

@@ -15,7 +15,7 @@ import torch
 
 import flash_attn_sm120
 from flash_attn_sm120 import driver_splitkv, splitkv
-from flash_attn_sm120.bench import reference_attention
+from flash_attn_sm120.bench import reference_attention, write_pages
 from flash_attn_sm120.device import device_info
 
 pytestmark = pytest.mark.gpu
@@ -313,11 +313,8 @@ def test_decode_step_captures_in_cuda_graph(paged):
         kwargs.update(page_table=table, seqused_k=torch.full((b,), sk, dtype=torch.int32, device="cuda"))
 
         def load(kk, vv):  # write the dense KV into the shuffled pages
-            pad = pages * page - sk
-            pk = torch.nn.functional.pad(kk, (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hk, d)
-            pv = torch.nn.functional.pad(vv, (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hk, d)
-            pool_k[table.view(-1).long()] = pk
-            pool_v[table.view(-1).long()] = pv
+            write_pages(pool_k, kk, table)
+            write_pages(pool_v, vv, table)
         load(k, v)
         call = lambda: flash_attn_sm120.flash_attn_varlen_func(q, pool_k, pool_v, **kwargs)
     else:
