@@ -531,6 +531,19 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
     # device side
     # ------------------------------------------------------------------------------------------
 
+    def _tma_pipeline(self, barriers, num_stages: int, operand: str, producer, consumers):
+        """One mbarrier ring (trace-time helper): full barriers expect one TMA arrive plus the
+        operand's transaction bytes, empty barriers one arrive per MMA warp. Barrier init is
+        deferred to the kernel's single pipeline_init_arrive / pipeline_init_wait."""
+        return cpipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers.data_ptr(),
+            num_stages=num_stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.tma_copy_bytes[operand],
+            defer_sync=True,
+        )
+
     @cute.kernel
     def kernel(
         self,
@@ -570,30 +583,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # full barriers: one TMA arrive + transaction bytes; empty barriers: one arrive per MMA warp
         producer = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, 1)
         consumers = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, self.num_mma_warps)
-        pipeline_q = cpipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_Q.data_ptr(),
-            num_stages=1,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tma_copy_bytes["Q"],
-            defer_sync=True,
-        )
-        pipeline_k = cpipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_K.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tma_copy_bytes["K"],
-            defer_sync=True,
-        )
-        pipeline_v = cpipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_V.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tma_copy_bytes["V"],
-            defer_sync=True,
-        )
+        pipeline_q = self._tma_pipeline(storage.mbar_Q, 1, "Q", producer, consumers)
+        pipeline_k = self._tma_pipeline(storage.mbar_K, self.num_stages, "K", producer, consumers)
+        pipeline_v = self._tma_pipeline(storage.mbar_V, self.num_stages, "V", producer, consumers)
         # make the mbarrier inits visible to the async proxy, then sync the CTA once
         cpipeline.pipeline_init_arrive()
         cpipeline.pipeline_init_wait()
