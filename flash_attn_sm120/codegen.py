@@ -263,11 +263,14 @@ def compile_splitkv_cubin(
     dtype: str = "bfloat16",
     arch: str = TARGET_ARCH,
     emulate_host_smem: Optional[tuple] = None,
+    kernel_cls: Optional[type] = None,
 ) -> tuple[bytes, int]:
     """Compile one splitkv-family kernel (driver_splitkv) for `arch`; returns (cubin, launch smem).
 
     split: fp32 partial O (splits, b, s, h, dv) / LSE (splits, b, h, s) outputs; paged: K/V page
     pools (num_pages, page_size, h_kv, d) with an int32 page table. All sizes are symbolic.
+    kernel_cls: build this class instead (same constructor as upstream's SM120 forward plus
+    is_split_kv), e.g. the patched upstream's FlashAttentionForwardSm120SplitKV.
     """
     import cutlass
     import cutlass.cute as cute
@@ -289,8 +292,15 @@ def compile_splitkv_cubin(
         is_split_kv=split,
         paged=paged,
     )
-    kernel = driver_splitkv.make_splitkv_kernel(statics)
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
+    if kernel_cls is None:
+        kernel = driver_splitkv.make_splitkv_kernel(statics)
+    else:
+        kernel = kernel_cls(
+            cdtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=causal, is_local=local, pack_gqa=pack_gqa,
+            tile_m=config.tile_m, tile_n=config.tile_n, num_stages=config.num_stages,
+            num_threads=config.num_threads, Q_in_regs=config.q_in_regs, is_split_kv=split,
+        )
     sym = cute.sym_int
     div = 16 // (cdtype.width // 8)
     b, sq, h, splits = sym(), sym(), sym(), sym()
@@ -320,7 +330,8 @@ def compile_splitkv_cubin(
         cubin = compiled.artifacts.CUBIN
         if isinstance(cubin, str):
             cubin = Path(cubin).read_bytes()
-    return cubin, kernel.smem_bytes_launched
+    smem = getattr(kernel, "smem_bytes_launched", None)
+    return cubin, smem if smem is not None else config.smem_bytes(head_dim, head_dim_v)
 
 
 def combine_kernel_params(head_dim: int, num_splits: int) -> dict:

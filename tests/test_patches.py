@@ -334,3 +334,180 @@ def test_patched_upstream_forward_matches_reference(tmp_path, source):
     for case in json.loads(lines[-1][len("RESULT "):]):
         assert case["built"] == case["expected"], f"dispatch did not use the table's config: {case}"
         assert case["err"] <= 2 * case["pt_err"] + 1e-3, f"patched SM120 forward is wrong: {case}"
+
+
+# ------------------------------------------------------------------- SplitKV / paged / decode patch
+_SPLIT_PROBE = r"""
+import json, sys
+from types import SimpleNamespace
+site, cases = sys.argv[1], json.loads(sys.argv[2])
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config
+from flash_attn.cute.flash_fwd_sm120_splitkv import FlashAttentionForwardSm120SplitKV
+from flash_attn.cute.interface import _get_fwd_config
+from flash_attn_sm120.codegen import compile_splitkv_cubin, inspect_cubin
+from flash_attn_sm120.config import FwdConfig
+
+out = {"plans": [], "codegen": None}
+for c in cases:
+    cfg = _get_fwd_config(
+        arch=120, head_dim=128, head_dim_v=128, max_seqlen_q=1, max_seqlen_k=c["seqlen_k"], num_head_kv=8,
+        qhead_per_kvhead=4, pack_gqa=True, batch_size=c["batch"], causal=False, local=False,
+        window_size_left=None, window_size_right=None, num_splits=c["num_splits"], device=SimpleNamespace(index=0),
+    )
+    out["plans"].append(dict(c, tiles=[cfg.m_block_size, cfg.n_block_size], splits=cfg.num_splits))
+decode = sm120_fwd_config(128, 128, False, False, max_seqlen_q=1)
+cubin, _ = compile_splitkv_cubin(FwdConfig(**decode.to_dict()), 128, split=True, paged=True,
+                                 kernel_cls=FlashAttentionForwardSm120SplitKV)
+res, hist, _ = inspect_cubin(cubin)
+out["codegen"] = dict(config=decode.to_dict(), regs=res["regs"], stack=res["stack"], ldl=hist.get("LDL", 0),
+                      stl=hist.get("STL", 0), hmma=hist.get("HMMA", 0), ldgsts=hist.get("LDGSTS", 0))
+print("RESULT " + json.dumps(out))
+"""
+
+SPLIT_PLAN_CASES = [
+    dict(batch=b, seqlen_k=sk, num_splits=n)
+    for b, sk in ((1, 4096), (1, 32768), (1, 131072), (8, 32768), (64, 4096))
+    for n in (0, 1000)
+]
+
+
+def test_patched_upstream_splits_match_the_package_and_compile_for_sm120a(tmp_path, monkeypatch):
+    """The SplitKV patch: upstream's _get_fwd_config gives the package's decode tiles and split counts
+    (188 SMs), and the patched FlashAttentionForwardSm120SplitKV compiles for sm_120a without spills."""
+    from flash_attn_sm120 import driver_splitkv
+
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "188")
+    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("FLASH_ATTN_SM120_EMULATE", None)
+    res = subprocess.run([sys.executable, "-c", _SPLIT_PROBE, str(site), json.dumps(SPLIT_PLAN_CASES)],
+                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"patched-upstream split probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+
+    chose_a_split = False
+    for p in result["plans"]:
+        ours = driver_splitkv.plan(
+            head_dim=128, head_dim_v=128, causal=False, local=False, window_size_left=None, window_size_right=None,
+            batch=p["batch"], max_seqlen_q=1, max_seqlen_k=p["seqlen_k"], num_heads=32, num_heads_kv=8,
+            pack_gqa=True, num_splits=p["num_splits"], num_sms=188,
+        )
+        assert p["tiles"] == [ours.config.tile_m, ours.config.tile_n], f"decode tiles differ: {p} vs {ours}"
+        assert p["splits"] == ours.num_splits, f"split count differs from the package's: {p} vs {ours}"
+        if p["num_splits"] == 1000:  # explicit: clamped to the key blocks (and MAX_SPLITS)
+            assert 1 < p["splits"] <= min(128, -(-p["seqlen_k"] // p["tiles"][1]))
+        chose_a_split |= p["num_splits"] == 0 and p["splits"] > 1
+    assert chose_a_split, "the chooser never split a b=1 decode: the patched rule is not the package's"
+
+    cg = result["codegen"]
+    assert (cg["config"]["num_threads"], cg["config"]["tile_m"]) == (128, 64), cg  # the decode table's entry
+    assert cg["hmma"] > 0 and cg["ldgsts"] > 0, cg
+    assert cg["stack"] == 0 and cg["ldl"] == 0 and cg["stl"] == 0, f"patched SplitKV kernel spills: {cg}"
+
+
+def test_splitkv_patch_needs_every_anchor(tmp_path):
+    """Each interface edit of the SplitKV step names its anchor when the upstream text moved."""
+    interface = (_pristine_repo(tmp_path) / "flash_attn" / "cute" / "interface.py").read_text()
+    after_step1 = mp.apply_edits(interface, mp._INTERFACE_EDITS, "interface.py")
+    mp.apply_edits(after_step1, mp._SPLITKV_INTERFACE_EDITS, "interface.py")  # applies as is
+    moved = after_step1.replace('        assert num_splits <= 1, "SM120 forward only supports num_splits=1"\n', "")
+    with pytest.raises(mp.AnchorError, match="SM120 num_splits"):
+        mp.apply_edits(moved, mp._SPLITKV_INTERFACE_EDITS, "interface.py")
+
+
+def test_lifted_modules_have_no_package_references():
+    for text in (mp.render_splitkv_module(), mp.render_splits_module()):
+        mp.check_no_package_refs(text, "lifted module")
+        compile(text, "lifted", "exec")  # valid Python
+    with pytest.raises(mp.AnchorError, match="emulat"):
+        mp.check_no_package_refs("# SM120 Emulation pads shared memory", "probe")
+
+
+_GPU_SPLIT_PROBE = r"""
+import json, sys
+site = sys.argv[1]
+import torch
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import interface
+from flash_attn_sm120 import testing
+from flash_attn_sm120.testing import AttnCase, AttnProblem
+
+built = []
+
+
+class Recording(interface.FlashAttentionForwardSm120SplitKV):  # test-only: see what the dispatch builds
+    def __init__(self, *args, **kwargs):
+        built.append({k: kwargs[k] for k in ("tile_m", "tile_n", "num_stages", "num_threads", "is_split_kv")})
+        super().__init__(*args, **kwargs)
+
+
+interface.FlashAttentionForwardSm120SplitKV = Recording
+CASES = [
+    ("decode, dense KV, chosen splits", dict(qhead_per_kvhead=4, return_lse=True),
+     dict(seqlens_q=(1, 1), seqlens_k=(3000, 3000), nheads_kv=2, num_splits=0)),
+    ("prefill, paged KV (64-token pages), causal, varlen Q", dict(head_dim=64, head_dim_v=64, mask="causal",
+     q_layout="packed", k_layout="paged"), dict(seqlens_q=(200, 37), seqlens_k=(700, 300), nheads_kv=4, page_size=64)),
+    ("decode, paged KV (16-token pages), 5 splits, left window", dict(qhead_per_kvhead=4, mask="local_l",
+     q_layout="packed", k_layout="paged", return_lse=True),
+     dict(seqlens_q=(4, 1, 3), seqlens_k=(1000, 17, 513), nheads_kv=2, page_size=16, num_splits=5, window_left=300)),
+]
+out = []
+for name, case_kw, problem_kw in CASES:
+    case, problem = AttnCase(**case_kw), AttnProblem(**problem_kw)
+    inputs = testing.make_inputs(case, problem)
+    kw = testing.api_kwargs(inputs, case, problem)
+    left, right = kw.pop("window_size")
+    o = torch.full(inputs.out_shape(case.head_dim_v), float("nan"), dtype=case.torch_dtype, device="cuda")
+    lse = torch.full(inputs.lse_shape(), float("nan"), dtype=torch.float32, device="cuda") if case.return_lse else None
+    before = len(built)
+    o, lse = interface._flash_attn_fwd(
+        inputs.q, inputs.k, inputs.v, window_size_left=left, window_size_right=right, out=o, lse=lse, _arch=120,
+        **{k: v for k, v in kw.items() if k != "softcap"}, softcap=case.softcap or None,
+    )[:2]
+    torch.cuda.synchronize()
+    error = None
+    try:
+        stats = testing.check_forward(inputs, case, problem, o, lse if case.return_lse else None)
+    except AssertionError as e:
+        stats, error = None, str(e)[:2000]
+    out.append(dict(name=name, built=built[before:], error=error, stats=repr(stats)[:400]))
+
+refusal = None
+try:
+    case, problem = AttnCase(q_layout="packed", k_layout="paged"), AttnProblem((3,), (40,), page_size=8)
+    inputs = testing.make_inputs(case, problem)
+    kw = testing.api_kwargs(inputs, case, problem)
+    kw.pop("window_size"), kw.pop("softcap")
+    interface._flash_attn_fwd(inputs.q, inputs.k, inputs.v, _arch=120, **kw)
+except AssertionError as e:
+    refusal = str(e)
+print("RESULT " + json.dumps(dict(cases=out, refusal=refusal)))
+"""
+
+
+@pytest.mark.gpu
+def test_patched_upstream_split_and_paged_match_reference(tmp_path):
+    """The patched FA4 interface (SM120 dispatch forced, _arch=120): SplitKV, paged KV and both,
+    against the fp32 reference, outputs poisoned with NaN; a bad page size is refused by name."""
+    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    import torch
+
+    env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
+    res = subprocess.run([sys.executable, "-c", _GPU_SPLIT_PROBE, str(site)],
+                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"patched-upstream split GPU probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    for case in result["cases"]:
+        assert case["error"] is None, f"{case['name']}: {case['error']}"
+        assert case["built"], f"{case['name']}: the SplitKV class was not used"
+    split_flags = [c["built"][0]["is_split_kv"] for c in result["cases"]]
+    assert split_flags == [True, False, True], split_flags
+    assert result["refusal"] and "page size" in result["refusal"], result["refusal"]
