@@ -334,19 +334,6 @@ def compile_splitkv_cubin(
     return cubin, smem if smem is not None else config.smem_bytes(head_dim, head_dim_v)
 
 
-def combine_kernel_params(head_dim: int, num_splits: int) -> dict:
-    """The FlashAttentionForwardCombine parameters upstream's `_flash_attn_fwd_combine` picks
-    (flash_attn/cute/interface.py) for fp32 partials of this head dim and split count."""
-    import math
-
-    k_block_size = 64 if head_dim <= 64 else 128
-    tile_m = 8 if k_block_size % 128 == 0 else (16 if k_block_size % 64 == 0 else 32)
-    log_max_splits = max(math.ceil(math.log2(max(num_splits, 1))), 4)
-    if tile_m == 8:
-        log_max_splits = max(log_max_splits, 5)
-    return dict(tile_m=tile_m, k_block_size=k_block_size, log_max_splits=log_max_splits)
-
-
 def compile_combine_cubin(
     head_dim: int,
     num_splits: int,
@@ -363,8 +350,10 @@ def compile_combine_cubin(
     from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine
     from quack.compile_utils import make_fake_tensor
 
+    from flash_attn_sm120 import driver_splitkv
+
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
-    combine = FlashAttentionForwardCombine(cdtype, Float32, head_dim, num_heads, **combine_kernel_params(head_dim, num_splits))
+    combine = FlashAttentionForwardCombine(cdtype, Float32, head_dim, num_heads, **driver_splitkv.combine_kernel_params(head_dim, num_splits))
     sym = cute.sym_int
     splits, h = sym(), sym()
     if varlen:

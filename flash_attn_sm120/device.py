@@ -75,6 +75,9 @@ def mode_for_capability(capability: tuple[int, int], emulate: bool) -> str:
 
 def device_info(device: torch.device | int | None = None, *, emulate: Optional[bool] = None) -> DeviceInfo:
     """Describe a CUDA device and the mode this package runs it in (memoized: called per attention call)."""
+    if type(device) is torch.device and device.index is not None and device.type == "cuda":
+        # a CUDA tensor's device: CUDA is there, skip the availability query (per-call host time)
+        return _device_info(device.index, emulation_requested() if emulate is None else bool(emulate))
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is available")
     if device is None:

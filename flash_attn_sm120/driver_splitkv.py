@@ -7,8 +7,10 @@ Per call (after the interface has validated the inputs):
      and the config's CTAs per SM from hardware.py's SM120 occupancy model;
   3. dense KV without splits goes to driver.forward (the cp.async family, unchanged); anything
      paged or split runs the splitkv kernel family (kernels/fwd_splitkv.py): with splits it
-     writes fp32 partial O / LSE that upstream's `FlashAttentionForwardCombine` merges (called
-     through `_flash_attn_fwd_combine` with this device's arch given explicitly).
+     writes fp32 partial O / LSE that upstream's `FlashAttentionForwardCombine` merges: the
+     compiled combine kernel upstream's `_flash_attn_fwd_combine` would pick (same compile key,
+     same cache), looked up once per CallPlan and then called directly, because the wrapper's
+     per-call checks cost as much host time as the decode kernel's GPU time.
 Compiled kernels are cached per (driver.FwdStatics, split, paged) key, like driver.py's.
 """
 
@@ -26,7 +28,13 @@ import torch
 import cutlass.cute as cute
 from flash_attn.cute.cache_utils import JITCache, JITPersistentCache
 from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
-from flash_attn.cute.interface import _flash_attn_fwd_combine, _resolve_causal_local_window
+from cutlass import Float32
+from flash_attn.cute.interface import (
+    _compile_fwd_combine,
+    _flash_attn_fwd_combine,
+    _resolve_causal_local_window,
+    torch2cute_dtype_map,
+)
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import driver, hardware, splitkv
@@ -137,6 +145,34 @@ def compile_splitkv_kernel(
     )
 
 
+def combine_kernel_params(head_dim: int, num_splits: int) -> dict:
+    """The FlashAttentionForwardCombine parameters upstream's `_flash_attn_fwd_combine` picks
+    (flash_attn/cute/interface.py) for fp32 partials of this head dim and split count."""
+    k_block_size = 64 if head_dim <= 64 else 128
+    tile_m = 8 if k_block_size % 128 == 0 else (16 if k_block_size % 64 == 0 else 32)
+    log_max_splits = max(math.ceil(math.log2(max(num_splits, 1))), 4)
+    if tile_m == 8:
+        log_max_splits = max(log_max_splits, 5)
+    return dict(tile_m=tile_m, k_block_size=k_block_size, log_max_splits=log_max_splits)
+
+
+def combine_compile_key(arch: int, out: torch.Tensor, num_splits: int, *, varlen: bool, seqused: bool,
+                        lse: bool) -> tuple:
+    """The key under which `_flash_attn_fwd_combine` caches the combine kernel for these outputs
+    (fp32 partials, no dynamic splits, no virtual batch, no semaphore)."""
+    p = combine_kernel_params(out.shape[-1], num_splits)
+    return (arch, torch2cute_dtype_map[out.dtype], Float32, out.shape[-1], out.shape[-2], p["tile_m"],
+            p["k_block_size"], p["log_max_splits"], varlen, seqused, lse, False, False, False)
+
+
+def combine_kernel(key: tuple):
+    """Upstream's compiled combine kernel for `key`, compiled into upstream's own cache if missing."""
+    cache = _flash_attn_fwd_combine.compile_cache
+    if key not in cache:
+        cache[key] = _compile_fwd_combine(*key)
+    return cache[key]
+
+
 def _make_cache():
     path = os.environ.get(driver.CACHE_DIR_ENV)
     return JITPersistentCache(Path(path) / "fwd_splitkv") if path else JITCache()
@@ -186,6 +222,7 @@ class CallPlan:
     compile_key: Optional[tuple]
     combine_arch: int
     kernel: object = None  # the compiled kernel, once the first call has looked it up
+    combine: object = None  # the compiled combine kernel, likewise
 
 
 _PLANS: dict = {}
@@ -375,14 +412,15 @@ def forward(
         cp.window_left, cp.window_right, None, None, AuxData(aux_tensors, aux_scalars), None, None,
     )
     if splits > 1:
-        # the combine reads LSE partials token-major: (splits, b, s, h) / (splits, total_q, h) views
-        _flash_attn_fwd_combine(
-            o_kernel,
-            lse_kernel.transpose(-1, -2),
-            out,
-            lse.transpose(-1, -2) if lse is not None else None,
-            cu_seqlens_q,
-            seqused_q,
-            _arch=cp.combine_arch,
-        )
+        combine = cp.combine
+        if combine is None:
+            combine = combine_kernel(combine_compile_key(
+                cp.combine_arch, out, splits, varlen=varlen_q, seqused=seqused_q is not None, lse=lse is not None,
+            ))
+            if memo:
+                cp.combine = combine
+        # the combine reads LSE partials token-major: (splits, b, s, h) / (splits, total_q, h) views;
+        # the last three arguments (dynamic splits, virtual batch, semaphore) are unused here
+        combine(o_kernel, lse_kernel.transpose(-1, -2), out, lse.transpose(-1, -2) if lse is not None else None,
+                cu_seqlens_q, seqused_q, None, None, None)
     return out, lse

@@ -41,6 +41,10 @@ def _check_common_features(
 ):
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise TypeError(f"num_splits must be an int, got {num_splits!r}")
+    if (qv is None and gather_kv_indices is None and learnable_sink is None and block_sparse_tensors is None
+            and scheduler_metadata is None and not requires_grad and not gather_bwd_recompute_p
+            and gather_bwd_token_chunk is None):
+        return  # the common case, decided without building the feature tables below (per-call host time)
     validation.reject_unsupported(
         qv_MLA_absorbed_attention=qv is not None,
         gather_kv_indices_sparse_MLA=gather_kv_indices is not None,

@@ -19,6 +19,11 @@ Every line carries the mode label (SM120 native / SM120 emulated on ...); --out 
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --out decode.json
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --candidates --splits 0,32,64 --batches 1,8
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_decode.py --candidates --head-dims 64,96 --batches 1,8
+
+--head-dims times the decode rows at other head dims (same GQA 32:8); with --candidates each head
+dim gets its candidate decode configs (decode_candidates: the d=128 sweep's list at d=128, else
+every 4-warp 64-row tile with tile_n 32/64/128 and 1-3 stages that fits, plus 8 warps 128x64).
 
 Targets (issue 7): ours >= 60% of copy bandwidth at b=1, seqlen_k >= 32k; ours never slower than
 upstream on any decode shape; paged prefill within 10% of dense.
@@ -44,7 +49,7 @@ from flash_attn_sm120.interface import flash_attn_func  # noqa: E402
 
 H, HK, D = 32, 8, 128
 KV_LIMIT_BYTES = 8 * 10**9
-CANDIDATES = [  # decode configs for --candidates (splitkv family, d=128)
+CANDIDATES = [  # decode configs for --candidates at d=128 (splitkv family)
     FwdConfig(128, 64, 64, 2, False, "splitkv"),
     FwdConfig(128, 64, 128, 1, False, "splitkv"),
     FwdConfig(128, 64, 64, 1, False, "splitkv"),
@@ -53,6 +58,15 @@ CANDIDATES = [  # decode configs for --candidates (splitkv family, d=128)
     FwdConfig(256, 128, 64, 2, False, "splitkv"),
     FwdConfig(128, 64, 32, 1, False, "splitkv"),  # 32 KB: 2 CTAs per SM, one tile in flight each
 ]
+
+
+def decode_candidates(head_dim: int) -> list[FwdConfig]:
+    """Decode configs to time at this head dim (those that fit SM120's 99 KB, in a fixed order)."""
+    if head_dim == D:
+        return list(CANDIDATES)
+    pool = [FwdConfig(128, 64, n, st, False, "splitkv") for n in (32, 64, 128) for st in (1, 2, 3)]
+    pool.append(FwdConfig(256, 128, 64, 2, False, "splitkv"))
+    return [c for c in pool if c.error(head_dim, head_dim) is None]
 
 
 def timed(fn, rotations: int) -> bench.Timing:
@@ -112,14 +126,14 @@ def _call_upstream(x, emulate):
     return driver.forward(
         x["q"], x["k"], x["v"], softmax_scale=None, causal=x.get("causal", False), window_size_left=None,
         window_size_right=None, softcap=None, pack_gqa=None, need_lse=False, emulate_host_smem=emulate,
-        config=upstream_fwd_config(D),
+        config=upstream_fwd_config(x["q"].shape[-1]),
     )
 
 
-def decode_shapes():
+def decode_shapes(head_dim: int = D):
     for b in (1, 8, 64):
         for sk in (4096, 32768, 131072):
-            if b * sk * HK * D * 2 * 2 > KV_LIMIT_BYTES:
+            if b * sk * HK * head_dim * 2 * 2 > KV_LIMIT_BYTES:
                 continue
             yield b, sk
 
@@ -138,19 +152,20 @@ def _call_api(x, num_splits=0):
     return flash_attn_func(x["q"], x["k"], x["v"], num_splits=num_splits)[0]
 
 
-def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_sweep=(0,), batches=(1, 8, 64)):
+def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_sweep=(0,), batches=(1, 8, 64),
+               head_dim: int = D):
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for b, sk in decode_shapes():
+    for b, sk in decode_shapes(head_dim):
         if b not in batches:
             continue
-        p = bench.Problem(b, 1, sk, H, HK, D, tag="decode")
+        p = bench.Problem(b, 1, sk, H, HK, head_dim, tag="decode")
         rot = bench.rotations_for(p)
         sets = [bench.make_inputs(p, seed=i) for i in range(rot)]
         kv_bytes = bench.kv_bytes(p)
         variants = {"upstream": lambda i: _call_upstream(sets[i], emulate)}
         if candidates:
-            for cfg in CANDIDATES:
+            for cfg in decode_candidates(head_dim):
                 for ns in splits_sweep:
                     variants[f"ours-dense[{cfg.name}][splits={ns}]"] = (
                         lambda c, n: lambda i: _call_ours(sets[i], emulate, num_splits=n, config=c))(cfg, ns)
@@ -163,7 +178,7 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
                 paged.append(dict(q=x["q"], k=pk, v=pv, page_table=pt))
             variants[f"ours-paged{page_size}"] = lambda i: _call_ours(paged[i], emulate)
         plan = driver_splitkv.plan(
-            head_dim=D, head_dim_v=D, causal=False, local=False, window_size_left=None, window_size_right=None,
+            head_dim=head_dim, head_dim_v=head_dim, causal=False, local=False, window_size_left=None, window_size_right=None,
             batch=b, max_seqlen_q=1, max_seqlen_k=sk, num_heads=H, num_heads_kv=HK, pack_gqa=True, num_splits=0,
             num_sms=device_info().num_sms,
         )
@@ -179,7 +194,7 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
             bw = kv_bytes / (t.median_ms * 1e-3)
             gbw = kv_bytes / (gpu_ms * 1e-3) if gpu_ms else None
             row = dict(
-                mode=label, kind="decode", variant=name, batch=b, seqlen_k=sk, nheads=H, nheads_kv=HK, head_dim=D,
+                mode=label, kind="decode", variant=name, batch=b, seqlen_k=sk, nheads=H, nheads_kv=HK, head_dim=head_dim,
                 kv_bytes=kv_bytes, median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
                 kv_bandwidth_GBps=bw / 1e9, copy_bandwidth_GBps=copy_bw / 1e9, frac_of_copy=bw / copy_bw,
                 graph_ms=gpu_ms, graph_p10_ms=g.p10_ms if g else None, graph_p90_ms=g.p90_ms if g else None,
@@ -190,13 +205,13 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
             rows.append(row)
             graph_txt = f"graph {gpu_ms:8.4f} ms {gbw / 1e9:7.1f} GB/s = {gbw / copy_bw:5.1%}" if gpu_ms else "graph n/a"
             host_txt = f"; host {host_us:6.1f} us/call" if host_us is not None else ""
-            print(f"[{label}] decode b={b:<3} sk={sk:<6} {name:<44} eager {t.median_ms:8.4f} ms "
+            print(f"[{label}] decode d={head_dim:<3} b={b:<3} sk={sk:<6} {name:<44} eager {t.median_ms:8.4f} ms "
                   f"{bw / copy_bw:5.1%} | {graph_txt}  (splits auto={plan.num_splits}{host_txt})", flush=True)
         for kind, times in (("eager", eager_times), ("graph", gpu_times)):
             ours = {k: v for k, v in times.items() if k.startswith("ours")}
             if ours and "upstream" in times:
                 best = min(ours, key=ours.get)
-                print(f"[{label}] decode b={b:<3} sk={sk:<6} {kind}: best ours ({best}) / upstream time = "
+                print(f"[{label}] decode d={head_dim:<3} b={b:<3} sk={sk:<6} {kind}: best ours ({best}) / upstream time = "
                       f"{ours[best] / times['upstream']:.3f}", flush=True)
         del sets, variants
         torch.cuda.empty_cache()
@@ -263,6 +278,7 @@ def main(argv=None):
     ap.add_argument("--candidates", action="store_true", help="time the decode config candidates instead")
     ap.add_argument("--splits", default="0", help="comma list of num_splits for --candidates (0 = chooser)")
     ap.add_argument("--batches", default="1,8,64", help="comma list of batch sizes")
+    ap.add_argument("--head-dims", default=str(D), help="comma list of head dims of the decode rows")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--profile-host", action="store_true", help="only a cProfile of the public decode call")
     args = ap.parse_args(argv)
@@ -278,8 +294,11 @@ def main(argv=None):
         return
     copy_bw = copy_bandwidth()
     print(f"[{label}] device-to-device copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)", flush=True)
-    rows = run_decode(label, emulate, copy_bw, args.page_size, args.candidates,
-                      tuple(int(x) for x in args.splits.split(",")), tuple(int(x) for x in args.batches.split(",")))
+    rows = []
+    for head_dim in (int(x) for x in args.head_dims.split(",")):
+        rows += run_decode(label, emulate, copy_bw, args.page_size, args.candidates,
+                           tuple(int(x) for x in args.splits.split(",")),
+                           tuple(int(x) for x in args.batches.split(",")), head_dim)
     if not args.no_prefill and not args.candidates:
         rows += run_paged_prefill(label, emulate, [int(x) for x in args.prefill_page_sizes.split(",")])
     if args.out:

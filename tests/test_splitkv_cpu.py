@@ -410,7 +410,9 @@ def _stub_split_launch(monkeypatch, info):
     monkeypatch.setattr(driver_splitkv, "make_splitkv_kernel", lambda *a, **k: None)
     monkeypatch.setattr(driver_splitkv, "compile_splitkv_kernel", lambda *a, **k: lambda *x: launches.append(x))
     monkeypatch.setattr(driver_splitkv, "to_cute_tensor", lambda *a, **k: None)
-    monkeypatch.setattr(driver_splitkv, "_flash_attn_fwd_combine", lambda *a, **k: launches.append("combine"))
+    # the compiled combine is looked up once per CallPlan (a "lookup" entry), then called per split call
+    monkeypatch.setattr(driver_splitkv, "combine_kernel",
+                        lambda key: launches.append("lookup") or (lambda *a: launches.append("combine")))
     driver_splitkv.clear_cache()
     return launches
 
@@ -431,8 +433,9 @@ def test_call_plan_is_memoized_per_metadata(monkeypatch):
         driver_splitkv.forward(q, k, k, num_splits=0, **kw)
     assert len(built) == 1 and len(driver_splitkv._PLANS) == 1
     (cp,) = driver_splitkv._PLANS.values()
-    assert cp.kernel is not None and cp.split.num_splits > 1 and not cp.to_driver
-    assert launches.count("combine") == 3 and len(launches) == 6
+    assert cp.kernel is not None and cp.combine is not None and cp.split.num_splits > 1 and not cp.to_driver
+    # 3 split kernels + 3 combines, the combine kernel looked up once (then held by the plan)
+    assert launches.count("combine") == 3 and launches.count("lookup") == 1 and len(launches) == 7
     assert driver_splitkv.compile_count["splitkv"] >= 1
     driver_splitkv.forward(q, k, k, num_splits=4, **kw)  # another split request
     driver_splitkv.forward(q, k, k, num_splits=0, **dict(kw, causal=True))  # another flag
@@ -489,3 +492,31 @@ def test_write_pages_round_trips_through_a_shuffled_table():
         assert torch.equal(rows[s:], torch.zeros_like(rows[s:]))
     unused = sorted(set(range(b * pages + 3)) - set(table.view(-1).tolist()))
     assert torch.isnan(pool[unused]).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("num_splits", [2, 5, 33, 128])
+@pytest.mark.parametrize("varlen,seqused,with_lse", [(False, False, False), (False, True, True), (True, False, True), (True, True, False)])
+def test_combine_key_is_the_one_upstreams_wrapper_compiles(monkeypatch, head_dim, num_splits, varlen, seqused, with_lse):
+    """driver_splitkv calls the combine kernel directly: it must look up exactly the kernel that
+    upstream's _flash_attn_fwd_combine would compile and cache for the same tensors (fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flash_attn.cute import interface as upstream_interface
+
+    from flash_attn_sm120 import driver_splitkv
+
+    compiled = []
+    monkeypatch.setattr(upstream_interface, "_compile_fwd_combine", lambda *key: compiled.append(key) or (lambda *a: None))
+    monkeypatch.setattr(upstream_interface._flash_attn_fwd_combine, "compile_cache", {})
+    h, b, s = 8, 3, 2
+    with FakeTensorMode():
+        rows = (b * s,) if varlen else (b, s)
+        o_partial = torch.empty(num_splits, *rows, h, head_dim, dtype=torch.float32, device="cuda")
+        lse_partial = torch.empty(num_splits, *rows[:-1], h, rows[-1], dtype=torch.float32, device="cuda").transpose(-1, -2)
+        out = torch.empty(*rows, h, head_dim, dtype=torch.float16, device="cuda")
+        lse = torch.empty(*rows[:-1], h, rows[-1], dtype=torch.float32, device="cuda").transpose(-1, -2) if with_lse else None
+        cu = torch.zeros(b + 1, dtype=torch.int32, device="cuda") if varlen else None
+        used = torch.zeros(b, dtype=torch.int32, device="cuda") if seqused else None
+        upstream_interface._flash_attn_fwd_combine(o_partial, lse_partial, out, lse, cu, used, _arch=120)
+        key = driver_splitkv.combine_compile_key(120, out, num_splits, varlen=varlen, seqused=seqused, lse=with_lse)
+    assert compiled == [key]
