@@ -163,7 +163,12 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
         rot = bench.rotations_for(p)
         sets = [bench.make_inputs(p, seed=i) for i in range(rot)]
         kv_bytes = bench.kv_bytes(p)
-        variants = {"upstream": lambda i: _call_upstream(sets[i], emulate)}
+        variants = {}
+        up_error = upstream_fwd_config(head_dim).error(head_dim, head_dim)
+        if up_error is None:
+            variants["upstream"] = lambda i: _call_upstream(sets[i], emulate)
+        elif b == batches[0] and sk == 4096:
+            print(f"[{label}] decode d={head_dim}: no upstream row, its SM120 tile cannot run: {up_error}", flush=True)
         if candidates:
             for cfg in decode_candidates(head_dim):
                 for ns in splits_sweep:

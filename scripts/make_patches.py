@@ -68,7 +68,7 @@ DEFAULT_PRUNE = tuple(ROOT / "configs" / "measurements" / d / "prune_sm120a.json
 DEFAULT_OUT = ROOT / "upstream_patches"
 DEFAULT_DECODE_TABLE = ROOT / "configs" / "sm120_decode.toml"
 # the decode benchmark whose rows the SplitKV patch's message quotes (bench_decode.py --out)
-DEFAULT_DECODE_BENCH = ROOT / "configs" / "measurements" / "2026-11-29_decode_emulated_run2.json"
+DEFAULT_DECODE_BENCH = ROOT / "configs" / "measurements" / "2026-11-29_decode_emulated_run3.json"
 
 AUTHOR_NAME = "flash_attn_sm120"
 AUTHOR_EMAIL = "flash-attn-sm120@users.noreply.github.com"

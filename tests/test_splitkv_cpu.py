@@ -302,11 +302,10 @@ def _forbidden(sass: dict) -> list:
 
 
 CODEGEN_CASES = [
-    # (config, head_dim, kwargs)
-    (select_decode_config(load_decode_table(), 128, 128), 128, dict(split=True, paged=True)),
+    # (config, head_dim, kwargs): every decode table entry split and paged, then other combinations
+    *((e.config, e.head_dim, dict(split=True, paged=True)) for e in load_decode_table()),
     (select_decode_config(load_decode_table(), 128, 128), 128, dict(split=True, paged=False, causal=True)),
     (select_decode_config(load_decode_table(), 64, 64), 64, dict(split=True, paged=True, varlen_q=True)),
-    (select_decode_config(load_decode_table(), 256, 256), 256, dict(split=True, paged=True)),
     (FwdConfig(256, 128, 64, 2, False, "splitkv"), 128, dict(split=False, paged=True, causal=True)),
     (FwdConfig(256, 128, 64, 2, False, "splitkv"), 128, dict(split=True, paged=False, local=True,
                                                              qhead_per_kvhead=1, pack_gqa=False)),
