@@ -241,3 +241,93 @@ def test_varlen_validation(fake_device):
     with pytest.raises(ValueError, match="3 dimensions"):
         q4 = torch.empty(1, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
         flash_attn_sm120.flash_attn_varlen_func(q4, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+# ------------------------------------------------------------------------------ the decode fast path
+def _fake_fast_key(tensors, scalars):
+    """interface._fast_key for fake tensors (they have no address): shape, stride and dtype."""
+    try:
+        return (tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors),
+                interface._typed(scalars))
+    except TypeError:
+        return None
+
+
+@pytest.fixture
+def fast_path(fake_device, monkeypatch):
+    """fake_device in sm120 mode, an empty route memo, and counters of the validation calls."""
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    monkeypatch.setattr(interface, "_fast_key", _fake_fast_key)
+    monkeypatch.setattr(interface, "_FAST_ROUTES", {})
+    checked = []
+    for name in ("validate_dense_memo", "validate_varlen"):
+        real = getattr(interface.validation, name)
+        monkeypatch.setattr(interface.validation, name, lambda *a, _r=real, **k: checked.append(1) or _r(*a, **k))
+    return calls, checked
+
+
+def test_fast_path_validates_once_per_metadata_and_scalars(fast_path):
+    calls, checked = fast_path
+    q, k, v = _cuda_qkv(h=8, hk=2)
+    flash_attn_sm120.flash_attn_func(q, k, v, causal=True, softcap=0.0)
+    first = dict(calls["driver"])
+    flash_attn_sm120.flash_attn_func(q, k, v, causal=True, softcap=0.0)
+    assert len(checked) == 1 and calls["driver"] == first  # the repeat skipped validation, same driver call
+    q2, k2, v2 = _cuda_qkv(h=8, hk=2)  # other tensors, same metadata: still the memo
+    flash_attn_sm120.flash_attn_func(q2, k2, v2, causal=True, softcap=0.0)
+    assert len(checked) == 1 and len(interface._FAST_ROUTES) == 1
+    flash_attn_sm120.flash_attn_func(q, k, v, causal=False, softcap=0.0)  # another scalar: validated again
+    q3, k3, v3 = _cuda_qkv(s=32, h=8, hk=2)
+    flash_attn_sm120.flash_attn_func(q3, k3, v3, causal=True, softcap=0.0)  # another shape
+    assert len(checked) == 3 and len(interface._FAST_ROUTES) == 3
+
+
+def test_fast_path_never_caches_failures_and_keys_on_types(fast_path):
+    calls, checked = fast_path
+    q, k, v = _cuda_qkv()
+    flash_attn_sm120.flash_attn_func(q, k, v, num_splits=1)
+    with pytest.raises(TypeError, match="num_splits"):  # True == 1, but a bool is refused: its own key
+        flash_attn_sm120.flash_attn_func(q, k, v, num_splits=True)
+    for _ in range(2):  # a failure raises every time: nothing was memoized for it
+        with pytest.raises(ValueError, match="window_size"):
+            flash_attn_sm120.flash_attn_func(q, k, v, window_size=(-2, None))
+    with pytest.raises(TypeError, match="causal"):
+        flash_attn_sm120.flash_attn_func(q, k, v, causal="False")
+    assert len(interface._FAST_ROUTES) == 1
+    n = len(checked)
+    flash_attn_sm120.flash_attn_func(q, k, v, window_size=[None, None])  # a list: no key, the full path
+    flash_attn_sm120.flash_attn_func(q, k, v, window_size=[None, None])
+    flash_attn_sm120.flash_attn_func(q, k, v, score_mod=lambda *a: a[0])  # a feature: the full path
+    assert len(checked) == n + 3 and len(interface._FAST_ROUTES) == 1
+
+
+def test_fast_key_takes_plain_cuda_tensors_and_plain_scalars_only():
+    cpu = torch.zeros(2, dtype=torch.bfloat16)
+    assert interface._fast_key((cpu,), (1,)) is None  # not a CUDA tensor: never the fast path
+    assert interface._fast_key((None,), (torch.zeros(1),)) is None  # a tensor never becomes a key
+    assert interface._fast_key((None,), ([None, None],)) is None  # nor a list
+    assert interface._fast_key((None,), ((None, None), 1)) != interface._fast_key((None,), ((None, None), True))
+    assert interface._fast_key((None,), (0.5, "x")) == interface._fast_key((None,), (0.5, "x"))
+
+
+def test_fast_path_needs_no_autograd_record(fast_path):
+    q, k, v = _cuda_qkv()
+    assert interface._no_grad_needed(q, k, v)
+    q.requires_grad_(True)
+    assert not interface._no_grad_needed(q, k, v)
+    with torch.no_grad():
+        assert interface._no_grad_needed(q, k, v)
+
+
+def test_fast_path_varlen_passes_this_calls_index_tensors(fast_path):
+    calls, checked = fast_path
+    q = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    for i in range(3):
+        cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+        flash_attn_sm120.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=60,
+                                                max_seqlen_k=60)
+        assert calls["driver"]["cu_seqlens_q"] is cu and calls["driver"]["cu_seqlens_k"] is cu
+    assert len(checked) == 1
+    (route,) = interface._FAST_ROUTES.values()
+    assert not any(isinstance(a, torch.Tensor) for a in route.values())  # the memo holds no tensor

@@ -365,3 +365,40 @@ def test_validation_memo_keys_on_alignment_and_never_caches_failures():
             flash_attn_sm120.flash_attn_func(q, shifted, shifted, num_splits=0)
         with pytest.raises(TypeError, match="dtype"):
             flash_attn_sm120.flash_attn_func(q.float(), kv, kv, num_splits=0)
+
+
+def test_public_api_fast_path_matches_the_full_path_and_uses_this_calls_page_table():
+    """The second identical call takes the memoized route (interface._FAST_ROUTES): its output is
+    bit-identical to the full path's. A paged call whose page table differs from the memoized
+    call's (same shape) must follow its own table."""
+    from flash_attn_sm120 import interface
+
+    interface._FAST_ROUTES.clear()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(2, 3000, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    full = flash_attn_sm120.flash_attn_func(q, kv, kv, num_splits=0)[0]
+    assert len(interface._FAST_ROUTES) == 1
+    fast = flash_attn_sm120.flash_attn_func(q, kv, kv, num_splits=0)[0]
+    assert torch.equal(full, fast)
+    _check([full[i] for i in range(2)], [None, None],
+           _reference([q[i] for i in range(2)], [kv[i] for i in range(2)], [kv[i] for i in range(2)], False,
+                      (None, None)), "dense decode")
+
+    page, lens = 16, [700, 333]
+    pool_k = torch.randn(2 * 44, page, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pool_v = torch.randn_like(pool_k)
+    qv = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    used = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for seed in (1, 2, 3):  # three page tables of one shape: the 2nd and 3rd calls take the memo
+        table = torch.randperm(2 * 44, generator=torch.Generator().manual_seed(seed)).view(2, 44)
+        table = table.to(torch.int32).cuda()
+        out = flash_attn_sm120.flash_attn_varlen_func(
+            qv, pool_k, pool_v, cu_seqlens_q=cu_q, seqused_k=used, page_table=table, max_seqlen_q=1, num_splits=0,
+        )[0]
+        ks = [_gather(pool_k, table[i], lens[i]) for i in range(2)]
+        vs = [_gather(pool_v, table[i], lens[i]) for i in range(2)]
+        _check([out[i:i + 1] for i in range(2)], [None, None],
+               _reference([qv[i:i + 1] for i in range(2)], ks, vs, False, (None, None)), f"paged table {seed}")
+    assert len(interface._FAST_ROUTES) == 2
