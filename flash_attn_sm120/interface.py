@@ -62,60 +62,6 @@ def _check_common_features(
         )
 
 
-# The decode hot path. A call that uses none of the optional features (score_mod, sinks, ...) and
-# records no autograd graph is validated from tensor metadata and host scalars only, so the result
-# of its checks (the driver keywords) is memoized per (metadata, scalars); a repeat is dispatched
-# straight to its driver. Failures are never cached (they raise before the memo is written); no
-# tensor is held by the memo (varlen index tensors are added back per call).
-_FAST_ROUTES: dict = {}
-_FAST_ROUTES_MAX = 4096
-
-
-_PLAIN_SCALARS = (type(None), bool, int, float, str)
-
-
-def _typed(x):
-    """A type-exact form of a scalar argument (True and 1 must not share a memo entry); TypeError
-    for anything but None/bool/int/float/str and tuples of them (a tensor must not become a key)."""
-    if type(x) is tuple:
-        return tuple(_typed(e) for e in x)
-    if type(x) not in _PLAIN_SCALARS:
-        raise TypeError(type(x).__name__)
-    return (type(x), x)
-
-
-def _fast_key(tensors: tuple, scalars: tuple) -> Optional[tuple]:
-    """Memo key of a feature-free call, or None (not plain CUDA tensors, or an unhashable argument)."""
-    meta = []
-    for t in tensors:
-        if t is None:
-            meta.append(None)
-            continue
-        if type(t) is not torch.Tensor or not t.is_cuda:
-            return None
-        meta.append(validation._metadata(t))
-    try:
-        return (tuple(meta), _typed(scalars))
-    except TypeError:
-        return None
-
-
-def _forward_and_remember(key: Optional[tuple], q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool,
-                          requires_grad: bool, tensor_names: tuple = ()):
-    """_forward, then (after it succeeded) the memo entry for `key` without the tensor arguments."""
-    route = None if key is None else {n: a for n, a in fwd_kwargs.items() if n not in tensor_names}
-    result = _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
-    if route is not None:
-        if len(_FAST_ROUTES) >= _FAST_ROUTES_MAX:
-            _FAST_ROUTES.clear()
-        _FAST_ROUTES[key] = route
-    return result
-
-
-def _no_grad_needed(*tensors) -> bool:
-    return not (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors))
-
-
 def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
     """(out, lse or None) from the right driver: paged, split (num_splits != 1) and decode-shaped
     calls go to driver_splitkv, the rest to driver."""
@@ -201,16 +147,6 @@ def flash_attn_func(
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
-    fast = None
-    if (target[0] != "validate-only" and qv is None and gather_kv_indices is None and learnable_sink is None
-            and score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-            and aux_scalars is None and block_sparse_tensors is None and block_sparse_tensors_bwd is None
-            and not gather_bwd_recompute_p and gather_bwd_token_chunk is None and _no_grad_needed(q, k, v)):
-        fast = _fast_key((q, k, v), (target, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
-                                     return_lse, deterministic))
-        route = _FAST_ROUTES.get(fast) if fast is not None else None
-        if route is not None:
-            return _run_forward(q, k, v, dict(route), need_lse=return_lse)
     validation.validate_dense_memo(q, k, v)
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
@@ -231,7 +167,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
         window_size_right=right, deterministic=deterministic, _tensors=(), _tensor_names=(),
     )
-    return _forward_and_remember(fast, q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def flash_attn_varlen_func(
@@ -281,20 +217,6 @@ def flash_attn_varlen_func(
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))
-    index = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
-    fast = None
-    if (target[0] != "validate-only" and qv is None and gather_kv_indices is None and learnable_sink is None
-            and score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-            and aux_scalars is None and block_sparse_tensors is None and scheduler_metadata is None
-            and not gather_bwd_recompute_p and gather_bwd_token_chunk is None and _no_grad_needed(q, k, v)):
-        fast = _fast_key(
-            (q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
-            (target, max_seqlen_q, max_seqlen_k, min_seqlen_k, softmax_scale, causal, window_size, softcap,
-             num_splits, pack_gqa, return_lse, deterministic, seqlen_k_per_split, disable_scheduler_metadata),
-        )
-        route = _FAST_ROUTES.get(fast) if fast is not None else None
-        if route is not None:
-            return _run_forward(q, k, v, dict(route, page_table=page_table, **index), need_lse=return_lse)
     if page_table is None:
         validation.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     else:
@@ -313,6 +235,7 @@ def flash_attn_varlen_func(
         score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, gather_bwd_recompute_p=gather_bwd_recompute_p,
         gather_bwd_token_chunk=gather_bwd_token_chunk,
     )
+    index = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
     present = {n: t for n, t in index.items() if t is not None}
     fwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, window_size_left=left, window_size_right=right,
@@ -325,8 +248,7 @@ def flash_attn_varlen_func(
         window_size_right=right, deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
-    return _forward_and_remember(fast, q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad,
-                                 ("page_table", *index))
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 def _locals_without_target(scope: dict) -> dict:
