@@ -155,7 +155,7 @@ def test_paged_decode_matches_reference(case):
     _check(outs, lses, refs, str(case))
 
 
-@pytest.mark.parametrize("d", [64, 96, 256])
+@pytest.mark.parametrize("d", [64, 96, 192, 256])
 @pytest.mark.parametrize("num_splits", [1, 0])
 def test_paged_head_dims_and_empty_sequence(d, num_splits):
     rng = random.Random(d)
