@@ -575,6 +575,20 @@ _INTERFACE_EDITS = (
         "        num_threads = 128\n",
     ),
     (
+        "SM120 stages and Q-in-registers in the compile key",
+        "        fa_logging.get_fa_log_level(),\n"
+        "    )\n"
+        "\n"
+        "    if compile_key not in _flash_attn_fwd.compile_cache:\n",
+        "        fa_logging.get_fa_log_level(),\n"
+        "    )\n"
+        "    if arch // 10 == 12:\n"
+        "        # SM120: the table's cp.async stages and Q-in-registers change the kernel, not only its tiles\n"
+        "        compile_key += (sm120_fwd_cfg.num_stages, sm120_fwd_cfg.q_in_regs)\n"
+        "\n"
+        "    if compile_key not in _flash_attn_fwd.compile_cache:\n",
+    ),
+    (
         "SM120 warps and stages after _get_fwd_config",
         "    intra_wg_overlap = fwd_cfg.intra_wg_overlap\n",
         "    intra_wg_overlap = fwd_cfg.intra_wg_overlap\n"
@@ -679,8 +693,8 @@ def step_sm120_fwd_table(ctx: Context) -> str:
             "stages, and the exact shared memory (sQ, sK, sV each 1 KB aligned, plus 1 KB of static "
             "shared memory) within 99 KB.",
             "interface.py: the SM120 branches take threads, tiles, stages and Q-in-registers from the "
-            "table; an explicit tile_mn keeps 4 warps and one stage unless the table's entry has those "
-            "tiles.",
+            "table (stages and Q-in-registers join the compile key, as tiles and threads already are); "
+            "an explicit tile_mn keeps 4 warps and one stage unless the table's entry has those tiles.",
         ],
         "Why: an SM120 SM has 100 KB of shared memory, so the 64 KB d=128 tile runs one CTA (4 warps) "
         "per SM, and with 4 warps each thread holds a quarter of a 128-row tile's S and O accumulators: "
