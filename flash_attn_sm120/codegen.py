@@ -136,10 +136,13 @@ def compile_fwd_cubin(
     upstream_class: bool = False,
     emulate_host_smem: Optional[tuple] = None,
     kernel_out: Optional[list] = None,
+    kernel_cls: Optional[type] = None,
 ) -> tuple[bytes, int]:
     """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
 
-    upstream_class=True builds upstream's own FlashAttentionForwardSm120 (the reference row).
+    upstream_class=True builds upstream's own FlashAttentionForwardSm120 (the reference row);
+    kernel_cls builds that class with upstream's constructor arguments instead (e.g. a patched
+    upstream's FlashAttentionForwardSm120Tma).
     """
     import cutlass
     import cutlass.cute as cute
@@ -158,8 +161,8 @@ def compile_fwd_cubin(
         has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
     )
-    if upstream_class:
-        kernel = FlashAttentionForwardSm120(
+    if upstream_class or kernel_cls is not None:
+        kernel = (kernel_cls or FlashAttentionForwardSm120)(
             cdtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=causal, is_local=local,
             pack_gqa=pack_gqa, tile_m=config.tile_m, tile_n=config.tile_n, num_stages=config.num_stages,
             num_threads=config.num_threads, Q_in_regs=config.q_in_regs,

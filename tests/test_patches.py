@@ -511,3 +511,145 @@ def test_patched_upstream_split_and_paged_match_reference(tmp_path):
     split_flags = [c["built"][0]["is_split_kv"] for c in result["cases"]]
     assert split_flags == [True, False, True], split_flags
     assert result["refusal"] and "page size" in result["refusal"], result["refusal"]
+
+
+# ------------------------------------------------------------------------------- TMA family patch
+_TMA_PROBE = r"""
+import json, sys
+site = sys.argv[1]
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import flash_fwd_sm120_configs as configs
+from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma
+from flash_attn.cute.interface import _get_fwd_config
+from flash_attn_sm120.codegen import compile_fwd_cubin, inspect_cubin
+from flash_attn_sm120.config import FwdConfig
+
+out = {"entries": [], "tiles": {}}
+for e in configs.SM120_FWD_TABLE:
+    if e.config.family != "tma":
+        continue
+    cfg = e.config
+    cubin, _ = compile_fwd_cubin(FwdConfig(**cfg.to_dict()), e.head_dim, causal=e.mask == "causal",
+                                 kernel_cls=FlashAttentionForwardSm120Tma)
+    res, hist, _ = inspect_cubin(cubin)
+    out["entries"].append(dict(d=e.head_dim, mask=e.mask, config=cfg.to_dict(), regs=res["regs"], stack=res["stack"],
+                               ldl=hist.get("LDL", 0), stl=hist.get("STL", 0), utmaldg=hist.get("UTMALDG", 0),
+                               hmma=hist.get("HMMA", 0)))
+    for ok in (True, False):
+        c = _get_fwd_config(
+            arch=120, head_dim=e.head_dim, head_dim_v=e.head_dim, max_seqlen_q=4096, max_seqlen_k=4096,
+            num_head_kv=8, qhead_per_kvhead=1, pack_gqa=False, batch_size=2, causal=e.mask == "causal",
+            local=False, window_size_left=None, window_size_right=None, num_splits=1, device=None,
+            sm120_tma_ok=ok,
+        )
+        out["tiles"][f"{e.head_dim}/{e.mask}/{ok}"] = [c.m_block_size, c.n_block_size]
+    out["tiles"][f"{e.head_dim}/{e.mask}/cpasync"] = [
+        configs.sm120_fwd_config(e.head_dim, e.head_dim, e.mask == "causal", False).tile_m,
+        configs.sm120_fwd_config(e.head_dim, e.head_dim, e.mask == "causal", False).tile_n,
+    ]
+    out["tiles"][f"{e.head_dim}/{e.mask}/tma"] = [cfg.tile_m, cfg.tile_n]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp_path):
+    """Patch 0003: the table's TMA entries compile for sm_120a on the patched upstream (TMA loads,
+    mma.sync, no local memory), and _get_fwd_config gives their tiles only with sm120_tma_ok."""
+    table = mp.load_table(mp.DEFAULT_TABLE)
+    if not any(e.config.family == "tma" for e in table):
+        pytest.skip("the table has no TMA entry")
+    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("FLASH_ATTN_SM120_EMULATE", None)
+    res = subprocess.run([sys.executable, "-c", _TMA_PROBE, str(site)],
+                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"patched-upstream TMA probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    want = {(e.head_dim, e.mask) for e in table if e.config.family == "tma"}
+    assert {(c["d"], c["mask"]) for c in result["entries"]} == want
+    for c in result["entries"]:
+        assert c["utmaldg"] > 0 and c["hmma"] > 0, c
+        assert c["stack"] == 0 and c["ldl"] == 0 and c["stl"] == 0, f"patched TMA kernel spills: {c}"
+        key = f"{c['d']}/{c['mask']}"
+        tiles = result["tiles"]
+        assert tiles[f"{key}/True"] == tiles[f"{key}/tma"], f"TMA-capable call did not get the TMA entry: {key}"
+        assert tiles[f"{key}/False"] == tiles[f"{key}/cpasync"], f"other calls must get the cp.async entry: {key}"
+
+
+def test_tma_module_is_lifted_without_package_parts():
+    text = mp.render_tma_module()
+    mp.check_no_package_refs(text, "flash_fwd_sm120_tma.py")
+    for gone in ("def unsupported_reason", "PROPOSED_CONFIGS", "emulation_storage", "emulate_host_smem"):
+        assert gone not in text, gone
+    assert "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120)" in text
+
+
+_GPU_TMA_PROBE = r"""
+import json, sys
+site = sys.argv[1]
+import torch
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import interface
+from flash_attn_sm120 import testing
+from flash_attn_sm120.testing import AttnCase, AttnProblem
+
+built = []
+for name in ("FlashAttentionForwardSm120Tma", "FlashAttentionForwardSm120"):
+    base = getattr(interface, name)
+
+    def init(self, *a, _base=base, _name=name, **k):
+        built.append(_name)
+        _base.__init__(self, *a, **k)
+
+    setattr(interface, name, type(name, (base,), {"__init__": init}))  # test-only: see what the dispatch builds
+
+CASES = [
+    ("dense causal d128: the TMA entry", dict(mask="causal", return_lse=True), dict(seqlens_q=(1000,) * 2, seqlens_k=(1000,) * 2, nheads_kv=4)),
+    ("varlen causal d128: the cp.async entry", dict(mask="causal", q_layout="packed", k_layout="packed"),
+     dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=4)),
+]
+out = []
+for name, case_kw, problem_kw in CASES:
+    case, problem = AttnCase(**case_kw), AttnProblem(**problem_kw)
+    inputs = testing.make_inputs(case, problem)
+    kw = testing.api_kwargs(inputs, case, problem)
+    left, right = kw.pop("window_size")
+    kw.pop("softcap")
+    o = torch.full(inputs.out_shape(case.head_dim_v), float("nan"), dtype=case.torch_dtype, device="cuda")
+    lse = torch.full(inputs.lse_shape(), float("nan"), dtype=torch.float32, device="cuda") if case.return_lse else None
+    before = len(built)
+    o, lse = interface._flash_attn_fwd(inputs.q, inputs.k, inputs.v, window_size_left=left, window_size_right=right,
+                                       out=o, lse=lse, _arch=120, **kw)[:2]
+    torch.cuda.synchronize()
+    error = None
+    try:
+        testing.check_forward(inputs, case, problem, o, lse if case.return_lse else None)
+    except AssertionError as e:
+        error = str(e)[:2000]
+    out.append(dict(name=name, built=built[before:], error=error))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_patched_upstream_tma_forward_matches_reference(tmp_path):
+    """Patch 0003 on a GPU (SM120 dispatch forced, _arch=120): a dense causal d128 call runs the TMA
+    class and a varlen one the cp.async class, both against the fp32 reference with poisoned outputs."""
+    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    import torch
+
+    env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
+    res = subprocess.run([sys.executable, "-c", _GPU_TMA_PROBE, str(site)],
+                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"patched-upstream TMA GPU probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    dense, varlen = json.loads(lines[-1][len("RESULT "):])
+    assert dense["error"] is None and varlen["error"] is None, (dense, varlen)
+    assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
+    assert varlen["built"][-1] == "FlashAttentionForwardSm120", varlen

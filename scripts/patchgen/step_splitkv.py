@@ -129,9 +129,11 @@ def render_splits_module() -> str:
         "from __future__ import annotations\n\n"
         "import math\n"
         "from dataclasses import dataclass\n"
-        "from functools import lru_cache\n\n"
-        "from flash_attn.cute.flash_fwd_sm120 import SM120_STATIC_SMEM\n"
-        "from flash_attn.cute.flash_fwd_sm120_configs import Sm120FwdConfig\n\n\n"
+        "from functools import lru_cache\n"
+        "from typing import TYPE_CHECKING\n\n"
+        "from flash_attn.cute.flash_fwd_sm120 import SM120_STATIC_SMEM\n\n"
+        "if TYPE_CHECKING:  # a type only: flash_fwd_sm120_configs imports the kernel modules that import this one\n"
+        "    from flash_attn.cute.flash_fwd_sm120_configs import Sm120FwdConfig\n\n\n"
         + code + "\n" + _SPLITS_ADAPTER
     )
     text = upstream_wording(text)

@@ -1,0 +1,301 @@
+"""Patch 0003: the TMA forward family on SM120 (a producer warpgroup feeding mma.sync warps).
+
+Lifts `flash_attn_sm120/kernels/fwd_tma.py` as upstream's `flash_fwd_sm120_tma.py` without what
+only the package needs (SM120 emulation padding, the driver's compile-key check, the search's
+proposed configs), registers the family in `flash_fwd_sm120_configs.py` so that the table's TMA
+entries appear, and lets `interface.py` run them for the calls the family takes (dense, unsplit,
+unpaged, no GQA packing, no sink, no block sparsity); every other call gets the table's cp.async
+entry of the same key, as in the package's driver.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
+
+from patchgen.core import (
+    CUTE,
+    UPSTREAM_DISTRIBUTION,
+    Context,
+    _node_lines,
+    apply_edits,
+    check_no_package_refs,
+    commit_message,
+    measurement_table,
+    rename,
+    substitute,
+)
+from patchgen.step_fwd_table import FamilySpec, render_configs_module
+from patchgen.step_splitkv import patch_configs_for_decode
+
+WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
+
+_TMA_DOC_EDITS = (
+    ("class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the\n"
+     "driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa, paged KV,\n"
+     "learnable sink, block sparsity. `unsupported_reason(statics)` states the rule for the driver.\n",
+     "class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the\n"
+     "interface gives these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa, paged KV,\n"
+     "learnable sink, block sparsity.\n"),
+    ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
+     "show an SM120-only hang, so the first runs on a real SM120 must use a timeout\n"
+     "(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128\n"
+     "on emulated measurements, with a cp.async entry after each TMA entry as the fallback;\n"
+     "FLASH_ATTN_SM120_FAMILIES=cpasync restricts the table to the cp.async family (fwd_cpasync.py) until\n"
+     "the family has run on a real SM120.\n",
+     "through quack's `tma_get_copy_fn`, which groups them). This kernel was measured on an sm_90a GPU\n"
+     "held to SM120's occupancy, which cannot show an SM120-only hang: run it on a real SM120 under a\n"
+     "timeout before relying on it. Every table entry of this family has a cp.async entry after it.\n"),
+    ("    Constructor: the same as FlashAttentionForwardSm120CpAsync. `num_threads` counts the MMA warps'\n"
+     "    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: (smem per SM, max smem per\n"
+     "    block) of a non-SM120 GPU running the kernel in SM120 emulation (shared memory is padded so it\n"
+     "    fits no more CTAs per SM than SM120); None on a real SM120.\n",
+     "    Constructor: the same as FlashAttentionForwardSm120. `num_threads` counts the MMA warps'\n"
+     "    threads; the launch adds a producer warpgroup (128 threads).\n"),
+    ("        emulate_host_smem: Optional[tuple[int, int]] = None,\n", ""),
+    ("        self.emulate_host_smem = emulate_host_smem\n"
+     "        # filled in at trace time, read by the codegen report and the tests\n"
+     "        self.smem_bytes_unpadded: Optional[int] = None\n"
+     "        self.smem_bytes_launched: Optional[int] = None\n", ""),
+    ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
+     "        return SharedStorageTma\n"),
+    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
+     "from flash_attn.cute.flash_fwd_sm120 import SM120_SMEM_PER_BLOCK_MAX, SM120_STATIC_SMEM\n"
+     "from flash_attn.cute.flash_fwd_sm120_splits import REGS_PER_SM, sm120_occupancy\n"),
+    ("PRODUCER_REGS = 24", f"MAX_REGS_PER_THREAD = {hardware.MAX_REGS_PER_THREAD}\nPRODUCER_REGS = 24"),
+    ("# memory bandwidth bounds R=1 on an H200 in emulation)", "# memory bandwidth bounds R=1)"),
+)
+_TMA_RENAMES = (
+    ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
+    ("hardware.SMEM_PER_BLOCK_MAX", "SM120_SMEM_PER_BLOCK_MAX"),
+    ("hardware.sm120_occupancy", "sm120_occupancy"),
+    ("hardware.REGS_PER_SM", "REGS_PER_SM"),
+    ("hardware.MAX_REGS_PER_THREAD", "MAX_REGS_PER_THREAD"),
+    ("smem_bytes", "sm120_tma_smem_bytes"),
+)
+# package-only definitions left out: the driver's compile-key check and the search's proposals
+_DROP_TOP_LEVEL = ("unsupported_reason", "ALL_MASKS", "PROPOSED_CONFIGS")
+_DROP_METHODS = ("unsupported_reason", "supports")
+
+
+def _drop_definitions(text: str) -> str:
+    """Remove the package-only top-level definitions and class methods (with the comments above)."""
+    tree = ast.parse(text)
+    spans = []
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+        if set(names) & set(_DROP_TOP_LEVEL):
+            spans.append(_node_lines(node) if isinstance(node, ast.FunctionDef) else (node.lineno - 1, node.end_lineno))
+        if isinstance(node, ast.ClassDef) and node.name == "FlashAttentionForwardSm120Tma":
+            spans += [_node_lines(m) for m in node.body if isinstance(m, ast.FunctionDef) and m.name in _DROP_METHODS]
+    found = len(spans)
+    if found != len(_DROP_TOP_LEVEL) + len(_DROP_METHODS):
+        raise RuntimeError(f"{WHERE}: expected {len(_DROP_TOP_LEVEL) + len(_DROP_METHODS)} package-only definitions, found {found}")
+    lines = text.splitlines(keepends=True)
+    for start, end in sorted(spans, reverse=True):
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):
+            start -= 1  # the comment block above a definition goes with it
+        while end < len(lines) and not lines[end].strip():
+            end += 1  # and the blank lines after it
+        del lines[start:end]
+    return "".join(lines)
+
+
+def render_tma_module() -> str:
+    """flash_fwd_sm120_tma.py: the package's TMA kernel module in upstream's names."""
+    text = inspect.getsource(pkg_fwd_tma)
+    for old, new in _TMA_DOC_EDITS:
+        text = substitute(text, old, new, where=WHERE)
+    text = _drop_definitions(text)
+    text = substitute(text, '    family = "tma"\n\n', "", where=WHERE)
+    for old, new in _TMA_RENAMES:
+        text = rename(text, old, new, where=WHERE)
+    text = text.replace("upstream's fwd ids", "FlashAttentionForwardSm80's ids")
+    text = text.replace("(as upstream sm90)", "(as FlashAttentionForwardSm90)")
+    text = text.replace("upstream's SM80\nclass", "FlashAttentionForwardSm80").replace(
+        "Same call convention as upstream's FlashAttentionForwardSm80.__call__.",
+        "Same call convention as FlashAttentionForwardSm80.__call__.")
+    check_no_package_refs(text, WHERE)
+    compile(text, "flash_fwd_sm120_tma.py", "exec")
+    return text
+
+
+_CPASYNC_TABLE = (
+    "\n\n# the table without the TMA family: calls that family does not take (varlen, paged, split, GQA\n"
+    "# packing, sinks, block sparsity) get the cp.async entry of the same key\n"
+    "SM120_FWD_TABLE_CPASYNC: tuple[TableEntry, ...] = tuple(e for e in SM120_FWD_TABLE if e.config.family == \"cpasync\")\n"
+)
+_TMA_ADAPTER_EDITS = (
+    ("    max_seqlen_q: Optional[int] = None,\n) -> Sm120FwdConfig:\n",
+     "    max_seqlen_q: Optional[int] = None,\n    tma_ok: bool = False,\n) -> Sm120FwdConfig:\n"),
+    ("    entry, others the table's choice (select_fwd_config). With an explicit tile_mn:",
+     "    entry, others the table's choice (select_fwd_config; TMA entries only when tma_ok, the call being\n"
+     "    one the TMA family takes). With an explicit tile_mn:"),
+    ("        cfg = select_fwd_config(SM120_FWD_TABLE, head_dim, head_dim_v, causal, local)\n",
+     "        table = SM120_FWD_TABLE if tma_ok else SM120_FWD_TABLE_CPASYNC\n"
+     "        cfg = select_fwd_config(table, head_dim, head_dim_v, causal, local)\n"),
+)
+
+
+def patch_configs_for_tma(ctx: Context) -> list:
+    """Re-render flash_fwd_sm120_configs.py with the TMA family, re-apply the decode table, and give
+    the selection a TMA switch. Returns the TMA entries that joined the table."""
+    rel = f"{CUTE}/flash_fwd_sm120_configs.py"
+    module, kept = render_configs_module(ctx)
+    ctx.write(rel, module)
+    patch_configs_for_decode(ctx)
+    text = ctx.read(rel)
+    text = substitute(text, "\n\n\nDECODE_MAX_SEQLEN_Q = 16\n", _CPASYNC_TABLE + "\n\nDECODE_MAX_SEQLEN_Q = 16\n", where=rel)
+    for old, new in _TMA_ADAPTER_EDITS:
+        text = substitute(text, old, new, where=rel)
+    ctx.write(rel, text)
+    return [e for e in kept if e.config.family == "tma"]
+
+
+_TMA_INTERFACE_EDITS = (
+    (
+        "import of the SM120 TMA kernel",
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n",
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n"
+        "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n",
+    ),
+    (
+        "_get_fwd_config takes the TMA switch",
+        "    intra_wg_overlap: Optional[bool] = None,\n"
+        ") -> FwdConfig:\n",
+        "    intra_wg_overlap: Optional[bool] = None,\n"
+        "    sm120_tma_ok: bool = False,\n"
+        ") -> FwdConfig:\n",
+    ),
+    (
+        "SM120 tiles with the TMA switch",
+        "            sm120_cfg = sm120_fwd_config(head_dim, head_dim_v, causal, local, max_seqlen_q=max_seqlen_q)\n",
+        "            sm120_cfg = sm120_fwd_config(\n"
+        "                head_dim, head_dim_v, causal, local, max_seqlen_q=max_seqlen_q, tma_ok=sm120_tma_ok\n"
+        "            )\n",
+    ),
+    (
+        "SM120 split count with the TMA switch",
+        "                sm120_fwd_config(head_dim, head_dim_v, causal, local, tile_mn=tile_mn, max_seqlen_q=max_seqlen_q),\n",
+        "                sm120_fwd_config(\n"
+        "                    head_dim, head_dim_v, causal, local, tile_mn=tile_mn, max_seqlen_q=max_seqlen_q,\n"
+        "                    tma_ok=sm120_tma_ok,\n"
+        "                ),\n",
+    ),
+    (
+        "which SM120 calls the TMA family takes",
+        "            pack_gqa = False\n"
+        "\n"
+        "    fwd_cfg = _get_fwd_config(\n"
+        "        arch=arch,\n",
+        "            pack_gqa = False\n"
+        "\n"
+        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without GQA packing, sinks, block\n"
+        "    # sparsity or broadcast (stride-0) q/k/v; the others get the table's cp.async entry\n"
+        "    sm120_tma_ok = (\n"
+        "        arch // 10 == 12\n"
+        "        and q is not None and k is not None\n"
+        "        and cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None\n"
+        "        and page_table is None and num_splits == 1 and not (pack_gqa and qhead_per_kvhead > 1)\n"
+        "        and learnable_sink is None and block_sparse_tensors is None\n"
+        "        and not any(any(get_broadcast_dims(t)) for t in (q, k, v))\n"
+        "    )\n"
+        "    fwd_cfg = _get_fwd_config(\n"
+        "        arch=arch,\n",
+    ),
+    (
+        "_get_fwd_config call passes the TMA switch",
+        "        intra_wg_overlap=intra_wg_overlap,\n"
+        "    )\n"
+        "    mla_fwd_cls = None\n",
+        "        intra_wg_overlap=intra_wg_overlap,\n"
+        "        sm120_tma_ok=sm120_tma_ok,\n"
+        "    )\n"
+        "    mla_fwd_cls = None\n",
+    ),
+    (
+        "SM120 warps and stages with the TMA switch",
+        "            head_dim, head_dim_v, causal, local, tile_mn=tile_mn, max_seqlen_q=max_seqlen_q\n"
+        "        )\n"
+        "        num_threads = sm120_fwd_cfg.num_threads\n",
+        "            head_dim, head_dim_v, causal, local, tile_mn=tile_mn, max_seqlen_q=max_seqlen_q,\n"
+        "            tma_ok=sm120_tma_ok,\n"
+        "        )\n"
+        "        num_threads = sm120_fwd_cfg.num_threads\n",
+    ),
+    (
+        "the family joins the compile key",
+        "        compile_key += (sm120_fwd_cfg.num_stages, sm120_fwd_cfg.q_in_regs)\n",
+        "        compile_key += (sm120_fwd_cfg.num_stages, sm120_fwd_cfg.q_in_regs, sm120_fwd_cfg.family)\n",
+    ),
+    (
+        "SM120 class for TMA entries",
+        "            sm120_fwd_cls, sm120_split_kwargs = FlashAttentionForwardSm120, {}\n",
+        "            sm120_fwd_cls, sm120_split_kwargs = FlashAttentionForwardSm120, {}\n"
+        "            if sm120_fwd_cfg.family == \"tma\":\n"
+        "                sm120_fwd_cls = FlashAttentionForwardSm120Tma\n",
+    ),
+)
+
+
+def step_sm120_tma(ctx: Context) -> str:
+    """Patch 3: the TMA forward family, chosen by the table where it measured faster."""
+    ctx.families["tma"] = FamilySpec(
+        "flash_attn.cute.flash_fwd_sm120_tma", "FlashAttentionForwardSm120Tma", "tma_config_error",
+        "sm120_tma_smem_bytes",
+    )
+    ctx.write(f"{CUTE}/flash_fwd_sm120_tma.py", render_tma_module())
+    entries = patch_configs_for_tma(ctx)
+    rel = f"{CUTE}/interface.py"
+    ctx.write(rel, apply_edits(ctx.read(rel), _TMA_INTERFACE_EDITS, rel))
+    modes = sorted({str(e.provenance["mode"]) for e in entries})
+    measured = []
+    if entries:
+        measured = [
+            "Measured (TFLOPS: geometric mean over the bucket's problems, causal counted as half the work; "
+            "before: SM120's previous 4-warp, 1-stage cp.async config on the same problems, GPU and mode):",
+            measurement_table(ctx, entries),
+        ]
+        if "emulated" in modes:
+            measured.append(
+                "Mode emulated: an sm_90a GPU with each CTA's shared memory padded so that no more CTAs are "
+                "resident per SM than on SM120. The speedup is the evidence; the absolute numbers are not SM120 "
+                "numbers, and an SM120-only hang (cutlass #3189) cannot show there."
+            )
+        measured += ["Commands:", "\n".join(f"  {c}" for c in sorted({str(e.provenance['command']) for e in entries}))]
+    return commit_message(
+        "[Cute,Sm120] TMA forward family: a producer warpgroup feeding 8 mma.sync warps",
+        "SM120 has no wgmma and no tcgen05, but it has TMA and transaction mbarriers. This family loads Q "
+        "once and K/V into mbarrier rings with TMA from one producer warp (its warpgroup drops to 24 "
+        "registers with setmaxnreg), while 4 or 8 MMA warps run the FlashAttention-2 loop with "
+        "ldmatrix + mma.sync; warps of 16 rows overlap block j's QK^T with block j-1's PV, and the "
+        "epilogue stores O through shared memory with one TMA store.",
+        "What changes:",
+        [
+            "flash_fwd_sm120_tma.py (new): FlashAttentionForwardSm120Tma, a subclass of the SM120 forward "
+            "with the same call convention; head dims 64/96/128 (equal), causal, local, GQA without "
+            "packing, softcap / score_mod, mask_mod, LSE. It refuses varlen, paged KV, packed GQA, sinks "
+            "and block sparsity with NotImplementedError.",
+            "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
+            "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
+            "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
+            "interface.py: a call the family takes (dense, unsplit, unpaged, no GQA packing, no sink, no "
+            "block sparsity, no broadcast q/k/v) gets the table's entry, any other the cp.async entry of "
+            "the same key; the family joins the compile key.",
+        ],
+        *measured,
+        "Tested:",
+        [
+            "Correctness (flash_attn_sm120's hypothesis suite and compute-sanitizer memcheck/racecheck, in "
+            "the mode above): the family's paths against an fp32 reference with poisoned outputs, 0 "
+            "mismatches, 0 sanitizer errors.",
+            f"This patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version}: the table's TMA entries "
+            "compile for sm_120a with fake tensors on a CPU (UTMALDG and HMMA present, no local memory), and "
+            "_get_fwd_config picks the TMA tiles only for calls the family takes.",
+            "Not yet run on a real SM120 GPU: do that, under a timeout, before merging.",
+        ],
+    )
