@@ -75,6 +75,7 @@ _TMA_RENAMES = (
     ("hardware.REGS_PER_SM", "REGS_PER_SM"),
     ("hardware.MAX_REGS_PER_THREAD", "MAX_REGS_PER_THREAD"),
     ("smem_bytes", "sm120_tma_smem_bytes"),
+    ("FwdConfig", "Sm120FwdConfig"),  # the config type of flash_fwd_sm120_configs.py
 )
 # package-only definitions left out: the driver's compile-key check and the search's proposals
 _DROP_TOP_LEVEL = ("unsupported_reason", "ALL_MASKS", "PROPOSED_CONFIGS")
