@@ -286,7 +286,10 @@ def step_sm120_tma(ctx: Context) -> str:
             "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
             "interface.py: a call the family takes (dense, unsplit, unpaged, no GQA packing, no sink, no "
             "block sparsity, no broadcast q/k/v) gets the table's entry, any other the cp.async entry of "
-            "the same key; the family joins the compile key.",
+            "the same key; the family joins the compile key. GQA calls keep the default of packing heads "
+            "and so get the cp.async entry unless pack_gqa=False is passed (flash_attn_sm120 unpacks them "
+            "for the TMA family instead; that choice is not measured separately, so the patch keeps the "
+            "default).",
         ],
         *measured,
         "Tested:",
