@@ -5,11 +5,13 @@
 
 On compute capability 12.x the calls run this package's kernels; on any other GPU they call
 upstream FA4 unchanged, unless FLASH_ATTN_SM120_EMULATE=1 selects SM120 emulation
-(see `execution_mode`).
+(see `execution_mode`). `explain(q, k, v, ...)` tells what a call would run on SM120 (route, kernel
+family and config, split count, shared memory and CTAs per SM) without a GPU.
 """
 
 from flash_attn_sm120.device import EMULATE_ENV, device_info, execution_mode
+from flash_attn_sm120.explain import explain
 from flash_attn_sm120.interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "execution_mode", "device_info", "EMULATE_ENV"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "execution_mode", "device_info", "EMULATE_ENV"]

@@ -217,6 +217,27 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
     return replace(statics, config=fallback)
 
 
+def choose_statics(
+    q, k, v, *, causal: bool, local: bool, pack_gqa: bool, pack_gqa_chosen: bool, has_lse: bool, cu_seqlens_q,
+    cu_seqlens_k, seqused_q, seqused_k, window_size_left, window_size_right, score_mod, mask_mod, aux_tensors,
+    config: Optional[FwdConfig], emulate_host_smem: Optional[tuple],
+) -> FwdStatics:
+    """The compile key `forward` runs (reads only metadata, so `explain` can ask it too): the given
+    or forced config, else the table's; then the family's routing (`_route`)."""
+    config_given = config is not None or bool(_forced_config)
+    if config is None and _forced_config:
+        config = _forced_config[-1]
+    if config is None:
+        config = select_fwd_config(load_fwd_table(), q.shape[-1], v.shape[-1], causal, local)
+    statics = build_statics(
+        q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        window_size_left=window_size_left, window_size_right=window_size_right, score_mod=score_mod,
+        mask_mod=mask_mod, aux_tensors=aux_tensors, config=config, emulate_host_smem=emulate_host_smem,
+    )
+    return _route(statics, pack_gqa_chosen, config_given, causal, local)
+
+
 def resolve_pack_gqa(pack_gqa: Optional[bool], qhead_per_kvhead: int) -> bool:
     """Upstream's default: GQA heads are packed into the M tile unless the caller says otherwise;
     never with one query head per KV head."""
@@ -295,20 +316,14 @@ def forward(
     if k.shape[-3] == 0 or out.numel() == 0:
         return empty_result(out, lse)
 
-    config_given = config is not None or bool(_forced_config)
-    if config is None and _forced_config:
-        config = _forced_config[-1]
-    if config is None:
-        config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
     score_mod = softcap_score_mod(softcap, score_mod)
-
-    statics = build_statics(
-        q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, has_lse=lse is not None,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-        window_size_left=window_size_left, window_size_right=window_size_right, score_mod=score_mod,
-        mask_mod=mask_mod, aux_tensors=aux_tensors, config=config, emulate_host_smem=emulate_host_smem,
+    statics = choose_statics(
+        q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, pack_gqa_chosen=pack_gqa_chosen,
+        has_lse=lse is not None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+        seqused_k=seqused_k, window_size_left=window_size_left, window_size_right=window_size_right,
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, config=config,
+        emulate_host_smem=emulate_host_smem,
     )
-    statics = _route(statics, pack_gqa_chosen, config_given, causal, local)
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
     if key not in _compile_cache:
