@@ -68,7 +68,14 @@ class SplitPlan:
 
 @lru_cache(maxsize=1024)  # pure; saves the feasibility checks on every call
 def kernel_config(config: FwdConfig, head_dim: int, head_dim_v: int) -> FwdConfig:
-    """`config`'s tiles on the splitkv family, or the first cp.async-valid fallback."""
+    """`config`'s tiles on the splitkv family, or the first cp.async-valid fallback.
+
+    Known gap: for causal d64 / d128 the table's TMA entries (Q in registers with 2-3 stages) cannot
+    run here and fall to upstream's tile, which spills on sm_120a in this family (200 / 80 B of stack;
+    `python -m flash_attn_sm120.explain ... --page-size 64` shows it). The spill-free alternatives
+    (the table's cp.async entries, Q in registers with one stage; or 4 warps 64x64) have not been
+    measured for paged / split prefill, whose gate (within 10% of dense) the current choice meets.
+    """
     for cfg in (config, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS:
         candidate = replace(cfg, family=DECODE_FAMILY)
         if candidate.error(head_dim, head_dim_v) is None:
