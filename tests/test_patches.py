@@ -132,14 +132,24 @@ def _patched_site(tmp: Path, patches: list[Path]) -> Path:
     return site
 
 
-def _probe(site: Path, cases) -> dict:
+def _probe(site: Path, cases=None, script: str = _PROBE, gpu: bool = False):
+    """Run `script` in a subprocess that imports the patched copy at `site` (argv: site, then the
+    JSON of `cases` if given); returns the JSON of its last "RESULT " line.
+
+    CPU probes run without SM120 emulation. GPU probes run upstream with `_arch=120` on the local GPU;
+    upstream selects SM120 configs by SM count and refuses to guess it for an arch other than the
+    local GPU's, so they name the local count (unless the caller's environment already does).
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("FLASH_ATTN_SM120_EMULATE", None)
-    res = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(site), json.dumps(cases)],
-        capture_output=True, text=True, env=env, cwd=site, timeout=900,
-    )
+    if gpu:
+        import torch
+
+        env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
+    else:
+        env.pop("FLASH_ATTN_SM120_EMULATE", None)
+    argv = [sys.executable, "-c", script, str(site)] + ([json.dumps(cases)] if cases is not None else [])
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=site, timeout=900)
     lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
     assert res.returncode == 0 and lines, f"patched-upstream probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -319,19 +329,7 @@ def test_patched_upstream_forward_matches_reference(tmp_path, source):
         if not mp.load_table(mp.DEFAULT_TABLE):
             pytest.skip("configs/sm120_fwd.toml is empty: the checked-in patch keeps upstream's defaults")
         patches = sorted(PATCH_DIR.glob("*.patch"))
-    site = _patched_site(tmp_path, patches)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    # upstream selects SM120 configs by SM count and refuses to guess it for an arch other than the
-    # local GPU's (_arch=120 on a non-SM120 GPU): this test's own subprocess names the local count
-    import torch
-
-    env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
-    res = subprocess.run([sys.executable, "-c", _GPU_PROBE, str(site), json.dumps(COMPILE_CASES)],
-                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"patched-upstream GPU probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    for case in json.loads(lines[-1][len("RESULT "):]):
+    for case in _probe(_patched_site(tmp_path, patches), COMPILE_CASES, _GPU_PROBE, gpu=True):
         assert case["built"] == case["expected"], f"dispatch did not use the table's config: {case}"
         assert case["err"] <= 2 * case["pt_err"] + 1e-3, f"patched SM120 forward is wrong: {case}"
 
@@ -379,15 +377,7 @@ def test_patched_upstream_splits_match_the_package_and_compile_for_sm120a(tmp_pa
     from flash_attn_sm120 import driver_splitkv
 
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "188")
-    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("FLASH_ATTN_SM120_EMULATE", None)
-    res = subprocess.run([sys.executable, "-c", _SPLIT_PROBE, str(site), json.dumps(SPLIT_PLAN_CASES)],
-                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"patched-upstream split probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), SPLIT_PLAN_CASES, _SPLIT_PROBE)
 
     chose_a_split = False
     for p in result["plans"]:
@@ -494,17 +484,7 @@ print("RESULT " + json.dumps(dict(cases=out, refusal=refusal)))
 def test_patched_upstream_split_and_paged_match_reference(tmp_path):
     """The patched FA4 interface (SM120 dispatch forced, _arch=120): SplitKV, paged KV and both,
     against the fp32 reference, outputs poisoned with NaN; a bad page size is refused by name."""
-    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    import torch
-
-    env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
-    res = subprocess.run([sys.executable, "-c", _GPU_SPLIT_PROBE, str(site)],
-                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"patched-upstream split GPU probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_SPLIT_PROBE, gpu=True)
     for case in result["cases"]:
         assert case["error"] is None, f"{case['name']}: {case['error']}"
         assert case["built"], f"{case['name']}: the SplitKV class was not used"
@@ -559,15 +539,7 @@ def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp
     table = mp.load_table(mp.DEFAULT_TABLE)
     if not any(e.config.family == "tma" for e in table):
         pytest.skip("the table has no TMA entry")
-    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("FLASH_ATTN_SM120_EMULATE", None)
-    res = subprocess.run([sys.executable, "-c", _TMA_PROBE, str(site)],
-                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"patched-upstream TMA probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_TMA_PROBE)
     want = {(e.head_dim, e.mask) for e in table if e.config.family == "tma"}
     assert {(c["d"], c["mask"]) for c in result["entries"]} == want
     for c in result["entries"]:
@@ -639,17 +611,7 @@ print("RESULT " + json.dumps(out))
 def test_patched_upstream_tma_forward_matches_reference(tmp_path):
     """Patch 0003 on a GPU (SM120 dispatch forced, _arch=120): a dense causal d128 call runs the TMA
     class and a varlen one the cp.async class, both against the fp32 reference with poisoned outputs."""
-    site = _patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    import torch
-
-    env.setdefault("FLASH_ATTENTION_NUM_SMS", str(torch.cuda.get_device_properties(0).multi_processor_count))
-    res = subprocess.run([sys.executable, "-c", _GPU_TMA_PROBE, str(site)],
-                         capture_output=True, text=True, env=env, cwd=site, timeout=900)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"patched-upstream TMA GPU probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    dense, varlen = json.loads(lines[-1][len("RESULT "):])
+    dense, varlen = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
     assert dense["error"] is None and varlen["error"] is None, (dense, varlen)
     assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
     assert varlen["built"][-1] == "FlashAttentionForwardSm120", varlen

@@ -331,4 +331,5 @@ def apply_edits(text: str, edits, rel: str) -> str:
 
 
 def _join_defs(parts) -> str:
+    """Lifted definitions joined as a module holds them: two blank lines between each."""
     return "\n\n".join(p.rstrip("\n") + "\n" for p in parts)

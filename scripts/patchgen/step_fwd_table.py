@@ -22,6 +22,7 @@ from patchgen.core import (
     AnchorError,
     Context,
     _describe,
+    _join_defs,
     _node_lines,
     apply_edits,
     check_no_package_refs,
@@ -62,7 +63,7 @@ def _lift_sm120_rules() -> str:
     """sm120_config_error and its helpers from kernels/fwd_cpasync.py, in upstream's names."""
     where = "flash_attn_sm120/kernels/fwd_cpasync.py"
     parts = [top_level_source(pkg_fwd_cpasync, n) for n in ("_SMEM_ALIGN", "_round_up", "smem_bytes", "_smem_k_block", "sm120_config_error")]
-    code = "\n\n".join(p.rstrip("\n") + "\n" for p in parts)  # two blank lines between definitions
+    code = _join_defs(parts)
     for old, new in _KERNEL_RENAMES:
         code = rename(code, old, new, where=where)
     code = rename(code, "hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM", where=where)
@@ -185,7 +186,7 @@ def render_configs_module(ctx: Context) -> tuple[str, list]:
         imports.setdefault(spec.module, []).extend([spec.kernel_cls, spec.config_error, spec.smem_bytes])
         fam_lines.append(f'    "{name}": KernelFamily("{name}", {spec.kernel_cls}, {spec.config_error}, {spec.smem_bytes}),')
     fam_lines.append("}")
-    code += "\n".join(fam_lines) + "\n\n\n" + "\n\n".join(d.rstrip("\n") + "\n" for d in cfg_defs).replace("\n\n\n\n", "\n\n\n")
+    code += "\n".join(fam_lines) + "\n\n\n" + _join_defs(cfg_defs).replace("\n\n\n\n", "\n\n\n")
     for old, new in _CONFIG_RENAMES:
         code = rename(code, old, new, where=where)
     code = substitute(
