@@ -6,6 +6,10 @@ head (pack_gqa) and its time is the read of K and V, so it gets its own table,
 configs/sm120_decode.toml, instead of the prefill table (configs/sm120_fwd.toml); the dispatcher
 (driver_splitkv.py) picks one or the other per call. Entries are keyed by head-dim bucket and
 carry provenance; "unmeasured" entries say why they were chosen.
+
+The same file's `[[prefill]]` entries serve paged / split *prefill* where the forward table's
+entry for the (bucket, mask) cannot run in the splitkv family (its TMA entries): keyed and
+selected like sm120_fwd.toml (config.parse_fwd_table's rules), family "splitkv" only.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from flash_attn_sm120.config import CONFIG_DIR, HEAD_DIM_BUCKETS, FwdConfig, head_dim_bucket
+from flash_attn_sm120.config import (
+    CONFIG_DIR,
+    HEAD_DIM_BUCKETS,
+    FwdConfig,
+    TableEntry,
+    head_dim_bucket,
+    mask_kind,
+    parse_fwd_table,
+)
 
 DECODE_TABLE_PATH = CONFIG_DIR / "sm120_decode.toml"
 DECODE_MAX_SEQLEN_Q = 16
@@ -94,4 +106,36 @@ def select_decode_config(table: Iterable[DecodeEntry], head_dim: int, head_dim_v
     for e in table:
         if e.head_dim == bucket and e.config.error(head_dim, head_dim_v) is None:
             return e.config
+    return None
+
+
+def parse_prefill_table(data: dict) -> list[TableEntry]:
+    """Validate the `[[prefill]]` entries of a parsed decode TOML document (ValueError on bad data)."""
+    entries = parse_fwd_table({"schema": data.get("schema"), "fwd": data.get("prefill", [])})
+    for e in entries:
+        if e.config.family != DECODE_FAMILY:
+            raise ValueError(f"prefill entry ({e.head_dim}, {e.mask}): family must be {DECODE_FAMILY!r}, got {e.config.family!r}")
+    return entries
+
+
+def load_prefill_table(path: Path | str | None = None) -> tuple[TableEntry, ...]:
+    return _load_prefill_cached(str(path or DECODE_TABLE_PATH))
+
+
+@lru_cache(maxsize=8)
+def _load_prefill_cached(path: str) -> tuple[TableEntry, ...]:
+    with open(path, "rb") as f:
+        return tuple(parse_prefill_table(tomllib.load(f)))
+
+
+def select_prefill_config(
+    table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool
+) -> Optional[FwdConfig]:
+    """The splitkv prefill entry of this (bucket, mask) (local: else the causal one), or None."""
+    bucket = head_dim_bucket(head_dim, head_dim_v)
+    kind = mask_kind(causal, local)
+    for m in (kind, "causal") if kind == "local" else (kind,):
+        for e in table:
+            if (e.head_dim, e.mask) == (bucket, m) and e.config.error(head_dim, head_dim_v) is None:
+                return e.config
     return None

@@ -38,8 +38,22 @@ from flash_attn.cute.interface import (
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import driver, hardware, splitkv
-from flash_attn_sm120.config import _FALLBACKS, FwdConfig, load_fwd_table, select_fwd_config, upstream_fwd_config
-from flash_attn_sm120.decode import DECODE_FAMILY, is_decode, load_decode_table, select_decode_config
+from flash_attn_sm120.config import (
+    _FALLBACKS,
+    FwdConfig,
+    family_entries,
+    load_fwd_table,
+    select_fwd_config,
+    upstream_fwd_config,
+)
+from flash_attn_sm120.decode import (
+    DECODE_FAMILY,
+    is_decode,
+    load_decode_table,
+    load_prefill_table,
+    select_decode_config,
+    select_prefill_config,
+)
 from flash_attn_sm120.driver import FwdStatics, build_statics
 from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
 
@@ -67,16 +81,25 @@ class SplitPlan:
 
 
 @lru_cache(maxsize=1024)  # pure; saves the feasibility checks on every call
-def kernel_config(config: FwdConfig, head_dim: int, head_dim_v: int) -> FwdConfig:
-    """`config`'s tiles on the splitkv family, or the first cp.async-valid fallback.
+def kernel_config(
+    config: FwdConfig, head_dim: int, head_dim_v: int, causal: bool = False, local: bool = False
+) -> FwdConfig:
+    """`config`'s tiles on the splitkv family; else the decode table's `[[prefill]]` entry of the same
+    (bucket, mask); else the forward table's cp.async entry of that key (the dense driver's fallback);
+    else upstream's tile, then fixed fallbacks.
 
-    Known gap: for causal d64 / d128 the table's TMA entries (Q in registers with 2-3 stages) cannot
-    run here and fall to upstream's tile, which spills on sm_120a in this family (200 / 80 B of stack;
-    `python -m flash_attn_sm120.explain ... --page-size 64` shows it). The spill-free alternatives
-    (the table's cp.async entries, Q in registers with one stage; or 4 warps 64x64) have not been
-    measured for paged / split prefill, whose gate (within 10% of dense) the current choice meets.
+    The table's TMA entries (causal d64 / d128) cannot run in this family. Upstream's tile, used
+    before, spills here on sm_120a (200 / 80 B of stack); the `[[prefill]]` entries are the fastest
+    spill-free tiles measured on paged prefill (configs/measurements/2026-11-29_paged_prefill_emulated.md),
+    and every key's choice compiles spill-free (tests/test_splitkv_cpu.py).
     """
-    for cfg in (config, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS:
+    prefill = select_prefill_config(load_prefill_table(), head_dim, head_dim_v, causal, local)
+    try:
+        cpasync = select_fwd_config(family_entries("cpasync"), head_dim, head_dim_v, causal, local)
+    except ValueError:  # no cp.async entry fits these head dims
+        cpasync = None
+    candidates = (config, prefill, cpasync, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS
+    for cfg in (c for c in candidates if c is not None):
         candidate = replace(cfg, family=DECODE_FAMILY)
         if candidate.error(head_dim, head_dim_v) is None:
             return candidate
@@ -109,7 +132,7 @@ def plan(
         config = select_decode_config(load_decode_table(), head_dim, head_dim_v)
     if config is None:
         config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
-    kcfg = kernel_config(config, head_dim, head_dim_v)
+    kcfg = kernel_config(config, head_dim, head_dim_v, causal, local)
     smem = kcfg.smem_bytes(head_dim, head_dim_v) + hardware.DSL_STATIC_SMEM
     ctas_per_sm = hardware.sm120_occupancy(smem, kcfg.num_threads).ctas_per_sm
     n_blocks = splitkv.num_n_blocks(
@@ -293,7 +316,7 @@ def make_call_plan(
         return CallPlan(**common, to_driver=True, driver_config=cfg if (p.decode or config is not None) else None,
                         compile_key=None)
 
-    kcfg = kernel_config(p.config, head_dim, head_dim_v)
+    kcfg = kernel_config(p.config, head_dim, head_dim_v, causal_r, local)
     is_split = p.num_splits > 1
     statics = SplitKVStatics(
         build_statics(

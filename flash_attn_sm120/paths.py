@@ -24,10 +24,13 @@ Entry format, `KernelPath(name, family, config, supports)`:
               public API's autograd; dims from backward_head_dims), paged (page_table K/V) and
               splits (num_splits > 1), the last two through the public API only.
 
-Example: a TMA family that runs head dims 64/96/128 without varlen or GQA packing would add
+Example: a family that runs head dims 64/96/128 without varlen or GQA packing would add
 
     KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"),
                Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False))
+
+A family may pack only some GQA ratios (the TMA family: tile_m a multiple of the ratio);
+`KernelPath.packs` says whether an explicit pack_gqa=True runs as asked.
 
 Every entry of configs/sm120_fwd.toml also becomes a path, "table-d<bucket>-<mask>", restricted to
 its head-dim bucket (`kernel_paths()` reads the table on each call).
@@ -114,6 +117,17 @@ class KernelPath:
         """Candidate head dims (head_dim == head_dim_v) that this path can run."""
         return tuple(d for d in self.supports.head_dims if self.error(d, d) is None)
 
+    def packs(self, qhead_per_kvhead: int, head_dim: int, head_dim_v: int) -> bool:
+        """Whether an explicit pack_gqa=True runs packed on this path at this GQA ratio (a forced
+        config the family cannot pack raises; the dispatcher would fall back to cp.async)."""
+        if not self.supports.pack_gqa:
+            return False
+        if self.family != "tma" or qhead_per_kvhead == 1:
+            return True
+        from flash_attn_sm120.kernels.fwd_tma import pack_gqa_error  # lazy: imports the DSL
+
+        return pack_gqa_error(self.resolved_config(head_dim, head_dim_v).tile_m, qhead_per_kvhead) is None
+
     def force(self, head_dim: int, head_dim_v: int):
         """Context manager under which the public API runs this path."""
         cfg = self.config_for(head_dim, head_dim_v)
@@ -130,7 +144,7 @@ def _upstream_config(head_dim: int, head_dim_v: int) -> FwdConfig:
 
 # What a forced config of a family can run (the dispatcher sends the rest to the cp.async entry)
 FAMILY_LIMITS: dict[str, dict] = {
-    "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False),
+    "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False),
 }
 
 
@@ -140,7 +154,7 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
     KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192
     KernelPath("upstream-config", "cpasync", _upstream_config),
-    # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, no varlen / GQA packing
+    # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, no varlen
     KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"), Supports(**FAMILY_LIMITS["tma"])),
     # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
     KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),

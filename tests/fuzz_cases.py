@@ -107,6 +107,8 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         d, dv = _pick_head_dims(rng, path, path.head_dims(), cols["typical"][i], cols["mixed"][i])
         ratio = cols["ratio"][i]
         pack = (cols["pack"][i] if s.pack_gqa else False) if ratio > 1 else None
+        if pack and not path.packs(ratio, d, dv):
+            pack = None  # the path's tile cannot hold whole head groups: let the driver decide
         mask = cols["mask"][i] if _mask_supported(path, cols["mask"][i]) else "none"
         layouts = (LAYOUTS if s.varlen else LAYOUTS[:1]) + (PAGED_LAYOUTS if s.paged else ())
         layout = cols["layout"][i] if cols["layout"][i] in layouts else rng.choice(layouts)

@@ -121,8 +121,8 @@ def test_families_env_restricts_the_table(monkeypatch):
 
 def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
     """A table-chosen TMA config that cannot serve a call (varlen here) falls back to the table's
-    cp.async entry of the same (bucket, mask); a defaulted pack_gqa is first turned off; an explicitly
-    requested config raises NotImplementedError instead."""
+    cp.async entry of the same (bucket, mask); a defaulted pack_gqa the family cannot pack (3 query heads
+    per KV head) is first turned off; an explicitly requested config raises NotImplementedError instead."""
     import torch
 
     from flash_attn_sm120 import driver
@@ -135,16 +135,21 @@ def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
     q = torch.zeros(2, 64, 8, d, dtype=torch.bfloat16)
     k = torch.zeros(2, 64, 2, d, dtype=torch.bfloat16)
 
-    def statics(**kw):
+    def statics(q=q, k=k, **kw):
         args = dict(causal=True, local=False, pack_gqa=False, has_lse=False, cu_seqlens_q=None, cu_seqlens_k=None,
                     seqused_q=None, seqused_k=None, window_size_left=None, window_size_right=None,
                     score_mod=None, mask_mod=None, aux_tensors=None, config=tma.config, emulate_host_smem=None)
         args.update(kw)
         return driver.build_statics(q, k, k, **args)
 
-    plain = statics(pack_gqa=True)
-    assert driver._route(plain, False, False, True, False).config == tma.config  # runs unpacked on TMA
-    assert not driver._route(plain, False, False, True, False).pack_gqa
+    packed = statics(pack_gqa=True)  # 4 query heads per KV head: the TMA family packs them
+    assert driver._route(packed, False, False, True, False) == packed
+    q6 = torch.zeros(2, 64, 6, d, dtype=torch.bfloat16)
+    odd = statics(q=q6, pack_gqa=True)  # 3 per KV head do not tile 128 or 256 rows
+    assert driver._route(odd, False, False, True, False).config == tma.config  # runs unpacked on TMA
+    assert not driver._route(odd, False, False, True, False).pack_gqa
+    chosen = driver._route(odd, True, False, True, False)  # packing asked for: the cp.async entry packs
+    assert chosen.pack_gqa and chosen.config.family == "cpasync"
     varlen = statics(seqused_k=torch.zeros(2, dtype=torch.int32))
     routed = driver._route(varlen, False, False, True, False)
     want = next(e.config for e in family_entries("cpasync") if (e.head_dim, e.mask) == (d, "causal"))

@@ -32,9 +32,12 @@ def test_a_refused_family_says_why_and_falls_back_to_cpasync():
     first = select_fwd_config(load_fwd_table(), 128, 128, True, False)
     if first.family != "tma":
         pytest.skip("the table's causal d128 entry is not a TMA entry: nothing falls back")
-    q, k, v = _qkv(h=32, hk=8)
-    packed = explain(q, k, v, causal=True, pack_gqa=True)  # the TMA family does not pack GQA heads
-    assert packed.family == "cpasync" and packed.pack_gqa and "pack" in packed.fallback
+    q, k, v = _qkv(h=32, hk=8)  # 4 query heads per KV head: the TMA family packs them
+    packed = explain(q, k, v, causal=True)
+    assert packed.family == "tma" and packed.pack_gqa and packed.fallback is None
+    q, k, v = _qkv(h=24, hk=8)  # 3 per KV head do not tile the TMA entry's rows
+    odd = explain(q, k, v, causal=True, pack_gqa=True)
+    assert odd.family == "cpasync" and odd.pack_gqa and "pack_gqa" in odd.fallback
     default = explain(q, k, v, causal=True)  # a defaulted pack_gqa is turned off to keep the TMA entry
     assert default.family == "tma" and not default.pack_gqa and default.fallback is None
     qv = torch.empty(2048, 32, 128, **META)
@@ -87,4 +90,4 @@ def test_paged_prefill_reports_a_config_the_splitkv_family_cannot_take():
     cu = torch.empty(3, device="meta", dtype=torch.int32)
     e = explain(q, pool, pool, causal=True, page_table=table, cu_seqlens_q=cu, max_seqlen_q=512)
     assert e.fallback is not None and first.name in e.fallback and e.config.name in e.fallback
-    assert e.config == driver_splitkv.kernel_config(first, 128, 128)
+    assert e.config == driver_splitkv.kernel_config(first, 128, 128, True, False)

@@ -125,19 +125,32 @@ def test_register_split():
     assert two_ctas.ctas_per_sm == 2 and two_ctas.mma_regs > two_ctas.launch_regs
 
 
-def test_unsupported_reason_routes_varlen_and_pack_gqa():
+def test_unsupported_reason_routes_varlen_and_unpackable_gqa():
     cfg = FwdConfig(256, 128, 64, 2, family="tma")
     assert unsupported_reason(_statics(cfg)) is None
     assert FlashAttentionForwardSm120Tma.supports(_statics(cfg, qhead_per_kvhead=4, pack_gqa=False))
+    for ratio in (2, 4, 8, 16, 32, 64, 128):  # whole head groups fit a 128-row tile
+        assert unsupported_reason(_statics(cfg, qhead_per_kvhead=ratio, pack_gqa=True)) is None, ratio
+    for ratio in (3, 5, 6, 12):
+        reason = unsupported_reason(_statics(cfg, qhead_per_kvhead=ratio, pack_gqa=True))
+        assert reason is not None and "pack_gqa" in reason and "tile_m=128" in reason and str(ratio) in reason
+        assert unsupported_reason(_statics(cfg, qhead_per_kvhead=ratio, pack_gqa=False)) is None
+    assert fwd_tma.pack_gqa_error(256, 3) is not None and fwd_tma.pack_gqa_error(192, 3) is None
     assert "varlen" in unsupported_reason(_statics(cfg, has_cu_seqlens_q=True, has_cu_seqlens_k=True))
     assert "seqused_k" in unsupported_reason(_statics(cfg, has_seqused_k=True))
-    assert "pack_gqa" in unsupported_reason(_statics(cfg, qhead_per_kvhead=4, pack_gqa=True))
     assert "head_dim" in unsupported_reason(_statics(FwdConfig(256, 128, 64, 2, family="tma"), d=256))
 
 
+def test_constructor_packs_gqa_only_in_whole_head_groups():
+    with pytest.raises(NotImplementedError, match="multiple of 3"):
+        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 3, pack_gqa=True)
+    packed = FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 4, pack_gqa=True)
+    assert packed.pack_gqa and packed.qhead_per_kvhead_packgqa == 4
+    mha = FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 1, pack_gqa=True)  # nothing to pack
+    assert not mha.pack_gqa and mha.qhead_per_kvhead_packgqa == 1
+
+
 def test_constructor_refusals():
-    with pytest.raises(NotImplementedError, match="pack"):
-        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 4, pack_gqa=True)
     with pytest.raises(ValueError, match="head_dim=80"):
         FlashAttentionForwardSm120Tma(cutlass.BFloat16, 80, 80)
     with pytest.raises(TypeError):
@@ -177,6 +190,28 @@ def test_proposed_config_codegen_sm120a(d, cfg, mask, dtype):
         assert "USETMAXREG" in sass
         # the MMA warps stay within their rebalanced budget (highest register index + 1)
         assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < split.mma_regs
+
+
+# packed GQA on the shipped tiles: 8 MMA warps at R=1 (128 rows) and R=2 (256 rows), every mask
+PACKED = [
+    (128, FwdConfig(256, 128, 64, 2, True, family="tma"), "causal", 4),
+    (128, FwdConfig(256, 256, 32, 2, family="tma"), "none", 8),
+    (96, FwdConfig(256, 256, 64, 2, family="tma"), "causal", 2),
+    (64, FwdConfig(256, 256, 64, 3, True, family="tma"), "local", 4),
+]
+
+
+@pytest.mark.parametrize("d,cfg,mask,ratio", PACKED, ids=[f"d{d}-{c.name}-{m}-g{r}" for d, c, m, r in PACKED])
+def test_packed_gqa_codegen_sm120a(d, cfg, mask, ratio):
+    """GQA packing keeps the TMA loads and store (UTMALDG/UTMASTG), adds no spills and no shared memory."""
+    kernels = []
+    cubin, smem = compile_fwd_cubin(cfg, d, causal=mask == "causal", local=mask == "local",
+                                    qhead_per_kvhead=ratio, pack_gqa=True, kernel_out=kernels)
+    assert kernels[0].pack_gqa and kernels[0].qhead_per_kvhead_packgqa == ratio
+    res, hist, _ = inspect_cubin(cubin)
+    assert hist.get("UTMALDG", 0) > 0 and hist.get("UTMASTG", 0) > 0 and hist.get("HMMA", 0) > 0
+    assert res["stack"] == 0 and res["local"] == 0 and hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0
+    assert smem == cfg.smem_bytes(d, d)
 
 
 def test_fp16_softcap_builds_sm120a():

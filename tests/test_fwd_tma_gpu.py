@@ -3,8 +3,8 @@
 Outputs and LSE are poisoned with NaN before each call and compared with an fp32 reference on
 random data; the error may be at most 2x that of the same attention computed in bf16/fp16 by
 torch, plus 1e-3. Sequence lengths include 1, 17, 333 and 1000 (not tile multiples) and
-seqlen_q != seqlen_k in both directions; GQA runs with pack_gqa=False (the family refuses head
-packing, see fwd_tma.unsupported_reason). A hung kernel (mbarrier/TMA) ends the process through
+seqlen_q != seqlen_k in both directions; GQA runs unpacked (pack_gqa=False) and packed (query heads
+folded into the M tile, the ratio dividing tile_m). A hung kernel (mbarrier/TMA) ends the process through
 tests/watchdog.py when that module is present.
 """
 
@@ -47,25 +47,25 @@ def _first_config(d: int) -> FwdConfig:
     return FwdConfig(*PROPOSED_CONFIGS[d][0][0], family="tma")
 
 
-def _run(cfg, x, causal, window, softcap=None):
+def _run(cfg, x, causal, window, softcap=None, pack_gqa=False):
     q, k, v = x["q"], x["k"], x["v"]
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     driver.forward(q, k, v, softmax_scale=None, causal=causal, window_size_left=window[0],
-                   window_size_right=window[1], softcap=softcap, pack_gqa=False, need_lse=True,
+                   window_size_right=window[1], softcap=softcap, pack_gqa=pack_gqa, need_lse=True,
                    emulate_host_smem=device_info().emulate_host_smem, out=out, lse=lse, config=cfg)
     torch.cuda.synchronize()
     return out, lse
 
 
-def _check(cfg, p: bench.Problem, causal, window, softcap=None, seed=0):
+def _check(cfg, p: bench.Problem, causal, window, softcap=None, seed=0, pack_gqa=False):
     x = bench.make_inputs(p, seed=seed)
-    out, lse = _run(cfg, x, causal, window, softcap)
+    out, lse = _run(cfg, x, causal, window, softcap, pack_gqa)
     ref, ref_lse = bench.reference_attention(x["q"], x["k"], x["v"], causal=causal, window=window,
                                              softcap=softcap or 0.0)
     low, _ = bench.reference_attention(x["q"], x["k"], x["v"], causal=causal, window=window,
                                        softcap=softcap or 0.0, upcast=False)
-    where = f"{cfg.name} {p.name} causal={causal} window={window} softcap={softcap}"
+    where = f"{cfg.name} {p.name} causal={causal} window={window} softcap={softcap} pack_gqa={pack_gqa}"
     assert not torch.isnan(out).any(), f"unwritten (NaN-poisoned) output elements: {where}"
     assert not torch.isnan(lse).any(), f"unwritten (NaN-poisoned) LSE rows: {where}"
     err, low_err = bench.error_vs_reference(out, ref), bench.error_vs_reference(low, ref)
@@ -93,6 +93,63 @@ def test_every_proposed_config(d, cfg, masks):
         causal, window = MASKS[mask]
         for sq, sk in [(333, 1000), (1000, 333), (257, 257)]:
             _check(cfg, bench.Problem(2, sq, sk, 6, 2, d), causal, window, seed=sq + sk)
+
+
+# (head_dim, query heads per KV head, mask): every proposed config of the head dim that compiles
+# for the mask runs packed; 8:1 fills a 128-row tile with 16 positions
+PACKED_CASES = [(128, 4, "causal"), (128, 8, "none"), (96, 2, "causal"), (64, 4, "local"), (128, 2, "local")]
+
+
+@pytest.mark.parametrize("d,ratio,mask", PACKED_CASES, ids=[f"d{d}-g{r}-{m}" for d, r, m in PACKED_CASES])
+def test_packed_gqa_matches_reference(d, ratio, mask):
+    causal, window = MASKS[mask]
+    configs = [FwdConfig(*c, family="tma") for c, masks in PROPOSED_CONFIGS[d] if mask in masks]
+    for cfg in configs:
+        for sq, sk in [(1, 1), (17, 17), (333, 1000), (1000, 333), (257, 257)]:
+            _check(cfg, bench.Problem(2, sq, sk, 2 * ratio, 2, d), causal, window, seed=sq + sk + ratio,
+                   pack_gqa=True)
+
+
+def test_packed_gqa_softcap_and_mask_mod():
+    """score_mod (softcap) and mask_mod see the real query head and position of a packed row."""
+    import cutlass.cute as cute
+
+    cfg = _first_config(128)
+    _check(cfg, bench.Problem(2, 300, 700, 8, 2, 128), True, (None, None), softcap=30.0, seed=9, pack_gqa=True)
+
+    @cute.jit
+    def lower_triangle(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return q_idx >= kv_idx
+
+    x = bench.make_inputs(bench.Problem(2, 333, 333, 8, 2, 128), seed=3)
+    q, k, v = x["q"], x["k"], x["v"]
+    out = torch.full_like(q, float("nan"))
+    driver.forward(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                   softcap=None, pack_gqa=True, need_lse=False, mask_mod=lower_triangle,
+                   emulate_host_smem=device_info().emulate_host_smem, out=out, config=cfg)
+    ref, _ = bench.reference_attention(q, k, v, causal=True)
+    low, _ = bench.reference_attention(q, k, v, causal=True, upcast=False)
+    assert not torch.isnan(out).any()
+    assert bench.error_vs_reference(out, ref) <= 2 * bench.error_vs_reference(low, ref) + ATOL
+
+
+def test_default_gqa_call_runs_packed_on_the_tma_entry():
+    """The public API's default (pack_gqa=None) packs GQA heads on a TMA table entry."""
+    from flash_attn_sm120 import flash_attn_func
+    from flash_attn_sm120.explain import explain
+
+    assert device_info().uses_sm120_kernels, "the public API must run this package's kernels here"
+    x = bench.make_inputs(bench.Problem(2, 1000, 1000, 16, 4, 128), seed=21)
+    q, k, v = x["q"], x["k"], x["v"]
+    e = explain(q, k, v, causal=True)
+    if e.family != "tma":
+        pytest.skip(f"the table's causal d128 entry runs {e.family}")
+    assert e.pack_gqa
+    out = flash_attn_func(q, k, v, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
+    ref, _ = bench.reference_attention(q, k, v, causal=True)
+    low, _ = bench.reference_attention(q, k, v, causal=True, upcast=False)
+    assert bench.error_vs_reference(out, ref) <= 2 * bench.error_vs_reference(low, ref) + ATOL
 
 
 @pytest.mark.parametrize("window", [(0, 0), (100, None), (None, 50), (300, 0)])

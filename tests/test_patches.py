@@ -282,19 +282,24 @@ site, cases = sys.argv[1], json.loads(sys.argv[2])
 import torch
 import flash_attn.cute
 assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+import inspect
 from flash_attn.cute import interface
 from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config
 
 built = []
+# test-only: record what the dispatch builds (the TMA class too, where patch 0003 is applied)
+for name in ("FlashAttentionForwardSm120", "FlashAttentionForwardSm120Tma"):
+    base = getattr(interface, name, None)
+    if base is None:
+        continue
 
-
-class Recording(interface.FlashAttentionForwardSm120):  # test-only: see what the dispatch builds
-    def __init__(self, *args, **kwargs):
+    def init(self, *args, _base=base, **kwargs):
         built.append({k: kwargs[k] for k in ("tile_m", "tile_n", "num_stages", "num_threads", "Q_in_regs")})
-        super().__init__(*args, **kwargs)
+        _base.__init__(self, *args, **kwargs)
 
-
-interface.FlashAttentionForwardSm120 = Recording
+    setattr(interface, name, type(name, (base,), {"__init__": init}))
+# a dense MHA call is one the TMA family takes, where it exists
+tma_kw = {"tma_ok": True} if "tma_ok" in inspect.signature(sm120_fwd_config).parameters else {}
 out = []
 for d, causal in cases:
     torch.manual_seed(0)
@@ -303,7 +308,7 @@ for d, causal in cases:
     t = lambda x: x.transpose(1, 2)
     ref = t(torch.nn.functional.scaled_dot_product_attention(t(q.float()), t(k.float()), t(v.float()), is_causal=causal))
     pt = t(torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=causal)).float()
-    cfg = sm120_fwd_config(d, d, causal, False)
+    cfg = sm120_fwd_config(d, d, causal, False, **tma_kw)
     out.append(dict(
         d=d, causal=causal, err=(o.float() - ref).abs().max().item(), pt_err=(pt - ref).abs().max().item(),
         built=built[-1], expected=dict(tile_m=cfg.tile_m, tile_n=cfg.tile_n, num_stages=cfg.num_stages,
@@ -529,6 +534,8 @@ for e in configs.SM120_FWD_TABLE:
         configs.sm120_fwd_config(e.head_dim, e.head_dim, e.mask == "causal", False).tile_n,
     ]
     out["tiles"][f"{e.head_dim}/{e.mask}/tma"] = [cfg.tile_m, cfg.tile_n]
+out["packs"] = {r: configs.sm120_tma_packs(r) for r in (1, 2, 3, 4, 6, 8, 16)}
+out["tma_tile_m"] = sorted({e.config.tile_m for e in configs.SM120_FWD_TABLE if e.config.family == "tma"})
 print("RESULT " + json.dumps(out))
 """
 
@@ -549,6 +556,10 @@ def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp
         tiles = result["tiles"]
         assert tiles[f"{key}/True"] == tiles[f"{key}/tma"], f"TMA-capable call did not get the TMA entry: {key}"
         assert tiles[f"{key}/False"] == tiles[f"{key}/cpasync"], f"other calls must get the cp.async entry: {key}"
+    # GQA packing on the TMA family: only ratios that every TMA entry's tile_m holds whole
+    for ratio, packs in result["packs"].items():
+        assert packs == all(m % int(ratio) == 0 for m in result["tma_tile_m"]), (ratio, packs, result["tma_tile_m"])
+    assert result["packs"]["4"] and not result["packs"]["3"]
 
 
 def test_tma_module_is_lifted_without_package_parts():
@@ -583,6 +594,10 @@ CASES = [
     ("dense causal d128: the TMA entry", dict(mask="causal", return_lse=True), dict(seqlens_q=(1000,) * 2, seqlens_k=(1000,) * 2, nheads_kv=4)),
     ("varlen causal d128: the cp.async entry", dict(mask="causal", q_layout="packed", k_layout="packed"),
      dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=4)),
+    ("GQA 4:1 causal d128, packed by default: the TMA entry", dict(mask="causal", qhead_per_kvhead=4, return_lse=True),
+     dict(seqlens_q=(333,) * 2, seqlens_k=(1000,) * 2, nheads_kv=2)),
+    ("GQA 3:1 causal d128, packed by default: the cp.async entry", dict(mask="causal", qhead_per_kvhead=3),
+     dict(seqlens_q=(333,) * 2, seqlens_k=(333,) * 2, nheads_kv=2)),
 ]
 out = []
 for name, case_kw, problem_kw in CASES:
@@ -609,9 +624,13 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.gpu
 def test_patched_upstream_tma_forward_matches_reference(tmp_path):
-    """Patch 0003 on a GPU (SM120 dispatch forced, _arch=120): a dense causal d128 call runs the TMA
-    class and a varlen one the cp.async class, both against the fp32 reference with poisoned outputs."""
-    dense, varlen = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
-    assert dense["error"] is None and varlen["error"] is None, (dense, varlen)
+    """Patch 0003 on a GPU (SM120 dispatch forced, _arch=120): dense causal d128 calls run the TMA
+    class (GQA 4:1 packed), varlen and GQA 3:1 packed calls the cp.async class, all against the fp32
+    reference with poisoned outputs."""
+    results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
+    dense, varlen, packed, odd = results
+    assert all(r["error"] is None for r in results), results
     assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
     assert varlen["built"][-1] == "FlashAttentionForwardSm120", varlen
+    assert packed["built"][-1] == "FlashAttentionForwardSm120Tma", packed
+    assert odd["built"][-1] == "FlashAttentionForwardSm120", odd

@@ -2,6 +2,7 @@
 validation before any kernel work, and sm_120a codegen of the splitkv kernels and the combine."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import flash_attn_sm120
 from flash_attn_sm120 import driver, driver_splitkv, hardware, interface, splitkv
 from flash_attn_sm120.codegen import compile_combine_cubin, compile_splitkv_cubin, inspect_cubin
-from flash_attn_sm120.config import FwdConfig, load_fwd_table, select_fwd_config
+from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.decode import (
     DECODE_MAX_SEQLEN_Q,
     is_decode,
     load_decode_table,
+    load_prefill_table,
     parse_decode_table,
     select_decode_config,
+    select_prefill_config,
 )
 from flash_attn_sm120.device import DeviceInfo
 
@@ -521,19 +524,42 @@ def test_combine_key_is_the_one_upstreams_wrapper_compiles(monkeypatch, head_dim
     assert compiled == [key]
 
 
-# Known gap (driver_splitkv.kernel_config's docstring): these keys' table entries cannot run in the
-# splitkv family and fall to upstream's tile, which spills there. strict: fixing it must update this.
-_SPLITKV_SPILL_KNOWN = {(64, True), (128, True)}
-
-
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_paged_prefill_config_of_every_table_key_is_spill_free_on_sm120a(d, causal, request):
-    """What paged / split prefill runs for each (bucket, mask) of the table, compiled for sm_120a."""
-    if (d, causal) in _SPLITKV_SPILL_KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known: kernel_config falls to upstream's tile"))
+def test_paged_prefill_config_of_every_table_key_is_spill_free_on_sm120a(d, causal):
+    """What paged / split prefill runs for each (bucket, mask) of the table, compiled for sm_120a.
+    A TMA entry whose tiles the splitkv family cannot run gives way to the `[[prefill]]` entry of its
+    key, else its cp.async entry, not to upstream's tile (which spills here at causal d64 / d128)."""
     first = select_fwd_config(load_fwd_table(), d, d, causal, False)
-    cfg = driver_splitkv.kernel_config(first, d, d)
+    cfg = driver_splitkv.kernel_config(first, d, d, causal, False)
+    if replace(first, family=cfg.family).error(d, d) is not None:
+        want = select_prefill_config(load_prefill_table(), d, d, causal, False) or select_fwd_config(
+            family_entries("cpasync"), d, d, causal, False)
+        assert (cfg.num_threads, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.q_in_regs) == (
+            want.num_threads, want.tile_m, want.tile_n, want.num_stages, want.q_in_regs), (cfg, want)
     cubin, _ = compile_splitkv_cubin(cfg, d, split=False, paged=True, causal=causal)
     res, hist, _ = inspect_cubin(cubin)
     assert res["stack"] == 0 and hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0, (cfg.name, res)
+
+
+def test_prefill_entries_are_validated_and_selected_per_key():
+    from flash_attn_sm120.decode import parse_prefill_table
+
+    prov = dict(gpu="g", mode="emulated", date="2026-11-29", command="c")
+    row = dict(head_dim=128, mask="causal", family="splitkv", num_threads=128, tile_m=128, tile_n=48, num_stages=2,
+               provenance=prov)
+    table = parse_prefill_table({"schema": 1, "prefill": [row]})
+    assert select_prefill_config(table, 128, 128, True, False) == table[0].config
+    assert select_prefill_config(table, 128, 128, True, True) == table[0].config  # local: the causal entry
+    assert select_prefill_config(table, 128, 128, False, False) is None  # no entry: kernel_config goes on
+    assert select_prefill_config(table, 64, 64, True, False) is None
+    with pytest.raises(ValueError, match="family must be 'splitkv'"):
+        parse_prefill_table({"schema": 1, "prefill": [dict(row, family="cpasync")]})
+    with pytest.raises(ValueError, match="provenance"):
+        parse_prefill_table({"schema": 1, "prefill": [dict(row, provenance={})]})
+    with pytest.raises(ValueError, match="shared memory"):
+        parse_prefill_table({"schema": 1, "prefill": [dict(row, tile_m=256, tile_n=256)]})
+    shipped = load_prefill_table()
+    assert {(e.head_dim, e.mask) for e in shipped} == {(64, "causal"), (128, "causal")}
+    for e in shipped:
+        assert e.provenance["mode"] == "emulated" and "paged_prefill" in e.provenance["result"]

@@ -45,11 +45,20 @@ mbarriers (the struct rounds up to 1 KB). `register_split` computes the setmaxnr
 CTAs per SM that ptxas is told (min_blocks_per_mp); configs of <= 41 KB run 2 CTAs per SM, whose
 independent tiles interleave their softmax and MMA phases on the SM.
 
+GQA packing (pack_gqa, FA3's PackGQA): the qhead_per_kvhead query heads that share a KV head are
+folded into the M dimension, so one CTA serves a whole head group from one stream of K/V and the
+grid has nheads_kv heads. Packed row r of an M tile is query head r % qhead_per_kvhead of the group
+at position r // qhead_per_kvhead. Q and O keep their TMA boxes: `make_packgqa_tiled_tma_atom`
+(flash_attn.cute.pack_gqa) views (head, seqlen) as one mode and boxes (qhead_per_kvhead,
+tile_m / qhead_per_kvhead) of it, so tile_m must be a multiple of qhead_per_kvhead; the masks,
+block ranges and score_mod/mask_mod take packed rows through qhead_per_kvhead_packgqa.
+
 Supported: fp16/bf16, head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
-without head packing (nheads_kv < nheads), softcap and score_mod (applied like upstream's SM80
-class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the
-driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa, paged KV,
-learnable sink, block sparsity. `unsupported_reason(statics)` states the rule for the driver.
+packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
+`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these
+to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of
+qhead_per_kvhead, paged KV, learnable sink, block sparsity. `unsupported_reason(statics)` states
+the rule for the driver.
 
 RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe DSL (its author
 later traced it to tile modes left ungrouped before `tma_partition`; this kernel partitions
@@ -81,6 +90,7 @@ from flash_attn.cute.block_sparsity import BlockSparseTensors
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120
 from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.pack_gqa import make_packgqa_tiled_tma_atom, pack_gqa_layout
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import SingleTileLPTScheduler, SingleTileScheduler, TileSchedulerArguments
@@ -234,6 +244,16 @@ def tma_config_error(
     return None
 
 
+def pack_gqa_error(tile_m: int, qhead_per_kvhead: int) -> Optional[str]:
+    """Why this family cannot pack `qhead_per_kvhead` query heads into a tile_m tile, or None."""
+    if qhead_per_kvhead > 1 and tile_m % qhead_per_kvhead:
+        return (
+            f"pack_gqa with {qhead_per_kvhead} query heads per KV head needs tile_m={tile_m} to be a "
+            f"multiple of {qhead_per_kvhead} in the TMA family (the Q/O TMA box holds whole head groups)"
+        )
+    return None
+
+
 def unsupported_reason(statics) -> Optional[str]:
     """Why the TMA family cannot serve a driver.FwdStatics compile key, or None if it can.
 
@@ -259,8 +279,10 @@ def unsupported_reason(statics) -> Optional[str]:
     ]
     if varlen:
         return f"varlen ({', '.join(varlen)}) is not supported by the TMA family"
-    if statics.pack_gqa and statics.qhead_per_kvhead > 1:
-        return "pack_gqa is not supported by the TMA family (plain GQA with pack_gqa=False is)"
+    if statics.pack_gqa:
+        err = pack_gqa_error(cfg.tile_m, statics.qhead_per_kvhead)
+        if err is not None:
+            return err
     if any(any(dims) for dims in statics.broadcast):
         return "stride-0 (expanded) q/k/v are not supported by the TMA family (TMA descriptors need real strides)"
     return None
@@ -303,10 +325,11 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         error = tma_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs)
         if error is not None:
             raise ValueError(f"SM120 TMA forward config not implementable: {error}")
-        if pack_gqa and qhead_per_kvhead > 1:
-            raise NotImplementedError(
-                "SM120 TMA forward does not pack GQA heads: pass pack_gqa=False or use the cpasync family"
-            )
+        pack_gqa = pack_gqa and qhead_per_kvhead > 1
+        if pack_gqa:
+            error = pack_gqa_error(tile_m, qhead_per_kvhead)
+            if error is not None:
+                raise NotImplementedError(f"SM120 TMA forward: {error}; pass pack_gqa=False or use the cpasync family")
         super().__init__(
             dtype,
             head_dim,
@@ -314,7 +337,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             qhead_per_kvhead,
             is_causal=is_causal,
             is_local=is_local,
-            pack_gqa=False,
+            pack_gqa=pack_gqa,
             tile_m=tile_m,
             tile_n=tile_n,
             num_stages=num_stages,
@@ -325,6 +348,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             has_aux_tensors=has_aux_tensors,
         )
         self.num_mma_threads = num_threads
+        self.qhead_per_kvhead_packgqa = qhead_per_kvhead if pack_gqa else 1
         self.num_mma_warps = num_threads // 32
         self.producer_warp_idx = self.num_mma_warps  # first warp of the producer warpgroup
         self.num_threads_total = num_threads + PRODUCER_THREADS
@@ -452,33 +476,46 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             name: cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
             for name, layout in (("Q", self.sQ_layout), ("K", self.sK_layout), ("V", self.sV_layout))
         }
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_tensor_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, self.sQ_layout, (self.tile_m, self.tile_hdim)
+        # packed GQA: Q/O boxes of (qhead_per_kvhead, tile_m / qhead_per_kvhead) (head, position) rows;
+        # the returned coordinate tensors are ((qhead_per_kvhead, seqlen), d, nheads_kv, b)
+        make_tma_QO = (
+            partial(make_packgqa_tiled_tma_atom, qhead_per_kvhead=self.qhead_per_kvhead, head_idx=2)
+            if const_expr(self.pack_gqa)
+            else cpasync.make_tiled_tma_atom
         )
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_tensor_Q = make_tma_QO(tma_load, mQ, self.sQ_layout, (self.tile_m, self.tile_hdim))
         tma_atom_K, tma_tensor_K = cpasync.make_tiled_tma_atom(
             tma_load, mK, cute.select(self.sK_layout, mode=[0, 1]), (self.tile_n, self.tile_hdim), 1
         )
         tma_atom_V, tma_tensor_V = cpasync.make_tiled_tma_atom(
             tma_load, mV, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, self.tile_hdimv), 1
         )
-        tma_atom_O, tma_tensor_O = cpasync.make_tiled_tma_atom(
+        tma_atom_O, tma_tensor_O = make_tma_QO(
             cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.tile_hdimv)
         )
+        # the M tiles the grid covers: packed rows per KV head, or positions per query head
+        mQ_rows = mQ
+        if const_expr(self.pack_gqa):
+            nheads_kv = mK.shape[2]
+            mQ_rows = pack_gqa_layout(mQ, self.qhead_per_kvhead, nheads_kv, head_idx=2)
+            if const_expr(mLSE is not None):
+                mLSE = pack_gqa_layout(mLSE, self.qhead_per_kvhead, nheads_kv, head_idx=1)
 
         # causal tiles differ in work: longest first, with heads grouped for L2 reuse (as upstream sm90)
         use_lpt = self.is_causal and not self.is_local
         TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
-            num_block=cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
-            num_head=cute.size(mQ.shape[2]),
-            num_batch=cute.size(mQ.shape[3]),
+            num_block=cute.ceil_div(cute.size(mQ_rows.shape[0]), self.tile_m),
+            num_head=cute.size(mQ_rows.shape[2]),
+            num_batch=cute.size(mQ_rows.shape[3]),
             num_splits=1,
             seqlen_k=cute.size(mK.shape[0]),
             headdim=mQ.shape[1],
             headdim_v=mV.shape[1],
-            total_q=cute.size(mQ.shape[0]) * cute.size(mQ.shape[3]),
+            total_q=cute.size(mQ_rows.shape[0]) * cute.size(mQ_rows.shape[3]),
             tile_shape_mn=(self.tile_m, self.tile_n),
+            qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
             element_size=self.dtype.width // 8,
             is_persistent=False,
             lpt=use_lpt,
@@ -599,7 +636,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         work_tile = tile_scheduler.initial_work_tile_info()
         if work_tile.is_valid_tile:
             m_block, head_idx, batch_idx, _ = work_tile.tile_idx
-            seqlen = SeqlenInfoQK.create(batch_idx, seqlen_q_static=mQ.shape[0], seqlen_k_static=mK.shape[0])
+            seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
+            seqlen = SeqlenInfoQK.create(batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0])
             block_info = BlockInfo(
                 self.tile_m,
                 self.tile_n,
@@ -608,6 +646,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 False,  # is_split_kv
                 window_size_left,
                 window_size_right,
+                qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
             )
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             if warp_idx >= self.producer_warp_idx:
@@ -654,7 +693,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         n_block_max: Int32,
     ):
         """Producer warp: Q once, then K and V of each n_block (descending) into the rings."""
-        head_idx_kv = head_idx // self.qhead_per_kvhead
+        # packed GQA: the grid's head index is already the KV head
+        head_idx_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, self.tile_hdim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx], (self.tile_n, self.tile_hdim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_idx_kv, batch_idx], (self.tile_n, self.tile_hdimv), (None, 0))
@@ -731,7 +771,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1], softmax_scale=softmax_scale
         )
         softmax.reset()
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_size_left, window_size_right, 1)
+        mask = AttentionMask(
+            self.tile_m, self.tile_n, seqlen, window_size_left, window_size_right, self.qhead_per_kvhead_packgqa
+        )
 
         # P of the last processed n_block, bf16/fp16 in registers, the A operand of O += P V
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
@@ -950,14 +992,16 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         if const_expr(mLSE is not None):
-            gLSE = cute.local_tile(mLSE[None, head_idx, batch_idx], (self.tile_m,), (m_block,))
+            # (rows,) of this head (packed: ((qhead_per_kvhead, seqlen),) of this KV head, where the
+            # flat row index m_block * tile_m + row is exactly the packed order)
+            mLSE_cur = mLSE[None, head_idx, batch_idx]
             cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
             taccOcO = layout_utils.reshape_acc_to_mn(thr_mma_pv.partition_C(cO))
             assert cute.size(taccOcO, mode=[0]) == cute.size(lse)
-            rows_left = seqlen.seqlen_q - m_block * self.tile_m
+            rows_left = seqlen.seqlen_q * self.qhead_per_kvhead_packgqa - m_block * self.tile_m
             # the four threads of a quad hold the same rows; the one holding column 0 writes
             if taccOcO[0][1] == 0:
                 for r in cutlass.range(cute.size(lse), unroll_full=True):
                     row = taccOcO[r, 0][0]
                     if row < rows_left:
-                        gLSE[row] = lse[r]
+                        mLSE_cur[m_block * self.tile_m + row] = lse[r]

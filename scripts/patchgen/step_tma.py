@@ -4,7 +4,7 @@ Lifts `flash_attn_sm120/kernels/fwd_tma.py` as upstream's `flash_fwd_sm120_tma.p
 only the package needs (SM120 emulation padding, the driver's compile-key check, the search's
 proposed configs), registers the family in `flash_fwd_sm120_configs.py` so that the table's TMA
 entries appear, and lets `interface.py` run them for the calls the family takes (dense, unsplit,
-unpaged, no GQA packing, no sink, no block sparsity); every other call gets the table's cp.async
+unpaged, GQA packed only in whole head groups per tile, no sink, no block sparsity); every other call gets the table's cp.async
 entry of the same key, as in the package's driver.
 """
 
@@ -34,12 +34,13 @@ from patchgen.step_splitkv import patch_configs_for_decode
 WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
 
 _TMA_DOC_EDITS = (
-    ("class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the\n"
-     "driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa, paged KV,\n"
-     "learnable sink, block sparsity. `unsupported_reason(statics)` states the rule for the driver.\n",
-     "class, through `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the\n"
-     "interface gives these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa, paged KV,\n"
-     "learnable sink, block sparsity.\n"),
+    ("`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these\n"
+     "to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of\n"
+     "qhead_per_kvhead, paged KV, learnable sink, block sparsity. `unsupported_reason(statics)` states\n"
+     "the rule for the driver.\n",
+     "`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the interface gives\n"
+     "these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a\n"
+     "multiple of qhead_per_kvhead, paged KV, learnable sink, block sparsity.\n"),
     ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
      "show an SM120-only hang, so the first runs on a real SM120 must use a timeout\n"
      "(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128\n"
@@ -117,7 +118,7 @@ def render_tma_module() -> str:
         text = rename(text, old, new, where=WHERE)
     text = text.replace("upstream's fwd ids", "FlashAttentionForwardSm80's ids")
     text = text.replace("(as upstream sm90)", "(as FlashAttentionForwardSm90)")
-    text = text.replace("upstream's SM80\nclass", "FlashAttentionForwardSm80").replace(
+    text = text.replace(
         "Same call convention as upstream's FlashAttentionForwardSm80.__call__.",
         "Same call convention as FlashAttentionForwardSm80.__call__.")
     check_no_package_refs(text, WHERE)
@@ -127,8 +128,13 @@ def render_tma_module() -> str:
 
 _CPASYNC_TABLE = (
     "\n\n# the table without the TMA family: calls that family does not take (varlen, paged, split, GQA\n"
-    "# packing, sinks, block sparsity) get the cp.async entry of the same key\n"
+    "# packing it cannot tile, sinks, block sparsity) get the cp.async entry of the same key\n"
     "SM120_FWD_TABLE_CPASYNC: tuple[TableEntry, ...] = tuple(e for e in SM120_FWD_TABLE if e.config.family == \"cpasync\")\n"
+    "\n\n"
+    "def sm120_tma_packs(qhead_per_kvhead: int) -> bool:\n"
+    "    \"\"\"Whether every TMA entry of the table can pack this many query heads per KV head: the family's\n"
+    "    Q/O TMA boxes hold whole head groups, so tile_m must be a multiple of qhead_per_kvhead.\"\"\"\n"
+    "    return all(e.config.tile_m % qhead_per_kvhead == 0 for e in SM120_FWD_TABLE if e.config.family == \"tma\")\n"
 )
 _TMA_ADAPTER_EDITS = (
     ("    max_seqlen_q: Optional[int] = None,\n) -> Sm120FwdConfig:\n",
@@ -161,7 +167,7 @@ _TMA_INTERFACE_EDITS = (
     (
         "import of the SM120 TMA kernel",
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n",
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n"
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_packs\n"
         "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n",
     ),
     (
@@ -195,13 +201,15 @@ _TMA_INTERFACE_EDITS = (
         "        arch=arch,\n",
         "            pack_gqa = False\n"
         "\n"
-        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without GQA packing, sinks, block\n"
-        "    # sparsity or broadcast (stride-0) q/k/v; the others get the table's cp.async entry\n"
+        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n"
+        "    # broadcast (stride-0) q/k/v, packing GQA heads when its tiles hold whole head groups; the\n"
+        "    # others get the table's cp.async entry\n"
         "    sm120_tma_ok = (\n"
         "        arch // 10 == 12\n"
         "        and q is not None and k is not None\n"
         "        and cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None\n"
-        "        and page_table is None and num_splits == 1 and not (pack_gqa and qhead_per_kvhead > 1)\n"
+        "        and page_table is None and num_splits == 1\n"
+        "        and (not pack_gqa or qhead_per_kvhead == 1 or sm120_tma_packs(qhead_per_kvhead))\n"
         "        and learnable_sink is None and block_sparse_tensors is None\n"
         "        and not any(any(get_broadcast_dims(t)) for t in (q, k, v))\n"
         "    )\n"
@@ -278,18 +286,18 @@ def step_sm120_tma(ctx: Context) -> str:
         "What changes:",
         [
             "flash_fwd_sm120_tma.py (new): FlashAttentionForwardSm120Tma, a subclass of the SM120 forward "
-            "with the same call convention; head dims 64/96/128 (equal), causal, local, GQA without "
-            "packing, softcap / score_mod, mask_mod, LSE. It refuses varlen, paged KV, packed GQA, sinks "
-            "and block sparsity with NotImplementedError.",
+            "with the same call convention; head dims 64/96/128 (equal), causal, local, GQA and MQA "
+            "(packed when tile_m is a multiple of the query heads per KV head: the Q/O TMA boxes then "
+            "hold whole head groups, through pack_gqa.make_packgqa_tiled_tma_atom), softcap / score_mod, "
+            "mask_mod, LSE. It refuses varlen, paged KV, other packed GQA ratios, sinks and block "
+            "sparsity with NotImplementedError.",
             "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
             "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
             "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
-            "interface.py: a call the family takes (dense, unsplit, unpaged, no GQA packing, no sink, no "
-            "block sparsity, no broadcast q/k/v) gets the table's entry, any other the cp.async entry of "
-            "the same key; the family joins the compile key. GQA calls keep the default of packing heads "
-            "and so get the cp.async entry unless pack_gqa=False is passed (flash_attn_sm120 unpacks them "
-            "for the TMA family instead; that choice is not measured separately, so the patch keeps the "
-            "default).",
+            "interface.py: a call the family takes (dense, unsplit, unpaged, no sink, no block sparsity, "
+            "no broadcast q/k/v, GQA packed only at ratios every TMA entry's tile_m is a multiple of: "
+            "sm120_tma_packs) gets the table's entry, any other the cp.async entry of the same key; the "
+            "family joins the compile key.",
         ],
         *measured,
         "Tested:",
