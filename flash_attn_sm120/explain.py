@@ -8,7 +8,7 @@ decision the drivers make for that call on an SM120 GPU with `num_sms` SMs:
     split or decode-shaped calls);
   * the kernel family and config (warps, tile, stages, Q in registers), whether the decode table
     chose it, and, when the table's first choice cannot take the call (the TMA family refuses
-    varlen, GQA packing, ...), why it fell back;
+    varlen, a GQA ratio it cannot pack, ...), why it fell back;
   * the split count, the key blocks per split and the CTAs of the grid;
   * shared memory per CTA and CTAs per SM on SM120 (hardware.py's occupancy model).
 

@@ -389,7 +389,7 @@ def stage_write(out: Path, toml_path: Path, command: str) -> None:
     shippable = shippable_from_prune(out)
     winners = pick_winners(rows, shippable)
     # a group won by another family also lists its best cp.async config, which the dispatcher uses
-    # for the calls that family refuses (varlen, GQA packing, other head dims)
+    # for the calls that family refuses (varlen, GQA ratios it cannot pack, other head dims)
     cpasync = pick_winners([r for r in rows if r["config"].get("family", "cpasync") == "cpasync"], shippable)
     old_text = toml_path.read_text()
     entries = {}
