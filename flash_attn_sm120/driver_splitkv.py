@@ -84,21 +84,24 @@ class SplitPlan:
 def kernel_config(
     config: FwdConfig, head_dim: int, head_dim_v: int, causal: bool = False, local: bool = False
 ) -> FwdConfig:
-    """`config`'s tiles on the splitkv family; else the decode table's `[[prefill]]` entry of the same
-    (bucket, mask); else the forward table's cp.async entry of that key (the dense driver's fallback);
-    else upstream's tile, then fixed fallbacks.
+    """`config`'s tiles on the splitkv family unless it is a TMA-family config; else the decode
+    table's `[[prefill]]` entry of the same (bucket, mask); else the forward table's cp.async entry of
+    that key (the dense driver's fallback); else upstream's tile, then fixed fallbacks.
 
-    The table's TMA entries (causal d64 / d128) cannot run in this family. Upstream's tile, used
-    before, spills here on sm_120a (200 / 80 B of stack); the `[[prefill]]` entries are the fastest
-    spill-free tiles measured on paged prefill (configs/measurements/2026-11-29_paged_prefill_emulated.md),
-    and every key's choice compiles spill-free (tests/test_splitkv_cpu.py).
+    A TMA config's tiles were measured on the TMA kernel, not on this cp.async mainloop with page
+    gathers: some are slow here (d96 causal 8w 256x64 s2: 1.25x dense) and one computed wrong results
+    (8w 256x48 s1, paged, d128; configs/measurements/2026-11-29_paged_prefill_emulated.md), so they
+    are never reused. Upstream's tile spills here on sm_120a at causal d64 / d96 / d128. The
+    `[[prefill]]` entries are the fastest spill-free tiles measured on paged prefill, and every key's
+    choice compiles spill-free (tests/test_splitkv_cpu.py).
     """
+    own = None if config.family == "tma" else config
     prefill = select_prefill_config(load_prefill_table(), head_dim, head_dim_v, causal, local)
     try:
         cpasync = select_fwd_config(family_entries("cpasync"), head_dim, head_dim_v, causal, local)
     except ValueError:  # no cp.async entry fits these head dims
         cpasync = None
-    candidates = (config, prefill, cpasync, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS
+    candidates = (own, prefill, cpasync, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS
     for cfg in (c for c in candidates if c is not None):
         candidate = replace(cfg, family=DECODE_FAMILY)
         if candidate.error(head_dim, head_dim_v) is None:

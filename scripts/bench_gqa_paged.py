@@ -6,10 +6,10 @@ Two tables, each against references timed in the same run:
          into its M tile (pack_gqa=True) vs unpacked (pack_gqa=False), the table's cp.async entry
          packed (what explicit pack_gqa=True ran before the TMA family packed), and upstream's SM120
          path (its own tile, packed as upstream defaults).
-  paged  causal prefill over 64-token pages (b4 s4096 32:8) at d64 and d128: the dense call (the
-         table), and the paged call with what driver_splitkv.kernel_config chooses, with upstream's
-         tile (kernel_config's choice before it fell back to the cp.async entry; spills on sm_120a),
-         and with 4 warps 64x64 without Q in registers (the fuzz suite's splitkv path).
+  paged  prefill over 64-token pages (b4 s4096 32:8; default causal d64 and d128, --paged-keys):
+         the dense call (the table), and the paged call with what driver_splitkv.kernel_config
+         chooses, with upstream's tile (spills on sm_120a at causal d64/d128), with 4 warps 64x64
+         without Q in registers (the fuzz suite's splitkv path) and with the table's cp.async entry.
 
 Every timed call is first checked against the fp32 reference (output poisoned with NaN). On a
 non-SM120 GPU it runs in SM120 emulation; say so when quoting the numbers.
@@ -60,8 +60,8 @@ def _check(out, x, causal: bool, where: str) -> None:
     assert err <= 2 * low_err + 1e-3, (where, err, low_err)
 
 
-def _dense(x, emulate, config, pack_gqa, out):
-    return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=True, window_size_left=None,
+def _dense(x, emulate, config, pack_gqa, out, causal=True):
+    return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=causal, window_size_left=None,
                           window_size_right=None, softcap=None, pack_gqa=pack_gqa, need_lse=False,
                           emulate_host_smem=emulate, out=out, config=config)
 
@@ -72,7 +72,7 @@ def _timed(name, fn, sets, p, rows, extra):
     try:
         fn(sets[0], out)
         torch.cuda.synchronize()
-        _check(out, sets[0], True, f"{name} {p.name}")
+        _check(out, sets[0], p.causal, f"{name} {p.name}")
     except (AssertionError, NotImplementedError, ValueError) as e:  # a wrong kernel is reported, never timed
         rows.append(dict(problem=p.name, variant=name, error=str(e)[:500], **extra))
         print(f"{p.name:28s} {name:34s} FAILED: {str(e)[:300]}", flush=True)
@@ -120,35 +120,37 @@ def _paged_copy(k, v, page_size, gen):
     return pool_k, pool_v, table
 
 
-def _paged(x, emulate, config, out):
+def _paged(x, emulate, config, out, causal=True):
     return driver_splitkv.forward(
-        x["q"], x["pk"], x["pv"], page_table=x["pt"], num_splits=1, softmax_scale=None, causal=True,
+        x["q"], x["pk"], x["pv"], page_table=x["pt"], num_splits=1, softmax_scale=None, causal=causal,
         window_size_left=None, window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
         emulate_host_smem=emulate, config=config, out=out,
     )
 
 
-def run_paged(emulate, candidates: bool = False) -> list:
+def run_paged(emulate, candidates: bool = False, keys=((128, True), (64, True))) -> list:
     rows = []
     gen = torch.Generator().manual_seed(1)
-    for d in (128, 64):
-        p = bench.Problem(4, 4096, 4096, 32, 8, d, causal=True, tag="paged")
+    for d, causal in keys:
+        p = bench.Problem(4, 4096, 4096, 32, 8, d, causal=causal, tag="paged")
         sets = [bench.make_inputs(p, seed=i) for i in range(bench.rotations_for(p))]
         for x in sets:
             x["pk"], x["pv"], x["pt"] = _paged_copy(x["k"], x["v"], PAGE_SIZE, gen)
-        table_first = select_fwd_config(load_fwd_table(), d, d, True, False)
-        chosen = driver_splitkv.kernel_config(table_first, d, d, True, False)
-        dense = _timed("dense (table)", lambda x, o: _dense(x, emulate, None, None, o), sets, p, rows,
+        table_first = select_fwd_config(load_fwd_table(), d, d, causal, False)
+        chosen = driver_splitkv.kernel_config(table_first, d, d, causal, False)
+        cpasync = select_fwd_config(family_entries("cpasync"), d, d, causal, False)
+        dense = _timed("dense (table)", lambda x, o: _dense(x, emulate, None, None, o, causal), sets, p, rows,
                        dict(table="paged", config=table_first.name))
         variants = [
             (f"paged{PAGE_SIZE} kernel_config: {chosen.name}", None),
             (f"paged{PAGE_SIZE} upstream tile {upstream_fwd_config(d).name}", upstream_fwd_config(d)),
             (f"paged{PAGE_SIZE} 4w 64x64 s1", FwdConfig(128, 64, 64, 1)),
+            (f"paged{PAGE_SIZE} cp.async entry {cpasync.name}", cpasync),
         ]
-        if candidates:
+        if candidates and causal and d in PAGED_CANDIDATES:
             variants += [(f"paged{PAGE_SIZE} {FwdConfig(*c).name}", FwdConfig(*c)) for c in PAGED_CANDIDATES[d]]
         for name, cfg in variants:
-            t = _timed(name, lambda x, o, c=cfg: _paged(x, emulate, c, o), sets, p, rows,
+            t = _timed(name, lambda x, o, c=cfg: _paged(x, emulate, c, o, causal), sets, p, rows,
                        dict(table="paged", config=(cfg or chosen).name))
             rows[-1]["paged_over_dense"] = t / dense
             print(f"{p.name:28s} {name}: paged / dense time = {t / dense:.3f}", flush=True)
@@ -162,6 +164,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", choices=("gqa", "paged"), default=None)
     ap.add_argument("--paged-candidates", action="store_true", help="also time PAGED_CANDIDATES in the paged table")
+    ap.add_argument("--paged-keys", default="128:causal,64:causal",
+                    help="head_dim:mask pairs of the paged table (mask: causal or none)")
     args = ap.parse_args()
     info = device_info()
     if not info.uses_sm120_kernels:
@@ -172,7 +176,8 @@ def main() -> None:
     if args.only in (None, "gqa"):
         rows += run_gqa(info.emulate_host_smem)
     if args.only in (None, "paged"):
-        rows += run_paged(info.emulate_host_smem, args.paged_candidates)
+        keys = [(int(d), m == "causal") for d, m in (k.split(":") for k in args.paged_keys.split(","))]
+        rows += run_paged(info.emulate_host_smem, args.paged_candidates, keys)
     if args.json:
         args.json.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), mode=mode, rows=rows), indent=1))
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from flash_attn_sm120.config import load_fwd_table, select_fwd_config
+
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "upstream_patches"
 
@@ -535,6 +537,8 @@ for e in configs.SM120_FWD_TABLE:
     ]
     out["tiles"][f"{e.head_dim}/{e.mask}/tma"] = [cfg.tile_m, cfg.tile_n]
 out["packs"] = {r: configs.sm120_tma_packs(r) for r in (1, 2, 3, 4, 6, 8, 16)}
+out["fp16_ok"] = {f"{e.head_dim}/{e.mask}": configs.sm120_tma_fp16_ok(e.head_dim, e.head_dim, e.mask == "causal", False)
+                  for e in configs.SM120_FWD_TABLE if e.config.family == "tma"}
 out["tma_tile_m"] = sorted({e.config.tile_m for e in configs.SM120_FWD_TABLE if e.config.family == "tma"})
 print("RESULT " + json.dumps(out))
 """
@@ -560,6 +564,14 @@ def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp
     for ratio, packs in result["packs"].items():
         assert packs == all(m % int(ratio) == 0 for m in result["tma_tile_m"]), (ratio, packs, result["tma_tile_m"])
     assert result["packs"]["4"] and not result["packs"]["3"]
+    # float16 only where the key's TMA entry does not spill in float16 (the package's fp16_register_error)
+    from flash_attn_sm120.kernels.fwd_tma import fp16_register_error
+
+    for key, ok in result["fp16_ok"].items():
+        d, mask = int(key.split("/")[0]), key.split("/")[1]
+        first = select_fwd_config(tuple(table), d, d, mask == "causal", False)
+        want = first.family != "tma" or fp16_register_error(d, first.tile_m, first.tile_n, first.num_threads) is None
+        assert ok == want, (key, ok, first)
 
 
 def test_tma_module_is_lifted_without_package_parts():
@@ -598,6 +610,10 @@ CASES = [
      dict(seqlens_q=(333,) * 2, seqlens_k=(1000,) * 2, nheads_kv=2)),
     ("GQA 3:1 causal d128, packed by default: the cp.async entry", dict(mask="causal", qhead_per_kvhead=3),
      dict(seqlens_q=(333,) * 2, seqlens_k=(333,) * 2, nheads_kv=2)),
+    ("bf16 d128 non-causal: the table's first entry", dict(mask="none", return_lse=True),
+     dict(seqlens_q=(1000,) * 2, seqlens_k=(777,) * 2, nheads_kv=2)),
+    ("fp16 d128 non-causal: not a TMA tile that spills in fp16", dict(dtype="float16", mask="none"),
+     dict(seqlens_q=(1000,) * 2, seqlens_k=(777,) * 2, nheads_kv=2)),
 ]
 out = []
 for name, case_kw, problem_kw in CASES:
@@ -628,9 +644,16 @@ def test_patched_upstream_tma_forward_matches_reference(tmp_path):
     class (GQA 4:1 packed), varlen and GQA 3:1 packed calls the cp.async class, all against the fp32
     reference with poisoned outputs."""
     results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
-    dense, varlen, packed, odd = results
+    dense, varlen, packed, odd, bf16_none, fp16_none = results
     assert all(r["error"] is None for r in results), results
     assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
     assert varlen["built"][-1] == "FlashAttentionForwardSm120", varlen
     assert packed["built"][-1] == "FlashAttentionForwardSm120Tma", packed
     assert odd["built"][-1] == "FlashAttentionForwardSm120", odd
+    from flash_attn_sm120.kernels.fwd_tma import fp16_register_error
+
+    first = select_fwd_config(load_fwd_table(), 128, 128, False, False)
+    if first.family == "tma":
+        assert bf16_none["built"][-1] == "FlashAttentionForwardSm120Tma", bf16_none
+        fp16_tma = fp16_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
+        assert fp16_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if fp16_tma else "FlashAttentionForwardSm120"), fp16_none

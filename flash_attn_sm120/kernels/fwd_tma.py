@@ -22,9 +22,11 @@ Pipeline (one CTA = one (m_block, head, batch) tile; mbarriers through cutlass' 
              epilogue: O /= rowsum, O -> smem (stmatrix, reusing sQ) -> one TMA store; LSE from
              registers. TMA clips the last tile's rows, so rows past seqlen_q are never written.
 
-K and V have separate full/empty mbarrier rings of `num_stages` (>= 2) slots, so the producer runs
-up to `num_stages` blocks ahead and a K slot is refilled while the same block's PV product still
-reads its V slot. Rows past seqlen_k arrive zero-filled from TMA and are masked to -inf. A
+K and V have separate full/empty mbarrier rings of `num_stages` (1 to 4) slots, so the producer
+runs up to `num_stages` blocks ahead and a K slot is refilled while the same block's PV product
+still reads its V slot. With one slot each the two rings still alternate: K_{j+1} lands behind
+block j's softmax and PV, V_{j+1} behind block j+1's QK^T (cp.async's one-stage schedule); that
+frees the shared memory for wider tiles (256x48 at d=128). Rows past seqlen_k arrive zero-filled from TMA and are masked to -inf. A
 consumer fences the async proxy (`fence.proxy.async.shared::cta`) before it releases a slot that
 it read with ldmatrix, so the next TMA write into that slot cannot overtake those generic-proxy
 reads.
@@ -53,7 +55,8 @@ at position r // qhead_per_kvhead. Q and O keep their TMA boxes: `make_packgqa_t
 tile_m / qhead_per_kvhead) of it, so tile_m must be a multiple of qhead_per_kvhead; the masks,
 block ranges and score_mod/mask_mod take packed rows through qhead_per_kvhead_packgqa.
 
-Supported: fp16/bf16, head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
+Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 32 keys, which spill:
+`fp16_register_error`), head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
 `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these
 to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of
@@ -128,6 +131,7 @@ PROPOSED_CONFIGS: dict[int, tuple] = {
         ((256, 128, 64, 2, False), ALL_MASKS),
         ((256, 128, 64, 2, True), ("none", "causal")),  # bf16 local spills with Q in registers
         ((256, 256, 32, 2, False), ("none",)),  # R=2
+        ((256, 256, 48, 1, False), ("none", "causal")),  # R=2, one K and one V slot: 48 keys fit 99 KB; bf16 only
         ((128, 128, 32, 2, False), ALL_MASKS),  # R=2, 4 warps
     ),
     96: (
@@ -236,11 +240,25 @@ def tma_config_error(
         return f"tile_m={tile_m} must be at most 256 (TMA box limit)"
     if tile_n <= 0 or tile_n % 16 or tile_n > 256:
         return f"tile_n={tile_n} must be a multiple of 16 in [16, 256]"
-    if not 2 <= num_stages <= 4:
-        return f"num_stages={num_stages}: the K/V ring needs 2 to 4 stages"
+    if not 1 <= num_stages <= 4:
+        return f"num_stages={num_stages}: the K and V rings take 1 to 4 stages"
     smem = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages) + hardware.DSL_STATIC_SMEM
     if smem > hardware.SMEM_PER_BLOCK_MAX:
         return f"needs {smem} B of shared memory, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
+    return None
+
+
+def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
+    """Why fp16 cannot run this tile without spills, or None. fp16 takes more registers than bf16 in
+    this kernel: at d=128, warps of 32 rows with more than 32 keys per block spill on sm_120a in fp16
+    (256x48: 128 B of stack) while bf16 fits the 240-register budget (tests/test_fwd_tma_codegen.py
+    compiles both dtypes against this rule)."""
+    rows_per_warp = tile_m // (num_threads // 32)
+    if head_dim > 96 and rows_per_warp == 32 and tile_n > 32:
+        return (
+            f"float16 at head_dim={head_dim} with {rows_per_warp} rows per warp and tile_n={tile_n} > 32 "
+            "spills on sm_120a in the TMA family (bfloat16 does not)"
+        )
     return None
 
 
@@ -267,6 +285,10 @@ def unsupported_reason(statics) -> Optional[str]:
         return err
     if statics.dtype not in ("float16", "bfloat16"):
         return f"dtype {statics.dtype} (float16 / bfloat16 only)"
+    if statics.dtype == "float16":
+        err = fp16_register_error(max(statics.head_dim, statics.head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads)
+        if err is not None:
+            return err
     varlen = [
         name
         for name, flag in (

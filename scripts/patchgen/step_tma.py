@@ -131,6 +131,16 @@ _CPASYNC_TABLE = (
     "# packing it cannot tile, sinks, block sparsity) get the cp.async entry of the same key\n"
     "SM120_FWD_TABLE_CPASYNC: tuple[TableEntry, ...] = tuple(e for e in SM120_FWD_TABLE if e.config.family == \"cpasync\")\n"
     "\n\n"
+    "def sm120_tma_fp16_ok(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> bool:\n"
+    "    \"\"\"Whether the table's choice for these head dims and mask, if a TMA entry, runs float16 without\n"
+    "    spills (flash_fwd_sm120_tma.fp16_register_error); if not, float16 calls get the cp.async entry.\"\"\"\n"
+    "    from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error\n"
+    "\n"
+    "    cfg = select_fwd_config(SM120_FWD_TABLE, head_dim, head_dim_v, causal, local)\n"
+    "    return cfg.family != \"tma\" or fp16_register_error(\n"
+    "        max(head_dim, head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads\n"
+    "    ) is None\n"
+    "\n\n"
     "def sm120_tma_packs(qhead_per_kvhead: int) -> bool:\n"
     "    \"\"\"Whether every TMA entry of the table can pack this many query heads per KV head: the family's\n"
     "    Q/O TMA boxes hold whole head groups, so tile_m must be a multiple of qhead_per_kvhead.\"\"\"\n"
@@ -167,7 +177,7 @@ _TMA_INTERFACE_EDITS = (
     (
         "import of the SM120 TMA kernel",
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n",
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_packs\n"
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n"
         "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n",
     ),
     (
@@ -202,14 +212,15 @@ _TMA_INTERFACE_EDITS = (
         "            pack_gqa = False\n"
         "\n"
         "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n"
-        "    # broadcast (stride-0) q/k/v, packing GQA heads when its tiles hold whole head groups; the\n"
-        "    # others get the table's cp.async entry\n"
+        "    # broadcast (stride-0) q/k/v, packing GQA heads when its tiles hold whole head groups, and\n"
+        "    # float16 where its tile does not spill in float16; the others get the table's cp.async entry\n"
         "    sm120_tma_ok = (\n"
         "        arch // 10 == 12\n"
         "        and q is not None and k is not None\n"
         "        and cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None\n"
         "        and page_table is None and num_splits == 1\n"
         "        and (not pack_gqa or qhead_per_kvhead == 1 or sm120_tma_packs(qhead_per_kvhead))\n"
+        "        and (q.dtype != torch.float16 or sm120_tma_fp16_ok(head_dim, head_dim_v, causal, local))\n"
         "        and learnable_sink is None and block_sparse_tensors is None\n"
         "        and not any(any(get_broadcast_dims(t)) for t in (q, k, v))\n"
         "    )\n"
@@ -290,13 +301,14 @@ def step_sm120_tma(ctx: Context) -> str:
             "(packed when tile_m is a multiple of the query heads per KV head: the Q/O TMA boxes then "
             "hold whole head groups, through pack_gqa.make_packgqa_tiled_tma_atom), softcap / score_mod, "
             "mask_mod, LSE. It refuses varlen, paged KV, other packed GQA ratios, sinks and block "
-            "sparsity with NotImplementedError.",
+            "sparsity with NotImplementedError. One or more K/V slots (one frees the shared memory for "
+            "256x48 tiles at d=128); float16 is refused where it spills (fp16_register_error).",
             "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
             "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
             "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
             "interface.py: a call the family takes (dense, unsplit, unpaged, no sink, no block sparsity, "
             "no broadcast q/k/v, GQA packed only at ratios every TMA entry's tile_m is a multiple of: "
-            "sm120_tma_packs) gets the table's entry, any other the cp.async entry of the same key; the "
+            "sm120_tma_packs; float16 only where the entry does not spill: sm120_tma_fp16_ok) gets the table's entry, any other the cp.async entry of the same key; the "
             "family joins the compile key.",
         ],
         *measured,
