@@ -55,7 +55,7 @@ from flash_attn_sm120.decode import (
     select_prefill_config,
 )
 from flash_attn_sm120.driver import FwdStatics, build_statics
-from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
+from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV, paged_tile_error
 
 
 @dataclass(frozen=True)
@@ -320,6 +320,10 @@ def make_call_plan(
                         compile_key=None)
 
     kcfg = kernel_config(p.config, head_dim, head_dim_v, causal_r, local)
+    if page_table is not None:
+        err = paged_tile_error(kcfg.num_threads, kcfg.tile_n)
+        if err is not None:  # only a forced config gets here: no table choice breaks the rule (CPU-tested)
+            raise NotImplementedError(f"SM120 paged forward, config {kcfg.name}: {err}")
     is_split = p.num_splits > 1
     statics = SplitKVStatics(
         build_statics(

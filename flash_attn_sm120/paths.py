@@ -181,8 +181,18 @@ def table_paths(table: Iterable[TableEntry]) -> tuple[KernelPath, ...]:
         limits = dict(FAMILY_LIMITS.get(e.config.family, {}))
         family_dims = limits.pop("head_dims", ALL_HEAD_DIMS)
         dims = tuple(d for d in _bucket_dims(e.head_dim) if d in family_dims)
+        if e.config.family == "tma" and _tma_fp16_refused(e.config, dims):
+            limits["dtypes"] = ("bfloat16",)  # the driver gives fp16 the cp.async entry (its own path)
         paths.append(KernelPath(name, e.config.family, e.config, Supports(head_dims=dims, **limits)))
     return tuple(paths)
+
+
+def _tma_fp16_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
+    """Whether the TMA family refuses float16 for this config at any of `dims` (fwd_tma.fp16_register_error):
+    a forced config raises there, so such a path draws bfloat16 only."""
+    from flash_attn_sm120.kernels.fwd_tma import fp16_register_error  # lazy: imports the DSL
+
+    return any(fp16_register_error(d, config.tile_m, config.tile_n, config.num_threads) for d in dims)
 
 
 def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:

@@ -152,6 +152,19 @@ def test_fp16_rule_routes_wide_32_row_tiles_at_d128():
     assert unsupported_reason(_statics(FwdConfig(256, 256, 64, 2, family="tma"), d=96, dtype="float16")) is None
 
 
+def test_table_paths_of_fp16_refusing_tma_entries_draw_bf16_only():
+    """A forced TMA config raises for float16 where the family refuses it, so the fuzz / sanitizer path
+    of such a table entry draws bfloat16 only (float16 calls run the entry after it)."""
+    from flash_attn_sm120.paths import kernel_paths
+
+    tma_paths = [p for p in kernel_paths() if p.family == "tma" and isinstance(p.config, FwdConfig)]
+    assert tma_paths
+    for p in tma_paths:
+        refused = any(fwd_tma.fp16_register_error(d, p.config.tile_m, p.config.tile_n, p.config.num_threads)
+                      for d in p.head_dims())
+        assert ("float16" not in p.supports.dtypes) == refused, (p.name, p.supports.dtypes)
+
+
 def test_constructor_packs_gqa_only_in_whole_head_groups():
     with pytest.raises(NotImplementedError, match="multiple of 3"):
         FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, 128, 3, pack_gqa=True)

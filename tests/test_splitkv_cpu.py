@@ -562,3 +562,16 @@ def test_prefill_entries_are_validated_and_selected_per_key():
     assert {(e.head_dim, e.mask) for e in shipped} == {(64, "causal"), (96, "causal"), (128, "causal")}
     for e in shipped:
         assert e.provenance["mode"] == "emulated" and "paged_prefill" in e.provenance["result"]
+
+
+def test_paged_tiles_measured_wrong_are_refused_and_never_chosen():
+    from flash_attn_sm120.kernels.fwd_splitkv import paged_tile_error
+
+    assert "multiple of 32" in paged_tile_error(256, 48)
+    for ok in ((256, 32), (256, 64), (128, 48), (128, 80), (128, 64)):
+        assert paged_tile_error(*ok) is None, ok
+    chosen = [driver_splitkv.kernel_config(select_fwd_config(load_fwd_table(), d, d, c, lo), d, d, c, lo)
+              for d in (64, 96, 128, 192, 256) for c, lo in ((False, False), (True, False), (False, True))]
+    chosen += [e.config for e in load_decode_table()]
+    for cfg in chosen:
+        assert paged_tile_error(cfg.num_threads, cfg.tile_n) is None, cfg
