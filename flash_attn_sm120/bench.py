@@ -277,6 +277,22 @@ def write_pages(pool, dense, page_table) -> None:
     pool[page_table.reshape(-1).long()] = rows.reshape(b * pages, page_size, *dense.shape[2:])
 
 
+def paged_copy(k, v, page_size: int, generator):
+    """Page pools holding k, v (b, s, hk, d) in shuffled pages, and the page table (b, pages) on k's
+    device; the last page's tail is zeros (write_pages). `generator`: a CPU torch.Generator."""
+    import torch
+
+    b, s = k.shape[:2]
+    pages = -(-s // page_size)
+    perm = torch.randperm(b * pages, generator=generator, device="cpu").to(torch.int32).to(k.device)
+    table = perm.view(b, pages).contiguous()
+    pool_k = torch.empty(b * pages, page_size, *k.shape[2:], dtype=k.dtype, device=k.device)
+    pool_v = torch.empty(b * pages, page_size, *v.shape[2:], dtype=v.dtype, device=v.device)
+    write_pages(pool_k, k, table)
+    write_pages(pool_v, v, table)
+    return pool_k, pool_v, table
+
+
 def time_cuda(fn: Callable[[int], object], rotations: int = 3, warmup: int = 3, reps: int = 30) -> Timing:
     """Median time of fn(i) with CUDA events; i cycles over `rotations` input sets.
 

@@ -101,19 +101,6 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     return 2 * nbytes / (t.median_ms * 1e-3)
 
 
-def _paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
-    """Page pools holding k, v (b, s, hk, d) in shuffled pages, and the page table."""
-    b, s = k.shape[:2]
-    pages = -(-s // page_size)
-    perm = torch.randperm(b * pages, generator=gen, device="cpu").to(torch.int32).cuda()
-    table = perm.view(b, pages).contiguous()
-    pool_k = torch.empty(b * pages, page_size, *k.shape[2:], dtype=k.dtype, device=k.device)
-    pool_v = torch.empty_like(pool_k)
-    bench.write_pages(pool_k, k, table)
-    bench.write_pages(pool_v, v, table)
-    return pool_k, pool_v, table
-
-
 def _call_ours(x, emulate, num_splits=0, config=None):
     return driver_splitkv.forward(
         x["q"], x["k"], x["v"], page_table=x.get("page_table"), num_splits=num_splits, softmax_scale=None,
@@ -179,7 +166,7 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
             variants["ours-api"] = lambda i: _call_api(sets[i])
             paged = []
             for x in sets:
-                pk, pv, pt = _paged_copy(x["k"], x["v"], page_size, gen)
+                pk, pv, pt = bench.paged_copy(x["k"], x["v"], page_size, gen)
                 paged.append(dict(q=x["q"], k=pk, v=pv, page_table=pt))
             variants[f"ours-paged{page_size}"] = lambda i: _call_ours(paged[i], emulate)
         plan = driver_splitkv.plan(
@@ -238,7 +225,7 @@ def run_paged_prefill(label, emulate, page_sizes):
     for ps in page_sizes:
         paged = []
         for x in sets:
-            pk, pv, pt = _paged_copy(x["k"], x["v"], ps, gen)
+            pk, pv, pt = bench.paged_copy(x["k"], x["v"], ps, gen)
             paged.append(dict(q=x["q"], k=pk, v=pv, page_table=pt, causal=True))
         t = timed(lambda i: _call_ours(paged[i], emulate, num_splits=1), rot)
         print(f"[{label}] prefill {p.name} paged{ps:<4}      {t.median_ms:8.3f} ms "

@@ -109,17 +109,6 @@ def run_gqa(emulate) -> list:
     return rows
 
 
-def _paged_copy(k, v, page_size, gen):
-    b, s = k.shape[:2]
-    pages = -(-s // page_size)
-    table = torch.randperm(b * pages, generator=gen).to(torch.int32).cuda().view(b, pages).contiguous()
-    pool_k = torch.empty(b * pages, page_size, *k.shape[2:], dtype=k.dtype, device=k.device)
-    pool_v = torch.empty_like(pool_k)
-    bench.write_pages(pool_k, k, table)
-    bench.write_pages(pool_v, v, table)
-    return pool_k, pool_v, table
-
-
 def _paged(x, emulate, config, out, causal=True):
     return driver_splitkv.forward(
         x["q"], x["pk"], x["pv"], page_table=x["pt"], num_splits=1, softmax_scale=None, causal=causal,
@@ -135,7 +124,7 @@ def run_paged(emulate, candidates: bool = False, keys=((128, True), (64, True)))
         p = bench.Problem(4, 4096, 4096, 32, 8, d, causal=causal, tag="paged")
         sets = [bench.make_inputs(p, seed=i) for i in range(bench.rotations_for(p))]
         for x in sets:
-            x["pk"], x["pv"], x["pt"] = _paged_copy(x["k"], x["v"], PAGE_SIZE, gen)
+            x["pk"], x["pv"], x["pt"] = bench.paged_copy(x["k"], x["v"], PAGE_SIZE, gen)
         table_first = select_fwd_config(load_fwd_table(), d, d, causal, False)
         chosen = driver_splitkv.kernel_config(table_first, d, d, causal, False)
         cpasync = select_fwd_config(family_entries("cpasync"), d, d, causal, False)
@@ -167,6 +156,8 @@ def main() -> None:
     ap.add_argument("--paged-keys", default="128:causal,64:causal",
                     help="head_dim:mask pairs of the paged table (mask: causal or none)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (an SM120, or SM80+ with FLASH_ATTN_SM120_EMULATE=1)")
     info = device_info()
     if not info.uses_sm120_kernels:
         sys.exit("needs an SM120 GPU, or FLASH_ATTN_SM120_EMULATE=1 on another GPU (SM80+)")

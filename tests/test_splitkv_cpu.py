@@ -495,6 +495,21 @@ def test_write_pages_round_trips_through_a_shuffled_table():
     assert torch.isnan(pool[unused]).all()
 
 
+def test_paged_copy_holds_the_dense_rows_in_shuffled_pages():
+    """bench.paged_copy (the paged benchmarks' inputs): a permutation of pages holding k and v."""
+    from flash_attn_sm120.bench import paged_copy
+
+    torch.manual_seed(1)
+    k, v = torch.randn(3, 100, 2, 16), torch.randn(3, 100, 2, 32)
+    pk, pv, table = paged_copy(k, v, 32, torch.Generator().manual_seed(5))
+    assert table.shape == (3, 4) and table.dtype == torch.int32
+    assert sorted(table.view(-1).tolist()) == list(range(12))
+    assert pk.shape == (12, 32, 2, 16) and pv.shape == (12, 32, 2, 32)
+    for i in range(3):
+        assert torch.equal(pk[table[i].long()].reshape(-1, 2, 16)[:100], k[i])
+        assert torch.equal(pv[table[i].long()].reshape(-1, 2, 32)[:100], v[i])
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("num_splits", [2, 5, 33, 128])
 @pytest.mark.parametrize("varlen,seqused,with_lse", [(False, False, False), (False, True, True), (True, False, True), (True, True, False)])
