@@ -114,7 +114,9 @@ def parse_prefill_table(data: dict) -> list[TableEntry]:
     entries = parse_fwd_table({"schema": data.get("schema"), "fwd": data.get("prefill", [])})
     for e in entries:
         if e.config.family != DECODE_FAMILY:
-            raise ValueError(f"prefill entry ({e.head_dim}, {e.mask}): family must be {DECODE_FAMILY!r}, got {e.config.family!r}")
+            raise ValueError(
+                f"prefill entry ({e.head_dim}, {e.mask}): family must be {DECODE_FAMILY!r}, got {e.config.family!r}"
+            )
     return entries
 
 

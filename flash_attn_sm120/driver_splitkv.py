@@ -82,7 +82,8 @@ class SplitPlan:
 
 @lru_cache(maxsize=1024)  # pure; saves the feasibility checks on every call
 def kernel_config(
-    config: FwdConfig, head_dim: int, head_dim_v: int, causal: bool = False, local: bool = False
+    config: FwdConfig, head_dim: int, head_dim_v: int, causal: bool = False, local: bool = False,
+    paged: bool = False,
 ) -> FwdConfig:
     """`config`'s tiles on the splitkv family unless it is a TMA-family config; else the decode
     table's `[[prefill]]` entry of the same (bucket, mask); else the forward table's cp.async entry of
@@ -93,7 +94,8 @@ def kernel_config(
     (8w 256x48 s1, paged, d128; configs/measurements/2026-11-29_paged_prefill_emulated.md), so they
     are never reused. Upstream's tile spills here on sm_120a at causal d64 / d96 / d128. The
     `[[prefill]]` entries are the fastest spill-free tiles measured on paged prefill, and every key's
-    choice compiles spill-free (tests/test_splitkv_cpu.py).
+    choice compiles spill-free (tests/test_splitkv_cpu.py). Paged, a candidate must also be a tile the
+    page gathers can fill (`paged_tile_error`: e.g. tile_n 48 at d=112 is not).
     """
     own = None if config.family == "tma" else config
     prefill = select_prefill_config(load_prefill_table(), head_dim, head_dim_v, causal, local)
@@ -104,7 +106,9 @@ def kernel_config(
     candidates = (own, prefill, cpasync, upstream_fwd_config(max(head_dim, head_dim_v))) + _FALLBACKS
     for cfg in (c for c in candidates if c is not None):
         candidate = replace(cfg, family=DECODE_FAMILY)
-        if candidate.error(head_dim, head_dim_v) is None:
+        if candidate.error(head_dim, head_dim_v) is None and not (
+            paged and paged_tile_error(cfg.num_threads, cfg.tile_n, head_dim, head_dim_v)
+        ):
             return candidate
     raise ValueError(f"no SM120 splitkv config fits head dims ({head_dim}, {head_dim_v})")
 
@@ -126,6 +130,7 @@ def plan(
     num_splits: int,
     num_sms: int,
     config: Optional[FwdConfig] = None,
+    paged: bool = False,
 ) -> SplitPlan:
     """Config and split count for a call (pure: tables, the occupancy model, splitkv's chooser)."""
     decode = is_decode(max_seqlen_q)
@@ -135,7 +140,7 @@ def plan(
         config = select_decode_config(load_decode_table(), head_dim, head_dim_v)
     if config is None:
         config = select_fwd_config(load_fwd_table(), head_dim, head_dim_v, causal, local)
-    kcfg = kernel_config(config, head_dim, head_dim_v, causal, local)
+    kcfg = kernel_config(config, head_dim, head_dim_v, causal, local, paged)
     smem = kcfg.smem_bytes(head_dim, head_dim_v) + hardware.DSL_STATIC_SMEM
     ctas_per_sm = hardware.sm120_occupancy(smem, kcfg.num_threads).ctas_per_sm
     n_blocks = splitkv.num_n_blocks(
@@ -308,7 +313,7 @@ def make_call_plan(
         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal_r, local=local, window_size_left=left,
         window_size_right=right, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads=num_heads,
         num_heads_kv=num_heads_kv, pack_gqa=pack, num_splits=num_splits, num_sms=num_sms or info.num_sms,
-        config=config,
+        config=config, paged=page_table is not None,
     )
     score_mod = driver.softcap_score_mod(softcap, score_mod)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -319,10 +324,10 @@ def make_call_plan(
         return CallPlan(**common, to_driver=True, driver_config=cfg if (p.decode or config is not None) else None,
                         compile_key=None)
 
-    kcfg = kernel_config(p.config, head_dim, head_dim_v, causal_r, local)
+    kcfg = kernel_config(p.config, head_dim, head_dim_v, causal_r, local, page_table is not None)
     if page_table is not None:
-        err = paged_tile_error(kcfg.num_threads, kcfg.tile_n)
-        if err is not None:  # only a forced config gets here: no table choice breaks the rule (CPU-tested)
+        err = paged_tile_error(kcfg.num_threads, kcfg.tile_n, head_dim, head_dim_v)
+        if err is not None:  # kernel_config found no paged-capable candidate at all
             raise NotImplementedError(f"SM120 paged forward, config {kcfg.name}: {err}")
     is_split = p.num_splits > 1
     statics = SplitKVStatics(

@@ -579,14 +579,24 @@ def test_prefill_entries_are_validated_and_selected_per_key():
         assert e.provenance["mode"] == "emulated" and "paged_prefill" in e.provenance["result"]
 
 
-def test_paged_tiles_measured_wrong_are_refused_and_never_chosen():
+def test_paged_tile_rule_matches_the_gather_layout_and_every_paged_choice_obeys_it():
+    """PagedKVManager copies num_threads / (gcd(head dims, 64) / 8) rows per pass (2-byte dtypes): the
+    rule reproduces the measured cases (8 warps x 48 keys wrong at d=128; 8 warps x 32 / 64 and 4
+    warps x 48 right) and kernel_config(paged=True) never picks a tile it refuses, at any head dim."""
     from flash_attn_sm120.kernels.fwd_splitkv import paged_tile_error
 
-    assert "multiple of 32" in paged_tile_error(256, 48)
-    for ok in ((256, 32), (256, 64), (128, 48), (128, 80), (128, 64)):
+    assert "32 rows per pass" in paged_tile_error(256, 48, 128, 128)
+    for ok in ((256, 32, 128, 128), (256, 64, 128, 128), (128, 48, 128, 128), (256, 64, 96, 96), (128, 64, 112, 112)):
         assert paged_tile_error(*ok) is None, ok
-    chosen = [driver_splitkv.kernel_config(select_fwd_config(load_fwd_table(), d, d, c, lo), d, d, c, lo)
-              for d in (64, 96, 128, 192, 256) for c, lo in ((False, False), (True, False), (False, True))]
-    chosen += [e.config for e in load_decode_table()]
-    for cfg in chosen:
-        assert paged_tile_error(cfg.num_threads, cfg.tile_n) is None, cfg
+    assert "64 rows per pass" in paged_tile_error(128, 48, 112, 112)  # gcd(112, 64) = 16: 2 threads per row
+    assert paged_tile_error(256, 32, 96, 96) is not None  # gcd(96, 64) = 32: 4 threads per row
+    for d in range(16, 257, 16):
+        for causal, local in ((False, False), (True, False), (False, True)):
+            first = select_fwd_config(load_fwd_table(), d, d, causal, local)
+            for cfg in (first, select_decode_config(load_decode_table(), d, d) or first):
+                chosen = driver_splitkv.kernel_config(cfg, d, d, causal, local, paged=True)
+                assert paged_tile_error(chosen.num_threads, chosen.tile_n, d, d) is None, (d, causal, local, chosen)
+    # d=112 (a multiple of 16, so pageable) falls off the 48-key entries
+    chosen = driver_splitkv.kernel_config(select_fwd_config(load_fwd_table(), 112, 112, True, False), 112, 112, True,
+                                          False, paged=True)
+    assert chosen.tile_n % 64 == 0, chosen

@@ -178,6 +178,21 @@ def test_paged_prefill_matches_reference(page_size, mask):
         _check(outs, lses, refs, f"prefill page={page_size} {mask} splits={splits}")
 
 
+@pytest.mark.parametrize("d", [80, 112, 128])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_paged_prefill_at_head_dims_whose_gathers_limit_tile_n(d, mask):
+    """Paged prefill runs kernel_config(paged=True)'s tile: at d=80 / 112 the page gathers move 64
+    rows per pass with 4 warps (128 with 8), so the table's 48-key and 8-warp tiles must give way
+    (fwd_splitkv.paged_tile_error); at d=128 the 48-key entries stay. Lengths are not tile multiples."""
+    rng = random.Random(d)
+    q, pk, pv, pt, used, lens = _paged_problem(rng, batch=2, seqlen_q=300, hk=2, group=4, d=d, page_size=64,
+                                               max_len=1000, min_len=300)
+    for splits in (1, 3):
+        outs, lses, refs = _run_paged(q, pk, pv, pt, used, lens, causal=mask == "causal", window=(None, None),
+                                      num_splits=splits)
+        _check(outs, lses, refs, f"prefill d={d} {mask} splits={splits}")
+
+
 def test_paged_through_varlen_api_with_cu_seqlens_q():
     rng = random.Random(7)
     q4, pk, pv, pt, used, lens = _paged_problem(rng, batch=3, seqlen_q=5, hk=2, group=4, d=128, page_size=64,

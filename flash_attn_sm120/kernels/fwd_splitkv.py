@@ -32,6 +32,7 @@ the cp.async family. Shared memory and its SM120-emulation padding are the cp.as
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -67,15 +68,21 @@ MAX_PAGE_SIZE = 512
 PAGE_SIZE_MULTIPLE = 16
 
 
-def paged_tile_error(num_threads: int, tile_n: int) -> Optional[str]:
-    """Tiles whose paged gathers were measured wrong: 8 warps with tile_n = 48 (256x48 and 128x48,
-    one stage, d=128) gave errors of 0.3-0.5 against the fp32 reference while 8 warps with tile_n 32
-    and 64 and 4 warps with tile_n 48 were right (2026-11-29, H200 at SM120 occupancy). Until the cause is found
-    in the row-to-page mapping, 8-warp paged tiles need tile_n to be a multiple of 32."""
-    if num_threads == 256 and tile_n % 32:
+def paged_tile_error(num_threads: int, tile_n: int, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> Optional[str]:
+    """Why upstream's PagedKVManager cannot gather a tile_n-row K/V tile, or None.
+
+    Its tiled copy moves num_threads / threads_per_row rows per pass, threads_per_row being
+    gcd(head dims, 128 B) / 16 B; a tile_n that is not a multiple of that row count makes the last
+    pass run past the tile. Measured (2026-11-29, H200 at SM120 occupancy, d=128: 32 rows per pass
+    with 8 warps, 16 with 4): 8 warps with tile_n 48 gave errors of 0.3-0.5 against the fp32
+    reference; 8 warps with tile_n 32 / 64 and 4 warps with tile_n 48 were right.
+    """
+    block = math.gcd(-(-head_dim // 16) * 16, -(-head_dim_v // 16) * 16, 128 // elem_bytes)
+    rows_per_pass = num_threads // (block // (16 // elem_bytes))
+    if tile_n % rows_per_pass:
         return (
-            f"paged KV with 8 warps needs tile_n to be a multiple of 32, got {tile_n} "
-            "(8-warp 48-key paged tiles computed wrong results)"
+            f"paged KV gathers {rows_per_pass} rows per pass with {num_threads} threads at head dims "
+            f"({head_dim}, {head_dim_v}); tile_n={tile_n} is not a multiple of it"
         )
     return None
 

@@ -26,10 +26,10 @@ K and V have separate full/empty mbarrier rings of `num_stages` (1 to 4) slots, 
 runs up to `num_stages` blocks ahead and a K slot is refilled while the same block's PV product
 still reads its V slot. With one slot each the two rings still alternate: K_{j+1} lands behind
 block j's softmax and PV, V_{j+1} behind block j+1's QK^T (cp.async's one-stage schedule); that
-frees the shared memory for wider tiles (256x48 at d=128). Rows past seqlen_k arrive zero-filled from TMA and are masked to -inf. A
-consumer fences the async proxy (`fence.proxy.async.shared::cta`) before it releases a slot that
-it read with ldmatrix, so the next TMA write into that slot cannot overtake those generic-proxy
-reads.
+frees the shared memory for wider tiles (256x48 at d=128). Rows past seqlen_k arrive zero-filled
+from TMA and are masked to -inf. A consumer fences the async proxy (`fence.proxy.async.shared::cta`)
+before it releases a slot that it read with ldmatrix, so the next TMA write into that slot cannot
+overtake those generic-proxy reads.
 
 Intra-warp overlap (use_intra_warp_overlap: warps of 16 rows): after the first n_block the
 consumers wait for K_j and V_{j-1}, then issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back

@@ -205,6 +205,7 @@ _SPLITKV_INTERFACE_EDITS = (
         "    PAGE_SIZE_MULTIPLE as SM120_PAGE_SIZE_MULTIPLE,\n"
         "    FlashAttentionForwardSm120SplitKV,\n"
         "    paged_head_dim_error,\n"
+        "    paged_tile_error,\n"
         ")\n"
         "from flash_attn.cute.flash_fwd_sm120_splits import sm120_num_splits\n",
     ),
@@ -255,6 +256,9 @@ _SPLITKV_INTERFACE_EDITS = (
         "                    )\n"
         "                    hdim_error = paged_head_dim_error(head_dim, head_dim_v)\n"
         "                    assert hdim_error is None, hdim_error\n"
+        "                    # the page gathers fill a tile only in whole passes of rows (e.g. not 48 keys at d=112)\n"
+        "                    tile_error = paged_tile_error(num_threads, tile_n, head_dim, head_dim_v)\n"
+        "                    assert tile_error is None, f\"SM120 paged KV with the table's {tile_n}-key tile: {tile_error}\"\n"
         "                sm120_fwd_cls = FlashAttentionForwardSm120SplitKV\n"
         "                sm120_split_kwargs = dict(is_split_kv=is_split_kv)\n",
     ),
