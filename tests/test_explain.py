@@ -91,3 +91,18 @@ def test_paged_prefill_reports_a_config_the_splitkv_family_cannot_take():
     e = explain(q, pool, pool, causal=True, page_table=table, cu_seqlens_q=cu, max_seqlen_q=512)
     assert e.fallback is not None and first.name in e.fallback and e.config.name in e.fallback
     assert e.config == driver_splitkv.kernel_config(first, 128, 128, True, False)
+
+
+def test_paged_prefill_at_d112_reports_a_tile_the_page_gathers_can_fill():
+    """At d=112 the page gathers move 64 rows per pass with 4 warps: the 48-key d128 entries give way."""
+    from flash_attn_sm120.kernels.fwd_splitkv import paged_tile_error
+
+    q = torch.empty(2, 512, 32, 112, **META)
+    pool = torch.empty(2 * 8, 64, 8, 112, **META)
+    table = torch.empty(2, 8, device="meta", dtype=torch.int32)
+    e = explain(q, pool, pool, page_table=table)
+    assert e.route == "splitkv" and paged_tile_error(e.config.num_threads, e.config.tile_n, 112, 112) is None
+    dense = explain(q, torch.empty(2, 512, 8, 112, **META), torch.empty(2, 512, 8, 112, **META))
+    if paged_tile_error(dense.config.num_threads, dense.config.tile_n, 112, 112) is None:
+        pytest.skip(f"the table's d112 tile {dense.config.name} is pageable: nothing to route around")
+    assert (e.config.tile_m, e.config.tile_n) != (dense.config.tile_m, dense.config.tile_n)
