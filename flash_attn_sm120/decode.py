@@ -95,9 +95,15 @@ def load_decode_table(path: Path | str | None = None) -> tuple[DecodeEntry, ...]
 
 
 @lru_cache(maxsize=8)
-def _load_cached(path: str) -> tuple[DecodeEntry, ...]:
+def _document(path: str) -> dict:
+    """The parsed TOML file; its `[[decode]]` and `[[prefill]]` loaders share one read."""
     with open(path, "rb") as f:
-        return tuple(parse_decode_table(tomllib.load(f)))
+        return tomllib.load(f)
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str) -> tuple[DecodeEntry, ...]:
+    return tuple(parse_decode_table(_document(path)))
 
 
 def select_decode_config(table: Iterable[DecodeEntry], head_dim: int, head_dim_v: int) -> Optional[FwdConfig]:
@@ -126,8 +132,7 @@ def load_prefill_table(path: Path | str | None = None) -> tuple[TableEntry, ...]
 
 @lru_cache(maxsize=8)
 def _load_prefill_cached(path: str) -> tuple[TableEntry, ...]:
-    with open(path, "rb") as f:
-        return tuple(parse_prefill_table(tomllib.load(f)))
+    return tuple(parse_prefill_table(_document(path)))
 
 
 def select_prefill_config(
