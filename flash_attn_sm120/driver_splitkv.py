@@ -325,10 +325,6 @@ def make_call_plan(
                         compile_key=None)
 
     kcfg = kernel_config(p.config, head_dim, head_dim_v, causal_r, local, page_table is not None)
-    if page_table is not None:
-        err = paged_tile_error(kcfg.num_threads, kcfg.tile_n, head_dim, head_dim_v)
-        if err is not None:  # kernel_config found no paged-capable candidate at all
-            raise NotImplementedError(f"SM120 paged forward, config {kcfg.name}: {err}")
     is_split = p.num_splits > 1
     statics = SplitKVStatics(
         build_statics(
