@@ -110,27 +110,32 @@ def test_packed_gqa_matches_reference(d, ratio, mask):
                    pack_gqa=True)
 
 
-def test_packed_gqa_softcap_and_mask_mod():
-    """score_mod (softcap) and mask_mod see the real query head and position of a packed row."""
+def _check_causal_mask_mod(cfg, p: bench.Problem, seed: int, pack_gqa: bool):
+    """A mask_mod of q_idx >= kv_idx (causal for sq == sk), run without the causal flag, against
+    the causal fp32 reference with a NaN-poisoned output."""
     import cutlass.cute as cute
-
-    cfg = _first_config(128)
-    _check(cfg, bench.Problem(2, 300, 700, 8, 2, 128), True, (None, None), softcap=30.0, seed=9, pack_gqa=True)
 
     @cute.jit
     def lower_triangle(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
         return q_idx >= kv_idx
 
-    x = bench.make_inputs(bench.Problem(2, 333, 333, 8, 2, 128), seed=3)
+    x = bench.make_inputs(p, seed=seed)
     q, k, v = x["q"], x["k"], x["v"]
     out = torch.full_like(q, float("nan"))
     driver.forward(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
-                   softcap=None, pack_gqa=True, need_lse=False, mask_mod=lower_triangle,
+                   softcap=None, pack_gqa=pack_gqa, need_lse=False, mask_mod=lower_triangle,
                    emulate_host_smem=device_info().emulate_host_smem, out=out, config=cfg)
     ref, _ = bench.reference_attention(q, k, v, causal=True)
     low, _ = bench.reference_attention(q, k, v, causal=True, upcast=False)
     assert not torch.isnan(out).any()
     assert bench.error_vs_reference(out, ref) <= 2 * bench.error_vs_reference(low, ref) + ATOL
+
+
+def test_packed_gqa_softcap_and_mask_mod():
+    """score_mod (softcap) and mask_mod see the real query head and position of a packed row."""
+    cfg = _first_config(128)
+    _check(cfg, bench.Problem(2, 300, 700, 8, 2, 128), True, (None, None), softcap=30.0, seed=9, pack_gqa=True)
+    _check_causal_mask_mod(cfg, bench.Problem(2, 333, 333, 8, 2, 128), seed=3, pack_gqa=True)
 
 
 def test_default_gqa_call_runs_packed_on_the_tma_entry():
@@ -167,24 +172,9 @@ def test_softcap_goes_through_score_mod():
 
 def test_mask_mod_equal_to_causal():
     """A mask_mod is applied on every n_block (here: q_idx >= kv_idx, i.e. causal for sq == sk)."""
-    import cutlass.cute as cute
-
-    @cute.jit
-    def lower_triangle(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return q_idx >= kv_idx
-
     cfg = _first_config(128)
     for s in (333, 1000):
-        x = bench.make_inputs(bench.Problem(2, s, s, 4, 2, 128), seed=s)
-        q, k, v = x["q"], x["k"], x["v"]
-        out = torch.full_like(q, float("nan"))
-        driver.forward(q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
-                       softcap=None, pack_gqa=False, need_lse=False, mask_mod=lower_triangle,
-                       emulate_host_smem=device_info().emulate_host_smem, out=out, config=cfg)
-        ref, _ = bench.reference_attention(q, k, v, causal=True)
-        low, _ = bench.reference_attention(q, k, v, causal=True, upcast=False)
-        assert not torch.isnan(out).any()
-        assert bench.error_vs_reference(out, ref) <= 2 * bench.error_vs_reference(low, ref) + ATOL
+        _check_causal_mask_mod(cfg, bench.Problem(2, s, s, 4, 2, 128), seed=s, pack_gqa=False)
 
 
 def test_long_sequence_many_blocks():
