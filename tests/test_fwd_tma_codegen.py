@@ -143,11 +143,12 @@ def test_unsupported_reason_routes_varlen_and_unpackable_gqa():
 
 
 def test_fp16_rule_routes_wide_32_row_tiles_at_d128():
-    wide = FwdConfig(256, 256, 48, 1, family="tma")
+    wide = FwdConfig(256, 256, 64, 1, family="tma")
     assert unsupported_reason(_statics(wide)) is None  # bf16
     reason = unsupported_reason(_statics(wide, dtype="float16"))
-    assert reason is not None and "float16" in reason and "tile_n=48" in reason
-    for ok in (FwdConfig(256, 256, 32, 2, family="tma"), FwdConfig(256, 128, 64, 2, True, family="tma")):
+    assert reason is not None and "float16" in reason and "tile_n=64" in reason
+    for ok in (FwdConfig(256, 256, 48, 1, family="tma"), FwdConfig(256, 256, 32, 2, family="tma"),
+               FwdConfig(256, 128, 64, 2, True, family="tma")):
         assert unsupported_reason(_statics(ok, dtype="float16")) is None, ok
     assert unsupported_reason(_statics(FwdConfig(256, 256, 64, 2, family="tma"), d=96, dtype="float16")) is None
 

@@ -55,7 +55,7 @@ at position r // qhead_per_kvhead. Q and O keep their TMA boxes: `make_packgqa_t
 tile_m / qhead_per_kvhead) of it, so tile_m must be a multiple of qhead_per_kvhead; the masks,
 block ranges and score_mod/mask_mod take packed rows through qhead_per_kvhead_packgqa.
 
-Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 32 keys, which spill:
+Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 48 keys, which spill:
 `fp16_register_error`), head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
 `apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these
@@ -131,7 +131,9 @@ PROPOSED_CONFIGS: dict[int, tuple] = {
         ((256, 128, 64, 2, False), ALL_MASKS),
         ((256, 128, 64, 2, True), ("none", "causal")),  # bf16 local spills with Q in registers
         ((256, 256, 32, 2, False), ("none",)),  # R=2
-        ((256, 256, 48, 1, False), ("none", "causal")),  # R=2, one K and one V slot: 48 keys fit 99 KB; bf16 only
+        ((256, 256, 48, 1, False), ("none", "causal")),  # R=2, one K and one V slot: 48 keys fit 99 KB
+        # R=2, one slot each, 96 KB: causal only (non-causal bf16 spills 16 B); bf16 only (fp16_register_error)
+        ((256, 256, 64, 1, False), ("causal",)),
         ((128, 128, 32, 2, False), ALL_MASKS),  # R=2, 4 warps
     ),
     96: (
@@ -250,13 +252,14 @@ def tma_config_error(
 
 def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
     """Why fp16 cannot run this tile without spills, or None. fp16 takes more registers than bf16 in
-    this kernel: at d=128, warps of 32 rows with more than 32 keys per block spill on sm_120a in fp16
-    (256x48: 128 B of stack) while bf16 fits the 240-register budget (tests/test_fwd_tma_codegen.py
-    compiles both dtypes against this rule)."""
+    this kernel: at d=128, warps of 32 rows with more than 48 keys per block spill on sm_120a in fp16
+    (256x64: 24-40 B of stack) while bf16 fits the 240-register budget; 256x48 fits both since the PV
+    product loads V one ldmatrix ahead (tests/test_fwd_tma_codegen.py compiles both dtypes against
+    this rule)."""
     rows_per_warp = tile_m // (num_threads // 32)
-    if head_dim > 96 and rows_per_warp == 32 and tile_n > 32:
+    if head_dim > 96 and rows_per_warp == 32 and tile_n > 48:
         return (
-            f"float16 at head_dim={head_dim} with {rows_per_warp} rows per warp and tile_n={tile_n} > 32 "
+            f"float16 at head_dim={head_dim} with {rows_per_warp} rows per warp and tile_n={tile_n} > 48 "
             "spills on sm_120a in the TMA family (bfloat16 does not)"
         )
     return None
@@ -308,6 +311,95 @@ def unsupported_reason(statics) -> Optional[str]:
     if any(any(dims) for dims in statics.broadcast):
         return "stride-0 (expanded) q/k/v are not supported by the TMA family (TMA descriptors need real strides)"
     return None
+
+
+def _ldmatrix_to_mma_tiles(frag: cute.Tensor, frag_copy_view: cute.Tensor) -> list[list[int]]:
+    """For each ldmatrix of a B-operand fragment (mode 1 of its copy view), the MMA N tiles it fills.
+
+    Trace-time, from the register offsets that the two views of one fragment give at k = 0 (an
+    ldmatrix.x4 of B fills two n8 tiles; which two depends on the tiled MMA's permutation)."""
+
+    def offsets(layout, n_size, v_size):
+        return [{cute.crd2idx((v, n, 0), layout) for v in range(v_size)} for n in range(n_size)]
+
+    mma_regs = offsets(frag.layout, cute.size(frag, mode=[1]), cute.size(frag, mode=[0]))
+    copy_regs = offsets(frag_copy_view.layout, cute.size(frag_copy_view, mode=[1]), cute.size(frag_copy_view, mode=[0]))
+    tiles = [[n for n, regs in enumerate(mma_regs) if regs <= c] for c in copy_regs]
+    assert sorted(n for t in tiles for n in t) == list(range(len(mma_regs))), "ldmatrix / MMA tiles do not match"
+    return tiles
+
+
+@cute.jit
+def _mma_tiles(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, tiles, k: int):
+    """acc[:, :, n] += A[:, :, k] B[:, n, k] for the N tiles `tiles` (every M tile of the warp)."""
+    for n in cutlass.range_constexpr(len(tiles)):
+        acc_n = cute.append_ones(acc[None, None, tiles[n]])  # (V, M, 1)
+        cute.gemm(tiled_mma, acc_n, tCrA[None, None, k], cute.append_ones(tCrB[None, tiles[n], k]), acc_n)
+
+
+@cute.jit
+def gemm_rs_by_ldmatrix(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    tCsB: cute.Tensor,
+    smem_thr_copy_B: cute.TiledCopy,
+):
+    """acc += A B with A in registers (P) and B (V) loaded one ldmatrix ahead of the MMAs that use it.
+
+    sm80_utils.gemm_rs loads the next whole k-slice of B while the current one is multiplied: at
+    d=128 that is 2 x 32 registers of V fragments next to O (128) and P (32) in a 32-row warp, and
+    ptxas spills or stops overlapping. One ldmatrix (two n8 tiles, 4 registers) ahead keeps the
+    loads in flight with a fraction of the registers; measured +3.5% on 8 warps 256x48 at d=128
+    (configs/measurements/2026-11-29_tma_lean_pv_emulated.md)."""
+    tCrB_copy_view = smem_thr_copy_B.retile(tCrB)
+    tiles = _ldmatrix_to_mma_tiles(tCrB, tCrB_copy_view)
+    steps = [(k, c) for k in range(cute.size(tCrB, mode=[2])) for c in range(len(tiles))]
+    cute.copy(smem_thr_copy_B, tCsB[None, 0, 0], tCrB_copy_view[None, 0, 0])
+    for i in cutlass.range_constexpr(len(steps)):
+        k, c = steps[i]
+        if const_expr(i + 1 < len(steps)):
+            k_next, c_next = steps[i + 1]
+            cute.copy(smem_thr_copy_B, tCsB[None, c_next, k_next], tCrB_copy_view[None, c_next, k_next])
+        _mma_tiles(tiled_mma, acc, tCrA, tCrB, tiles[c], k)
+
+
+@cute.jit
+def gemm_ss_by_half_slices(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    tCsA: cute.Tensor,
+    tCsB: cute.Tensor,
+    smem_thr_copy_A: cute.TiledCopy,
+    smem_thr_copy_B: cute.TiledCopy,
+):
+    """acc += A B, both from shared memory, B loaded half a k-slice ahead, A at the start of its k.
+
+    The QK^T product of blocks that are also masked (causal diagonal) needs fewer registers this
+    way than sm80_utils.gemm's whole-slice prefetch of A and B; 8 warps 256x64 at d=128 are
+    spill-free with it in bf16 (tests/test_fwd_tma_codegen.py)."""
+    tCrA_copy_view = smem_thr_copy_A.retile(tCrA)
+    tCrB_copy_view = smem_thr_copy_B.retile(tCrB)
+    tiles = _ldmatrix_to_mma_tiles(tCrB, tCrB_copy_view)
+    half = (len(tiles) + 1) // 2
+    ranges = [(0, half), (half, len(tiles))]
+    steps = [(k, h) for k in range(cute.size(tCrB, mode=[2])) for h in range(2)]
+    cute.copy(smem_thr_copy_A, tCsA[None, None, 0], tCrA_copy_view[None, None, 0])
+    for c in cutlass.range_constexpr(*ranges[0]):
+        cute.copy(smem_thr_copy_B, tCsB[None, c, 0], tCrB_copy_view[None, c, 0])
+    for i in cutlass.range_constexpr(len(steps)):
+        k, h = steps[i]
+        if const_expr(i + 1 < len(steps)):
+            k_next, h_next = steps[i + 1]
+            for c in cutlass.range_constexpr(*ranges[h_next]):
+                cute.copy(smem_thr_copy_B, tCsB[None, c, k_next], tCrB_copy_view[None, c, k_next])
+        if const_expr(h == 0 and k > 0):
+            cute.copy(smem_thr_copy_A, tCsA[None, None, k], tCrA_copy_view[None, None, k])
+        for c in cutlass.range_constexpr(*ranges[h]):
+            _mma_tiles(tiled_mma, acc, tCrA, tCrB, tiles[c], k)
 
 
 class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
@@ -378,6 +470,12 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         self.registers = register_split(smem_total, num_threads)
         # issue the next block's QK^T next to the previous block's PV (see mma_one_n_block)
         self.intra_warp_overlap = use_intra_warp_overlap(tile_m, num_threads)
+        # causal/local diagonal blocks of 32-row warps with >= 64 keys: QK^T by half k-slices (registers)
+        rows_per_warp = tile_m // (num_threads // 32)
+        self.qk_half_slices_when_masked = rows_per_warp == 32 and tile_n >= 64 and not Q_in_regs
+        # PV with V one ldmatrix ahead where its k-slices are widest (d=128: 32 registers each); at
+        # d <= 96 the whole-slice prefetch is spill-free and measured (d96 256x32 local spills otherwise)
+        self.pv_by_ldmatrix = head_dim_v > 96
         self.emulate_host_smem = emulate_host_smem
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
@@ -907,10 +1005,16 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         pipeline_k.consumer_wait(kv_k, pipeline_k.consumer_try_wait(kv_k))
         if const_expr(do_pv_first):
             pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
-        sm80_utils.gemm(
-            thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, kv_k.index], smem_thr_copy_Q, smem_thr_copy_K,
-            A_in_regs=self.Q_in_regs,
-        )
+        masked_diagonal = const_expr(mask_causal_local and (self.is_causal or self.is_local))
+        if const_expr(masked_diagonal and self.qk_half_slices_when_masked):
+            gemm_ss_by_half_slices(
+                thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, kv_k.index], smem_thr_copy_Q, smem_thr_copy_K
+            )
+        else:
+            sm80_utils.gemm(
+                thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, kv_k.index], smem_thr_copy_Q, smem_thr_copy_K,
+                A_in_regs=self.Q_in_regs,
+            )
         if const_expr(do_pv_first):
             sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
         if const_expr(not overlap):
@@ -937,7 +1041,13 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 aux_data=aux_data,
                 fastdiv_mods=fastdiv_mods if const_expr(self.mask_mod is not None) else None,
             )
-        row_scale = softmax.online_softmax(acc_S, is_first=is_first, check_inf=True)
+        # a row max of -inf needs a causal/local mask, a mask_mod or a score_mod: with only the
+        # seqlen_k mask, the first block (the last n_block) has a valid key in every row, so the
+        # guard (a compare and select per row and block) is skipped
+        may_be_inf = const_expr(
+            self.is_causal or self.is_local or self.score_mod is not None or self.mask_mod is not None
+        )
+        row_scale = softmax.online_softmax(acc_S, is_first=is_first, check_inf=may_be_inf)
         if const_expr(not is_first):
             softmax.rescale_O(acc_O, row_scale)
         rP.store(acc_S.load().to(self.dtype))
@@ -963,7 +1073,10 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
     ):
         """O += P V for the V slot of `kv_v`, then hand the slot back."""
         pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
-        sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
+        if const_expr(self.pv_by_ldmatrix):
+            gemm_rs_by_ldmatrix(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
+        else:
+            sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
         self._release(pipeline_v, kv_v)
 
     @cute.jit
