@@ -208,12 +208,16 @@ def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
     return RegisterSplit(ctas, launch, PRODUCER_REGS, mma)
 
 
+def rows_per_warp(tile_m: int, num_threads: int) -> int:
+    """Rows of the M tile each MMA warp owns (warps are stacked along M)."""
+    return tile_m // (num_threads // 32)
+
+
 def use_intra_warp_overlap(tile_m: int, num_threads: int) -> bool:
     """Overlap keeps S_j and P_{j-1} live together. Warps with 32 rows (R=2) hold twice the
     accumulators and spill with it at d=128 on sm_120a (8 warps at the 240-register cap, 4 warps at
     255), so they run the plain FA2 order; 16-row warps overlap."""
-    rows_per_warp = tile_m // (num_threads // 32)
-    return INTRA_WARP_OVERLAP and rows_per_warp == 16
+    return INTRA_WARP_OVERLAP and rows_per_warp(tile_m, num_threads) == 16
 
 
 def tma_config_error(
@@ -256,10 +260,10 @@ def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: in
     (256x64: 24-40 B of stack) while bf16 fits the 240-register budget; 256x48 fits both since the PV
     product loads V one ldmatrix ahead (tests/test_fwd_tma_codegen.py compiles both dtypes against
     this rule)."""
-    rows_per_warp = tile_m // (num_threads // 32)
-    if head_dim > 96 and rows_per_warp == 32 and tile_n > 48:
+    rows = rows_per_warp(tile_m, num_threads)
+    if head_dim > 96 and rows == 32 and tile_n > 48:
         return (
-            f"float16 at head_dim={head_dim} with {rows_per_warp} rows per warp and tile_n={tile_n} > 48 "
+            f"float16 at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 "
             "spills on sm_120a in the TMA family (bfloat16 does not)"
         )
     return None
@@ -471,8 +475,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # issue the next block's QK^T next to the previous block's PV (see mma_one_n_block)
         self.intra_warp_overlap = use_intra_warp_overlap(tile_m, num_threads)
         # causal/local diagonal blocks of 32-row warps with >= 64 keys: QK^T by half k-slices (registers)
-        rows_per_warp = tile_m // (num_threads // 32)
-        self.qk_half_slices_when_masked = rows_per_warp == 32 and tile_n >= 64 and not Q_in_regs
+        self.qk_half_slices_when_masked = rows_per_warp(tile_m, num_threads) == 32 and tile_n >= 64 and not Q_in_regs
         # PV with V one ldmatrix ahead where its k-slices are widest (d=128: 32 registers each); at
         # d <= 96 the whole-slice prefetch is spill-free and measured (d96 256x32 local spills otherwise)
         self.pv_by_ldmatrix = head_dim_v > 96
@@ -1005,8 +1008,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         pipeline_k.consumer_wait(kv_k, pipeline_k.consumer_try_wait(kv_k))
         if const_expr(do_pv_first):
             pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
-        masked_diagonal = const_expr(mask_causal_local and (self.is_causal or self.is_local))
-        if const_expr(masked_diagonal and self.qk_half_slices_when_masked):
+        apply_causal_local = const_expr(mask_causal_local and (self.is_causal or self.is_local))
+        if const_expr(apply_causal_local and self.qk_half_slices_when_masked):
             gemm_ss_by_half_slices(
                 thr_mma_qk, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, kv_k.index], smem_thr_copy_Q, smem_thr_copy_K
             )
@@ -1025,7 +1028,6 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block,
                 softmax_scale=softmax.softmax_scale, seqlen=seqlen, aux_data=aux_data, fastdiv_mods=fastdiv_mods,
             )
-        apply_causal_local = const_expr(mask_causal_local and (self.is_causal or self.is_local))
         if const_expr(mask_seqlen or apply_causal_local or self.mask_mod is not None):
             mask.apply_mask(
                 acc_S,
