@@ -3,7 +3,9 @@
 * `sm120`:    compute capability 12.x. This package's kernels, no padding.
 * `emulated`: any SM80+ GPU with FLASH_ATTN_SM120_EMULATE=1. This package's SM120 kernels, each
               CTA's shared memory padded so the GPU keeps no more CTAs per SM than an SM120 would
-              (hardware.py). Timings in this mode are labelled *emulated*, never SM120.
+              (hardware.py), from the host driver's own numbers, and checked per compiled kernel
+              with the CUDA occupancy API (occupancy.py). Timings in this mode are labelled
+              *emulated*, never SM120. docs/emulation.md says what it models and what it cannot.
 * `upstream`: any other CUDA GPU. Calls go to `flash_attn.cute` unchanged.
 
 The variable is this package's own; FA4's FLASH_ATTENTION_ARCH / FLASH_ATTENTION_NUM_SMS are
@@ -23,9 +25,6 @@ from flash_attn_sm120 import hardware
 
 EMULATE_ENV = "FLASH_ATTN_SM120_EMULATE"
 
-# H200 / H100 values, used only if torch does not report them
-_FALLBACK_SMEM_PER_SM = {9: 233472, 8: 167936, 10: 233472}
-_FALLBACK_SMEM_PER_BLOCK = {9: 232448, 8: 166912, 10: 232448}
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,7 @@ class DeviceInfo:
     smem_per_sm: int
     smem_per_block_max: int
     mode: str  # "sm120" | "emulated" | "upstream"
+    reserved_smem_per_cta: int = 0  # the driver's reservation per resident CTA (queried in emulation)
 
     @property
     def is_emulated(self) -> bool:
@@ -46,9 +46,11 @@ class DeviceInfo:
         return self.mode in ("sm120", "emulated")
 
     @property
-    def emulate_host_smem(self) -> Optional[tuple[int, int]]:
-        """What the SM120 kernels need to pad for, or None on a real SM120."""
-        return (self.smem_per_sm, self.smem_per_block_max) if self.is_emulated else None
+    def emulate_host_smem(self) -> Optional[hardware.EmulationHost]:
+        """What the SM120 kernels need to pad for (the host driver's numbers), or None on a real SM120."""
+        if not self.is_emulated:
+            return None
+        return hardware.EmulationHost(self.smem_per_sm, self.smem_per_block_max, self.reserved_smem_per_cta)
 
     def label(self) -> str:
         cc = f"{self.capability[0]}.{self.capability[1]}"
@@ -94,11 +96,19 @@ def _device_info(index: int, emulate: bool) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     cap = (props.major, props.minor)
     mode = mode_for_capability(cap, emulate)
-    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or _FALLBACK_SMEM_PER_SM.get(props.major, 0)
-    smem_block = getattr(props, "shared_memory_per_block_optin", 0) or _FALLBACK_SMEM_PER_BLOCK.get(props.major, 0)
-    if cap[0] == 12:
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    smem_block = getattr(props, "shared_memory_per_block_optin", 0)
+    reserved = 0
+    if mode == "emulated":
+        # padding uses only what this GPU's driver reports: no assumed host constants
+        if not smem_per_sm or not smem_block:
+            raise RuntimeError(f"SM120 emulation: {props.name} reports no shared memory per SM / per block")
+        from flash_attn_sm120.occupancy import device_reserved_smem_per_cta
+
+        reserved = device_reserved_smem_per_cta(index)
+    elif cap[0] == 12:
         smem_per_sm, smem_block = hardware.SMEM_PER_SM, hardware.SMEM_PER_BLOCK_MAX
-    return DeviceInfo(props.name, cap, props.multi_processor_count, smem_per_sm, smem_block, mode)
+    return DeviceInfo(props.name, cap, props.multi_processor_count, smem_per_sm, smem_block, mode, reserved)
 
 
 def execution_mode(device: torch.device | int | None = None) -> str:

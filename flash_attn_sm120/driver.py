@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,6 +29,7 @@ from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcas
 from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
+from flash_attn_sm120 import occupancy
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.kernels import FAMILIES
 
@@ -59,7 +61,7 @@ class FwdStatics:
     aux_metadata: object
     broadcast: tuple
     config: FwdConfig
-    emulate_host_smem: Optional[tuple]
+    emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
 
 
 def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False,
@@ -108,12 +110,56 @@ def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_l
     )
 
 
+def describe(statics: FwdStatics) -> str:
+    """A compile key in words, for error messages."""
+    flags = [f for f, on in (("causal", statics.causal), ("local", statics.local), ("pack_gqa", statics.pack_gqa),
+                              ("varlen", statics.has_cu_seqlens_q or statics.has_cu_seqlens_k),
+                              ("score_mod", statics.score_mod_hash), ("mask_mod", statics.mask_mod_hash)) if on]
+    return (f"{statics.config.name} d={statics.head_dim}/{statics.head_dim_v} {statics.dtype} "
+            f"qhead_per_kvhead={statics.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
+
+
+def launch_mode(emulate_host_smem, device: torch.device) -> str:
+    """How a compiled kernel's occupancy is judged: 'emulated' (padded, must match SM120), 'sm120' (a real
+    SM120: the model is what is checked) or 'unpadded' (another GPU without padding: recorded only)."""
+    if emulate_host_smem is not None:
+        return "emulated"
+    return "sm120" if torch.cuda.get_device_capability(device)[0] == 12 else "unpadded"
+
+
+def compile_verified(make: Callable, compile_fn: Callable, host, device: torch.device, name: str):
+    """Compile the kernel `make(host)` with `compile_fn(kernel, options)` and verify its occupancy.
+
+    `host`: the hardware.EmulationHost the kernel pads for (None: no padding). The cubin is kept and
+    loaded through the driver (occupancy.py). In emulation the padding assumed the host's static shared
+    memory (EmulationHost.static_smem, 0 at first); if the compiled kernel has another, it is padded
+    again with the measured value and recompiled, once. Then the host's CTAs per SM must equal
+    SM120's, else RuntimeError.
+    """
+    mode = launch_mode(host, device)
+    with torch.cuda.device(device):
+        kernel, compiled, host_fn = _compile_and_measure(make(host), compile_fn)
+        if mode == "emulated" and host_fn.static_smem != host.static_smem:
+            host = host.with_static(host_fn.static_smem)
+            kernel, compiled, host_fn = _compile_and_measure(make(host), compile_fn)
+        occupancy.check(name, kernel, host_fn, mode)
+    return compiled
+
+
+def _compile_and_measure(kernel, compile_fn):
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = compile_fn(kernel, f"--keep-cubin --dump-dir={tmp}")
+        host_fn = occupancy.measure(compiled, kernel)
+    return kernel, compiled, host_fn
+
+
 def _make_cache():
     path = os.environ.get(CACHE_DIR_ENV)
     return JITPersistentCache(Path(path) / "fwd") if path else JITCache()
 
 
 _compile_cache = _make_cache()
+_verified_keys: set = set()  # keys whose compiled kernel passed the occupancy check in this process
 _forced_config: list[FwdConfig] = []
 
 
@@ -141,6 +187,7 @@ compile_count = {"fwd": 0}
 def clear_cache() -> None:
     global _compile_cache
     _compile_cache = _make_cache()
+    _verified_keys.clear()
 
 
 def build_statics(
@@ -326,21 +373,9 @@ def forward(
     )
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
-    if key not in _compile_cache:
-        kernel = make_kernel(statics, score_mod, mask_mod, aux_tensors is not None)
-        index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
-                 for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
-        cute_aux = [to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None
-        _compile_cache[key] = compile_kernel(
-            kernel,
-            *(to_cute_tensor(t) for t in (q, k, v, out)),
-            to_cute_tensor(lse, assumed_align=4) if lse is not None else None,
-            *index,
-            window_size_left,
-            window_size_right,
-            AuxData(cute_aux, aux_scalars),
-        )
-        compile_count["fwd"] += 1
+    if key not in _verified_keys:
+        _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars)
     _compile_cache[key](
         q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -349,3 +384,28 @@ def forward(
         None, None,
     )
     return out, lse
+
+
+def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                     window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars) -> None:
+    """Compile and occupancy-check the kernel of `key`, once per process.
+
+    A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on an SM120 (the check there only
+    tests the model), but recompiled in emulation: a padded launch runs only after its check."""
+    if key not in _compile_cache or statics.emulate_host_smem is not None:
+        index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
+                 for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
+        cute_aux = [to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None
+        tensors = [to_cute_tensor(t) for t in (q, k, v, out)]
+        cute_lse = to_cute_tensor(lse, assumed_align=4) if lse is not None else None
+        _compile_cache[key] = compile_verified(
+            lambda host: make_kernel(replace(statics, emulate_host_smem=host), score_mod, mask_mod,
+                                     aux_tensors is not None),
+            lambda kernel, options: compile_kernel(
+                kernel, *tensors, cute_lse, *index, window_size_left, window_size_right,
+                AuxData(cute_aux, aux_scalars), options=options,
+            ),
+            statics.emulate_host_smem, q.device, describe(statics),
+        )
+        compile_count["fwd"] += 1
+    _verified_keys.add(key)

@@ -217,12 +217,14 @@ def _make_cache():
 
 
 _compile_cache = _make_cache()
+_verified_keys: set = set()  # keys whose compiled kernel passed the occupancy check (driver.compile_verified)
 compile_count = {"splitkv": 0}
 
 
 def clear_cache() -> None:
     global _compile_cache
     _compile_cache = _make_cache()
+    _verified_keys.clear()
     _PLANS.clear()
 
 
@@ -424,23 +426,30 @@ def forward(
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     kernel = cp.kernel
     if kernel is None:
-        if cp.compile_key not in _compile_cache:
+        if cp.compile_key not in _verified_keys:
             statics = cp.compile_key[0]
-            kobj = make_splitkv_kernel(statics, cp.score_mod, mask_mod, aux_tensors is not None)
             index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
                      for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
-            _compile_cache[cp.compile_key] = compile_splitkv_kernel(
-                kobj,
-                *(to_cute_tensor(t) for t in (q, k, v, o_kernel)),
-                to_cute_tensor(lse_kernel, assumed_align=4) if lse_kernel is not None else None,
-                *index,
-                to_cute_tensor(page_table, assumed_align=4, leading_dim=1) if page_table is not None else None,
-                cp.window_left,
-                cp.window_right,
-                AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None,
-                        aux_scalars),
-            )
-            compile_count["splitkv"] += 1
+            tensors = [to_cute_tensor(t) for t in (q, k, v, o_kernel)]
+            cute_lse = to_cute_tensor(lse_kernel, assumed_align=4) if lse_kernel is not None else None
+            cute_pages = to_cute_tensor(page_table, assumed_align=4, leading_dim=1) if page_table is not None else None
+            cute_aux = AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None,
+                               aux_scalars)
+            host = statics.fwd.emulate_host_smem
+            if cp.compile_key not in _compile_cache or host is not None:
+                _compile_cache[cp.compile_key] = driver.compile_verified(
+                    lambda h: make_splitkv_kernel(replace(statics, fwd=replace(statics.fwd, emulate_host_smem=h)),
+                                                  cp.score_mod, mask_mod, aux_tensors is not None),
+                    lambda kobj, options: compile_splitkv_kernel(
+                        kobj, *tensors, cute_lse, *index, cute_pages, cp.window_left, cp.window_right, cute_aux,
+                        options=options,
+                    ),
+                    host, q.device,
+                    f"splitkv {driver.describe(statics.fwd)}{' split' if statics.is_split_kv else ''}"
+                    f"{' paged' if statics.paged else ''}",
+                )
+                compile_count["splitkv"] += 1
+            _verified_keys.add(cp.compile_key)
         kernel = _compile_cache[cp.compile_key]
         if memo:
             cp.kernel = kernel

@@ -39,10 +39,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from flash_attn_sm120 import bench, driver, driver_splitkv  # noqa: E402
+import prepare  # noqa: E402
+
+from flash_attn_sm120 import bench, driver, driver_splitkv, occupancy  # noqa: E402
 from flash_attn_sm120.config import FwdConfig, upstream_fwd_config  # noqa: E402
 from flash_attn_sm120.device import device_info  # noqa: E402
 from flash_attn_sm120.interface import flash_attn_func  # noqa: E402
@@ -298,7 +301,9 @@ def main(argv=None):
         args.out.write_text(json.dumps(dict(
             device=info.name, mode=info.mode, label=label, num_sms=info.num_sms,
             copy_bandwidth_GBps=copy_bw / 1e9, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-            command=" ".join(sys.argv), rows=rows,
+            command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
+            occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
+            rows=rows,
         ), indent=1))
         print(f"wrote {args.out}")
 

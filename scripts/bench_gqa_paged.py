@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from flash_attn_sm120 import bench, driver, driver_splitkv  # noqa: E402
+import prepare  # noqa: E402
+
+from flash_attn_sm120 import bench, driver, driver_splitkv, occupancy  # noqa: E402
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config, upstream_fwd_config  # noqa: E402
 from flash_attn_sm120.device import device_info  # noqa: E402
 
@@ -170,7 +173,11 @@ def main() -> None:
         keys = [(int(d), m == "causal") for d, m in (k.split(":") for k in args.paged_keys.split(","))]
         rows += run_paged(info.emulate_host_smem, args.paged_candidates, keys)
     if args.json:
-        args.json.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), mode=mode, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(
+            gpu=torch.cuda.get_device_name(), mode=mode, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+            command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
+            occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
+            rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flash_attn_sm120 import bench  # noqa: E402
+from flash_attn_sm120 import bench, occupancy  # noqa: E402
 from flash_attn_sm120.bench import Problem, geomean  # noqa: E402
 
 SUMMARY_KEYS = ("gpu", "mode", "correct", "fwd_tflops_peak", "fwd_tflops_geomean", "bwd_tflops_peak",
@@ -99,7 +99,8 @@ def reference_impls(info) -> list[Impl]:
     refs = [sm120_impl("upstream_sm120", lambda p: upstream_fwd_config(max(p.head_dim, p.dv)), info, "reference"),
             sm120_impl("sm120_cpasync_table", _cpasync_table_config, info, "reference")]
     if info.is_emulated:
-        # upstream's SM120 kernel without padding: what an H200 shows and SM120 would not
+        # upstream's SM120 kernel without padding: what an H200 shows and SM120 would not. Never timed
+        # unless named (--references upstream_sm120_unpadded): a run with it is not occupancy_verified
         unpadded = type(info)(info.name, info.capability, info.num_sms, info.smem_per_sm, info.smem_per_block_max,
                               "sm120")
         refs.append(sm120_impl("upstream_sm120_unpadded", lambda p: upstream_fwd_config(max(p.head_dim, p.dv)),
@@ -363,9 +364,26 @@ def save(rows: list[Row], summary: dict, info, args, path: Path) -> None:
         "command": "python " + " ".join(sys.argv),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "gpu": info.name, "capability": list(info.capability), "num_sms": info.num_sms, "mode": info.mode,
-        "mode_label": info.label(), "set": args.set, "summary": summary, "rows": [asdict(r) for r in rows],
+        "mode_label": info.label(), "set": args.set, "commit": _git_commit(),
+        # every SM120 kernel this run launched was checked with the CUDA occupancy API against SM120's
+        # CTAs per SM (occupancy.py); the per-kernel records follow
+        "occupancy_verified": occupancy.all_verified(),
+        "occupancy": [r.to_dict() for r in occupancy.records()],
+        "summary": summary, "rows": [asdict(r) for r in rows],
     }
     path.write_text(json.dumps(doc, indent=1))
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -418,12 +436,15 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
         if args.references != "all":
             wanted = set(args.references.split(","))
             refs = [r for r in refs if r.name in wanted]
+        else:
+            refs = [r for r in refs if r.name != "upstream_sm120_unpadded"]
         impls += refs
     rows = evaluate(impls, problems, info, reps=args.reps, with_bwd=args.set in ("bwd", "all"))
     kind = "reference" if args.baseline else "candidate"
     summary = summarize(rows, info, kind)
     _print_table(rows)
     print(format_summary(summary))
+    print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
     if args.json:
         save(rows, summary, info, args, args.json)
     if args.plot:

@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attn.cute as upstream
 import flash_attn_sm120
+from flash_attn_sm120.hardware import EmulationHost
 from flash_attn_sm120 import device as devmod
 from flash_attn_sm120 import interface
 from flash_attn_sm120.device import DeviceInfo, mode_for_capability
@@ -49,8 +50,8 @@ def test_execution_mode_without_cuda():
 
 
 def test_device_info_label():
-    emu = DeviceInfo("NVIDIA H200", (9, 0), 132, 233472, 232448, "emulated")
-    assert emu.emulate_host_smem == (233472, 232448) and "emulated" in emu.label()
+    emu = DeviceInfo("NVIDIA H200", (9, 0), 132, 233472, 232448, "emulated", 1024)
+    assert emu.emulate_host_smem == EmulationHost(233472, 232448, 1024, 0) and "emulated" in emu.label()
     native = DeviceInfo("RTX PRO 6000", (12, 0), 188, 102400, 101376, "sm120")
     assert native.emulate_host_smem is None and "SM120 native" in native.label()
 
@@ -68,7 +69,7 @@ def fake_device(monkeypatch):
     calls = {}
 
     def set_mode(mode):
-        info = DeviceInfo("fake", (12, 0) if mode == "sm120" else (9, 0), 188, 233472, 232448, mode)
+        info = DeviceInfo("fake", (12, 0) if mode == "sm120" else (9, 0), 188, 233472, 232448, mode, 1024)
         monkeypatch.setattr(interface, "device_info", lambda dev: info)
 
     def fake_forward(q, k, v, **kw):
@@ -98,7 +99,7 @@ def test_dispatch_upstream_passes_everything_through(fake_device):
     assert "driver" not in calls
 
 
-@pytest.mark.parametrize("mode,pad", [("sm120", None), ("emulated", (233472, 232448))])
+@pytest.mark.parametrize("mode,pad", [("sm120", None), ("emulated", EmulationHost(233472, 232448, 1024))])
 def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
     set_mode, calls = fake_device
     set_mode(mode)

@@ -73,14 +73,15 @@ def test_smem_formula_matches_kernel(cfg, d):
 
 
 def test_emulation_padding_is_compiled_in():
-    host = (233472, 232448)  # H200
+    host = hardware.EmulationHost(233472, 232448, 1024, 0)  # an H200 as its driver reports it
     kernels = []
     cubin, launched = compile_fwd_cubin(FwdConfig(128, 128, 64), 128, emulate_host_smem=host, kernel_out=kernels)
     k = kernels[0]
     assert launched == k.smem_bytes_launched > k.smem_bytes_unpadded
-    static = inspect_cubin(cubin)[0]["shared"]
+    assert k.launch_threads == 128
+    static = inspect_cubin(cubin)[0]["shared"]  # the sm_120a cubin's 1 KB: the SM120 side of the model
     target = hardware.sm120_occupancy(k.smem_bytes_unpadded + static, 128).ctas_per_sm
-    assert host[0] // (launched + static + 1024) == target == 1
+    assert host.smem_per_sm // (launched + host.static_smem + host.reserved_per_cta) == target == 1
 
 
 def test_sass_parsers():

@@ -32,7 +32,7 @@ PROPOSED = [
     (d, FwdConfig(*c, family="tma"), mask, "bfloat16")
     for d, entries in PROPOSED_CONFIGS.items() for c, masks in entries for mask in masks
 ] + [(d, FwdConfig(*c, family="tma"), masks[-1], "float16") for d, entries in PROPOSED_CONFIGS.items() for c, masks in entries]
-H200_SMEM = (233472, 232448)  # per SM, per block (opt-in)
+H200_SMEM = hardware.EmulationHost(233472, 232448, 1024, 0)  # an H200 as its driver reports it
 
 
 def _statics(cfg, d=128, **over):
@@ -275,9 +275,10 @@ def test_emulation_padding_reaches_the_kernel(cfg, d, ctas):
     k = kernels[0]
     threads = k.num_threads_total
     sm120 = hardware.sm120_occupancy(k.smem_bytes_unpadded + hardware.DSL_STATIC_SMEM, threads).ctas_per_sm
-    per_cta = smem + hardware.DSL_STATIC_SMEM + hardware.SMEM_RESERVED_PER_CTA
+    per_cta = smem + H200_SMEM.static_smem + H200_SMEM.reserved_per_cta
     assert smem == k.smem_bytes_launched > k.smem_bytes_unpadded
-    assert H200_SMEM[0] // per_cta == sm120 == ctas == k.registers.ctas_per_sm
+    assert k.launch_threads == threads
+    assert H200_SMEM.smem_per_sm // per_cta == sm120 == ctas == k.registers.ctas_per_sm
 
 
 def test_varlen_is_refused_at_trace_time():

@@ -26,31 +26,49 @@ def test_regs_allocation_granularity():
     assert hw.regs_per_cta(201, 32) == 6656  # 6432 rounded up to 256
 
 
-H200 = dict(host_smem_per_sm=233472, host_smem_per_block_max=232448)
+# an H200 as its driver reports it: 228 KB per SM, 227 KB per block, 1 KB reserved per CTA, and (Nsight
+# Compute, 2026-12-01) 0 B static shared memory for these kernels
+H200 = hw.EmulationHost(233472, 232448, 1024, 0)
 
 
-def test_padding_h200_64kb_to_one_cta():
-    padded = hw.emulation_padded_smem(65536, 128, static_smem=1024, **H200)
-    # issue's example: a 64 KB CTA must be padded to just over 114 KB so only one fits
-    assert 114 * 1024 - 2048 < padded + 1024 <= 114 * 1024 + 1024
-    assert 233472 // (padded + 2048) == 1
-    assert 233472 // (65536 + 2048) == 3  # unpadded the H200 fits three
+def test_padding_h200_64kb_to_one_cta_with_zero_static():
+    """The issue's case: upstream's d128 tile, 64 KB dynamic, 0 B static on the host. The old padding
+    assumed 1 KB static there and left room for two CTAs (2 x (115712 + 1024) = 233472)."""
+    padded = hw.emulation_padded_smem(65536, 128, H200)
+    assert 233472 // (padded + 1024) == 1
+    assert 233472 // (115712 + 1024) == 2  # what the 1 KB assumption launched: two CTAs fit
+    assert padded == 116736
+    assert 233472 // (65536 + 1024) == 3  # unpadded the H200 fits three
 
 
+def test_padding_uses_the_measured_host_static():
+    """A host static size moves the padding down by exactly that much (1 KB granules)."""
+    with_static = hw.emulation_padded_smem(65536, 128, H200.with_static(1024))
+    assert 233472 // (with_static + 1024 + 1024) == 1
+    assert hw.emulation_padded_smem(65536, 128, H200) - with_static == 1024
+
+
+@pytest.mark.parametrize("static", [0, 1024, 3000])
 @pytest.mark.parametrize("smem", [4096, 16384, 33792, 49152, 65536, 81920, 99328])
-@pytest.mark.parametrize("threads", [128, 256])
-def test_padding_matches_sm120_count(smem, threads):
-    target = hw.sm120_occupancy(smem + 1024, threads).ctas_per_sm
-    padded = hw.emulation_padded_smem(smem, threads, static_smem=1024, **H200)
+@pytest.mark.parametrize("threads", [128, 256, 384])
+def test_padding_matches_sm120_count(smem, threads, static):
+    host = H200.with_static(static)
+    target = hw.sm120_occupancy(smem + hw.DSL_STATIC_SMEM, threads).ctas_per_sm
+    padded = hw.emulation_padded_smem(smem, threads, host)
     assert padded >= smem
-    host_by_smem = 233472 // (padded + 2048)
+    per_cta = static + host.reserved_per_cta
+    host_by_smem = 233472 // (padded + per_cta)
     assert host_by_smem == target or (padded == smem and host_by_smem < target)
     # minimal in 1 KB granules: 1 KB less would fit one more CTA (unless unpadded)
     if padded > smem:
         assert padded % 1024 == 0
-        assert 233472 // (padded - 1024 + 2048) > target
+        assert 233472 // (padded - 1024 + per_cta) > target
 
 
-def test_padding_refuses_oversize():
+def test_padding_refuses_oversize_and_bare_tuples():
     with pytest.raises(ValueError, match="does not fit"):
-        hw.emulation_padded_smem(101376, 128, static_smem=1024, **H200)
+        hw.emulation_padded_smem(101376, 128, H200)
+    with pytest.raises(ValueError, match="allows"):
+        hw.emulation_padded_smem(1024, 128, hw.EmulationHost(1 << 20, 4096, 1024))
+    with pytest.raises(TypeError, match="EmulationHost"):
+        hw.emulation_padded_smem(65536, 128, (233472, 232448))

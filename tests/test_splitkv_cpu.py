@@ -331,10 +331,10 @@ def test_splitkv_kernel_codegen_sm120a(cfg, d, kw):
 
 def test_splitkv_emulation_padding_lands_in_kernel():
     cfg = select_decode_config(load_decode_table(), 128, 128)
-    host = (233472, 232448)  # H200
+    host = hardware.EmulationHost(233472, 232448, 1024, 0)  # an H200 as its driver reports it
     _, smem = compile_splitkv_cubin(cfg, 128, emulate_host_smem=host)
     want = hardware.sm120_occupancy(cfg.smem_bytes(128, 128) + hardware.DSL_STATIC_SMEM, cfg.num_threads).ctas_per_sm
-    assert host[0] // (smem + hardware.DSL_STATIC_SMEM + hardware.SMEM_RESERVED_PER_CTA) == want
+    assert host.smem_per_sm // (smem + host.static_smem + host.reserved_per_cta) == want
 
 
 @pytest.mark.parametrize("d,splits,varlen", [(128, 20, False), (64, 7, True), (256, 128, False)])

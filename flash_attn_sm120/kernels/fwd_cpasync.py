@@ -107,9 +107,9 @@ def sm120_config_error(
 class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
     """Upstream's SM120 forward with free warps/tiles/stages, SM120 limits, and emulation padding.
 
-    `emulate_host_smem`: (smem per SM, max smem per block) of the GPU that runs the kernel when it
-    is not an SM120; the CTA's shared memory is then padded so that the host fits no more CTAs
-    per SM than SM120 would. None on a real SM120.
+    `emulate_host_smem`: a hardware.EmulationHost (the host driver's shared-memory numbers) when the
+    kernel runs in SM120 emulation on another GPU; the CTA's shared memory is then padded so that
+    the host fits no more CTAs per SM than SM120 would. None on a real SM120.
     """
 
     family = "cpasync"
@@ -132,7 +132,7 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         score_mod=None,
         mask_mod=None,
         has_aux_tensors: bool = False,
-        emulate_host_smem: Optional[tuple[int, int]] = None,
+        emulate_host_smem: Optional[hardware.EmulationHost] = None,
     ):
         error = sm120_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs)
         if error is not None:
@@ -158,6 +158,7 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
+        self.launch_threads: Optional[int] = None
 
     @staticmethod
     def can_implement(
@@ -182,22 +183,17 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
 def emulation_storage(kernel, storage, num_threads: int):
     """Record `storage`'s size on `kernel` and, in SM120 emulation, return it padded.
 
-    Sets kernel.smem_bytes_unpadded / smem_bytes_launched (read by the codegen report and tests).
-    With kernel.emulate_host_smem set, the struct gets a trailing pad so that the host GPU keeps no
-    more CTAs of `num_threads` threads per SM than SM120 would (hardware.emulation_padded_smem).
+    Sets kernel.smem_bytes_unpadded / smem_bytes_launched and kernel.launch_threads (read by the
+    occupancy check, the codegen report and tests). With kernel.emulate_host_smem set (a
+    hardware.EmulationHost), the struct gets a trailing pad so that the host GPU keeps no more CTAs
+    of `num_threads` threads per SM than SM120 would (hardware.emulation_padded_smem).
     """
     kernel.smem_bytes_unpadded = storage.size_in_bytes()
     kernel.smem_bytes_launched = kernel.smem_bytes_unpadded
+    kernel.launch_threads = num_threads
     if kernel.emulate_host_smem is None:
         return storage
-    host_per_sm, host_per_block = kernel.emulate_host_smem
-    padded = hardware.emulation_padded_smem(
-        kernel.smem_bytes_unpadded,
-        num_threads,
-        static_smem=hardware.DSL_STATIC_SMEM,
-        host_smem_per_sm=host_per_sm,
-        host_smem_per_block_max=host_per_block,
-    )
+    padded = hardware.emulation_padded_smem(kernel.smem_bytes_unpadded, num_threads, kernel.emulate_host_smem)
     if padded == kernel.smem_bytes_unpadded:
         return storage
     storage = _padded_struct(storage, padded)

@@ -410,9 +410,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
     """SM120 forward with a TMA producer warp and 4 or 8 mma.sync consumer warps (module docstring).
 
     Constructor: the same as FlashAttentionForwardSm120CpAsync. `num_threads` counts the MMA warps'
-    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: (smem per SM, max smem per
-    block) of a non-SM120 GPU running the kernel in SM120 emulation (shared memory is padded so it
-    fits no more CTAs per SM than SM120); None on a real SM120.
+    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: a hardware.EmulationHost
+    (the host driver's shared-memory numbers) of a non-SM120 GPU running the kernel in SM120
+    emulation (shared memory is padded so it fits no more CTAs per SM than SM120); None on SM120.
     """
 
     family = "tma"
@@ -435,7 +435,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         score_mod=None,
         mask_mod=None,
         has_aux_tensors: bool = False,
-        emulate_host_smem: Optional[tuple[int, int]] = None,
+        emulate_host_smem: Optional[hardware.EmulationHost] = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -483,6 +483,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
+        self.launch_threads: Optional[int] = None
 
     # ------------------------------------------------------------------------------------------
     # host side
