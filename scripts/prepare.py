@@ -375,8 +375,12 @@ def save(rows: list[Row], summary: dict, info, args, path: Path) -> None:
 
 
 def _git_commit() -> str:
+    """The commit this run measures: FLASH_ATTN_SM120_COMMIT when set (a copied working tree whose .git is
+    not the repository's, as on the lent GPU machine), else git's HEAD (+ "-dirty" with local changes)."""
     import subprocess
 
+    if os.environ.get("FLASH_ATTN_SM120_COMMIT"):
+        return os.environ["FLASH_ATTN_SM120_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
