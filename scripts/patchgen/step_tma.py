@@ -51,16 +51,17 @@ _TMA_DOC_EDITS = (
      "held to SM120's occupancy, which cannot show an SM120-only hang: run it on a real SM120 under a\n"
      "timeout before relying on it. Every table entry of this family has a cp.async entry after it.\n"),
     ("    Constructor: the same as FlashAttentionForwardSm120CpAsync. `num_threads` counts the MMA warps'\n"
-     "    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: (smem per SM, max smem per\n"
-     "    block) of a non-SM120 GPU running the kernel in SM120 emulation (shared memory is padded so it\n"
-     "    fits no more CTAs per SM than SM120); None on a real SM120.\n",
+     "    threads; the launch adds a producer warpgroup (128 threads). `emulate_host_smem`: a hardware.EmulationHost\n"
+     "    (the host driver's shared-memory numbers) of a non-SM120 GPU running the kernel in SM120\n"
+     "    emulation (shared memory is padded so it fits no more CTAs per SM than SM120); None on SM120.\n",
      "    Constructor: the same as FlashAttentionForwardSm120. `num_threads` counts the MMA warps'\n"
      "    threads; the launch adds a producer warpgroup (128 threads).\n"),
-    ("        emulate_host_smem: Optional[tuple[int, int]] = None,\n", ""),
+    ("        emulate_host_smem: Optional[hardware.EmulationHost] = None,\n", ""),
     ("        self.emulate_host_smem = emulate_host_smem\n"
      "        # filled in at trace time, read by the codegen report and the tests\n"
      "        self.smem_bytes_unpadded: Optional[int] = None\n"
-     "        self.smem_bytes_launched: Optional[int] = None\n", ""),
+     "        self.smem_bytes_launched: Optional[int] = None\n"
+     "        self.launch_threads: Optional[int] = None\n", ""),
     ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
      "        return SharedStorageTma\n"),
     ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
