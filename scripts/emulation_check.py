@@ -1,9 +1,10 @@
 """Check that SM120 emulation padding takes effect on this GPU: same kernel, padded vs unpadded.
 
-For each config it prints the CTAs per SM the host would fit unpadded, the SM120 count the padding
-targets, and the measured time of both variants in one process. Padding that works slows down
-configs whose unpadded occupancy on the host exceeds SM120's (e.g. upstream's 64 KB d=128 tile:
-three CTAs per H200 SM unpadded, one on SM120).
+For each config it prints the CTAs per SM the host fits unpadded and padded (the CUDA occupancy API on
+the compiled kernels, occupancy.py), the SM120 count, and the measured time of both variants in one
+process. Padding that works slows down configs whose unpadded occupancy on the host exceeds SM120's
+(e.g. upstream's 64 KB d=128 tile: three CTAs per H200 SM unpadded, one on SM120).
+tests/test_occupancy_gpu.py is the gate; this is the timing view of the same facts.
 
   python scripts/emulation_check.py [--json out.json]
 """
@@ -26,12 +27,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from flash_attn_sm120 import bench, driver, hardware
+    from flash_attn_sm120 import bench, driver, hardware, occupancy
     from flash_attn_sm120.config import FwdConfig
     from flash_attn_sm120.device import device_info
 
     info = device_info(emulate=True)
-    host = (info.smem_per_sm, info.smem_per_block_max)
+    host = info.emulate_host_smem
     cases = [
         # latency-bound (one or two K/V blocks per CTA): occupancy shows directly in the time
         (FwdConfig(128, 128, 64), bench.Problem(16, 4096, 128, 16, 16, 128)),
@@ -43,11 +44,10 @@ def main(argv=None) -> int:
     rows = []
     for cfg, p in cases:
         sets = [bench.make_inputs(p, seed=i) for i in range(bench.rotations_for(p))]
-        smem = cfg.smem_bytes(p.head_dim, p.dv) + hardware.DSL_STATIC_SMEM
-        row = dict(config=cfg.name, problem=p.name, smem=smem,
-                   host_ctas_unpadded=info.smem_per_sm // (smem + hardware.SMEM_RESERVED_PER_CTA),
-                   sm120_ctas=hardware.sm120_occupancy(smem, cfg.num_threads).ctas_per_sm)
+        smem = cfg.smem_bytes(p.head_dim, p.dv)
+        row = dict(config=cfg.name, problem=p.name, smem=smem)
         for label, pad in (("padded", host), ("unpadded", None)):
+            before = len(occupancy.records())
             def run(i, pad=pad):
                 x = sets[i]
                 driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=False, window_size_left=None,
@@ -55,12 +55,14 @@ def main(argv=None) -> int:
                                emulate_host_smem=pad, config=cfg)
 
             t = bench.time_cuda(run, rotations=len(sets), reps=args.reps)
+            for rec in occupancy.records()[before:]:
+                row[f"host_ctas_{label}"], row["sm120_ctas"] = rec.host_ctas_per_sm, rec.sm120_ctas_per_sm
             row[f"{label}_ms"] = t.median_ms
             row[f"{label}_tflops"] = bench.attention_flops(p) / t.median_ms / 1e9
         row["slowdown"] = row["padded_ms"] / row["unpadded_ms"]
         rows.append(row)
         print(f"[{info.name}] {row['config']:28s} {row['problem']:22s} smem {smem:6d} B  CTAs/SM host "
-              f"{row['host_ctas_unpadded']} -> SM120 {row['sm120_ctas']}:  padded {row['padded_tflops']:6.1f} "
+              f"{row.get('host_ctas_unpadded')} -> {row.get('host_ctas_padded')} (SM120 {row.get('sm120_ctas')}):  padded {row['padded_tflops']:6.1f} "
               f"unpadded {row['unpadded_tflops']:6.1f} TFLOPS (x{row['slowdown']:.2f} time)", flush=True)
     # The launch must really ask for the padded size: padding past the GPU's per-block limit has
     # to be refused by the driver (an error), not silently ignored.
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     try:
         driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=False, window_size_left=None,
                        window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
-                       emulate_host_smem=(4 * info.smem_per_sm, 4 * info.smem_per_sm), config=cfg)
+                       emulate_host_smem=hardware.EmulationHost(4 * info.smem_per_sm, 4 * info.smem_per_sm,
+                                                                info.reserved_smem_per_cta), config=cfg)
         torch.cuda.synchronize()
         overpad = "launched (padding NOT applied)"
     except Exception as e:
