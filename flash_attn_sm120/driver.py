@@ -136,9 +136,10 @@ def compile_verified(make: Callable, compile_fn: Callable, host, device: torch.d
     again with the measured value and recompiled, once. Then the host's CTAs per SM must equal
     SM120's, else RuntimeError.
     """
+    kernel = make(host)  # a config that cannot run is refused here, before any device work
     mode = launch_mode(host, device)
     with torch.cuda.device(device):
-        kernel, compiled, host_fn = _compile_and_measure(make(host), compile_fn)
+        kernel, compiled, host_fn = _compile_and_measure(kernel, compile_fn)
         if mode == "emulated" and host_fn.static_smem != host.static_smem:
             host = host.with_static(host_fn.static_smem)
             kernel, compiled, host_fn = _compile_and_measure(make(host), compile_fn)

@@ -410,6 +410,9 @@ def _stub_split_launch(monkeypatch, info):
     monkeypatch.setattr(devmod, "device_info", lambda dev: info)
     monkeypatch.setattr(driver_splitkv, "make_splitkv_kernel", lambda *a, **k: None)
     monkeypatch.setattr(driver_splitkv, "compile_splitkv_kernel", lambda *a, **k: lambda *x: launches.append(x))
+    # compile + occupancy check (the CUDA driver's occupancy API): compile only, no check on a CPU
+    monkeypatch.setattr(driver, "compile_verified", lambda make, compile_fn, host, device, name:
+                        compile_fn(make(host), ""))
     monkeypatch.setattr(driver_splitkv, "to_cute_tensor", lambda *a, **k: None)
     # the compiled combine is looked up once per CallPlan (a "lookup" entry), then called per split call
     monkeypatch.setattr(driver_splitkv, "combine_kernel",
