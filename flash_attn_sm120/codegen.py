@@ -383,3 +383,47 @@ def compile_combine_cubin(
         if isinstance(cubin, str):
             cubin = Path(cubin).read_bytes()
     return cubin
+
+
+def compile_bwd_cubin(
+    config,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    causal: bool = False,
+    local: bool = False,
+    dtype: str = "bfloat16",
+    qhead_per_kvhead: int = 1,
+    arch: str = TARGET_ARCH,
+    emulate_host_smem=None,
+    kernel_out: Optional[list] = None,
+) -> tuple[bytes, int]:
+    """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
+    backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.interface import make_fake_bwd_tensors
+    from flash_attn.cute.utils import AuxData
+
+    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+    from flash_attn_sm120.occupancy import cubin_of
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
+    kernel = FlashAttentionBackwardSm120Tuned(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config,
+                                              is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem)
+    gqa = qhead_per_kvhead > 1
+    (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
+     _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
+    window = cutlass.Int32(0) if local else None
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = cute.compile(
+            kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
+            cutlass.Float32(1.0), None, None, None, None, window, window, None, None, None,
+            AuxData(None, None), None, None, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=f"--enable-tvm-ffi --keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+        )
+        cubin = cubin_of(compiled)
+    if kernel_out is not None:
+        kernel_out.append(kernel)
+    return cubin, kernel.smem_bytes_launched

@@ -1,0 +1,192 @@
+"""SM120 backward, FA2 family: upstream's SM120 backward opened up to 4 or 8 warps, any tile, stage and atom layout.
+
+Algorithm (inherited, not copied): FlashAttention-2's backward on warp-level tensor cores. A CTA
+owns one n-block of K and V (n_block rows) and walks the m-blocks of Q and dO that can see it. For
+each m-block it recomputes S = Q K^T and P = exp2(S * scale_log2 - LSE_log2), then dP = dO V^T and
+dS = P * (dP - dPsum), and accumulates dV += P^T dO and dK += dS^T Q in registers; dQ += dS K is
+added to an fp32 accumulator in global memory with atomics. All products are `mma.sync.m16n8k16`
+fed by `ldmatrix`. Q and dO arrive through `cp.async` in rings of `stages_q` / `stages_do` buffers;
+P and dS go through shared memory (sP, sdS) to change their MMA operand layout. Upstream's
+preprocess kernel computes dPsum = rowsum(dO * O) and LSE in log2 units before this kernel, and its
+postprocess kernel converts the dQ accumulator (and, for GQA, the dK/dV accumulators) to the
+output dtype after it.
+
+The three products' warp layouts are free: `atom_m_sdp` warps along M for S/dP (the rest along N),
+`atom_n_dkv` along N for dK/dV, `atom_m_dq` along M for dQ, each optionally swapped (swapAB)
+so that the other operand is the A operand. With `v_in_regs` the kernel keeps V in registers.
+
+This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
+  * `BwdConfig`, the tile/warp/stage/layout choice as data, and upstream's SM120 default;
+  * the exact shared-memory footprint of upstream's SharedStorage (`smem_bytes`). Upstream's SM120
+    `can_implement` counts Q, dO, K and V only, not sP, sdS, sLSE and sdPsum;
+  * SM120 feasibility rules with a reason for each refusal (`bwd_config_error`);
+  * SM120 emulation padding through the same checked mechanism as the forward
+    (`fwd_cpasync.emulation_storage`, verified per compile by occupancy.py).
+Everything else (mainloop, masking, atomics, GQA accumulation, varlen) is upstream's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import cutlass
+from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
+
+from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage
+
+_HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
+_SMEM_ALIGN = 1024  # sK, sV, sQ, sdO are 1 KB aligned
+_SMALL_ALIGN = 128  # sLSE, sdPsum, sP, sdS are 128 B aligned
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Static tiling of one backward kernel (upstream's FlashAttentionBackwardSm80 parameters)."""
+
+    num_threads: int = 128
+    m_block: int = 64
+    n_block: int = 64
+    stages_q: int = 1
+    stages_do: int = 1
+    sdp_swapab: bool = False
+    dkv_swapab: bool = False
+    dq_swapab: bool = False
+    atom_m_sdp: int = 4
+    atom_n_dkv: int = 4
+    atom_m_dq: int = 4
+    v_in_regs: bool = False
+
+    @property
+    def num_warps(self) -> int:
+        return self.num_threads // 32
+
+    @property
+    def name(self) -> str:
+        swaps = "".join(c for c, on in (("s", self.sdp_swapab), ("k", self.dkv_swapab), ("q", self.dq_swapab)) if on)
+        return (f"bwd-w{self.num_warps}-{self.m_block}x{self.n_block}-q{self.stages_q}do{self.stages_do}"
+                f"-a{self.atom_m_sdp}{self.atom_n_dkv}{self.atom_m_dq}{'-swap' + swaps if swaps else ''}"
+                f"{'-vreg' if self.v_in_regs else ''}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def upstream_bwd_config(head_dim: int) -> BwdConfig:
+    """What upstream's `_flash_attn_bwd` runs on SM120: 4 warps, 64x64, 2 stages up to d=64, else 1."""
+    stages = 2 if head_dim <= 64 else 1
+    return BwdConfig(128, 64, 64, stages, stages, False, False, False, 4, 4, 4, False)
+
+
+def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int = 2) -> int:
+    """Dynamic shared memory of one CTA, as upstream's SharedStorage lays it out (field order kept).
+
+    sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
+    column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
+    V in registers upstream still allocates sV and sizes sQ as max(sQ, sV).
+    """
+    hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
+    q = cfg.m_block * hd * cfg.stages_q * elem_bytes
+    v = cfg.n_block * hdv * elem_bytes
+    fields = [
+        (cfg.n_block * hd * elem_bytes, _SMEM_ALIGN),  # sK
+        (v, _SMEM_ALIGN),  # sV
+        (max(q, v) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
+        (cfg.m_block * hdv * cfg.stages_do * elem_bytes, _SMEM_ALIGN),  # sdO
+    ]
+    lse = (cfg.m_block + (cfg.stages_q - 1) * _round_up(cfg.m_block, 64)) * 4
+    fields += [(lse, _SMALL_ALIGN), (lse, _SMALL_ALIGN)]  # sLSE, sdPsum
+    fields += [(cfg.m_block * cfg.n_block * elem_bytes, _SMALL_ALIGN)] * 2  # sP, sdS
+    offset = 0
+    for size, align in fields:
+        offset = _round_up(offset, align) + size
+    return _round_up(offset, _SMEM_ALIGN)
+
+
+def _layout_error(what: str, rows: int, cols: int, atom: int, warps: int) -> Optional[str]:
+    """An MMA over a rows x cols tile with `atom` warps along rows and the rest along cols.
+
+    swapAB transposes the MMA and its atom layout together (upstream's _get_tiled_mma), so the warps
+    along each tile side, and the 16-row granules they need, are the same either way."""
+    if warps % atom:
+        return f"{what}: {atom} warps along one side do not divide {warps} warps"
+    if rows % (16 * atom) or cols % (16 * (warps // atom)):
+        return (f"{what}: a {rows}x{cols} tile is not a multiple of {16 * atom}x{16 * (warps // atom)} "
+                f"({atom}x{warps // atom} warps)")
+    return None
+
+
+def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional[str]:
+    """Why a backward config cannot run on SM120, or None if it can."""
+    if cfg.num_threads not in (128, 256):
+        return f"num_threads={cfg.num_threads}: only 128 (4 warps) or 256 (8 warps) are supported"
+    if head_dim % 8 or head_dim_v % 8 or not (8 <= head_dim <= 256 and 8 <= head_dim_v <= 256):
+        return f"head dims ({head_dim}, {head_dim_v}) must be multiples of 8 in [8, 256]"
+    if not (1 <= cfg.stages_q <= 2 and 1 <= cfg.stages_do <= 2):
+        return f"stages (Q {cfg.stages_q}, dO {cfg.stages_do}) must be 1 or 2"
+    warps = cfg.num_warps
+    hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
+    for err in (
+        _layout_error("S/dP", cfg.m_block, cfg.n_block, cfg.atom_m_sdp, warps),
+        _layout_error("dK", cfg.n_block, hd, cfg.atom_n_dkv, warps),
+        _layout_error("dV", cfg.n_block, hdv, cfg.atom_n_dkv, warps),
+        _layout_error("dQ", cfg.m_block, hd, cfg.atom_m_dq, warps),
+    ):
+        if err is not None:
+            return err
+    smem = smem_bytes(head_dim, head_dim_v, cfg) + hardware.DSL_STATIC_SMEM
+    if smem > hardware.SMEM_PER_BLOCK_MAX:
+        return f"needs {smem} B of shared memory, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
+    return None
+
+
+class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
+    """Upstream's SM120 backward with a BwdConfig, SM120 limits and emulation padding.
+
+    `emulate_host_smem`: a hardware.EmulationHost when the kernel runs in SM120 emulation on another
+    GPU (shared memory padded so that the host fits no more CTAs per SM than SM120); None on SM120.
+    """
+
+    family = "bwd"
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        head_dim_v: Optional[int] = None,
+        qhead_per_kvhead: int = 1,
+        config: BwdConfig = BwdConfig(),
+        *,
+        pack_gqa: bool = False,
+        is_causal: bool = False,
+        is_local: bool = False,
+        score_mod=None,
+        score_mod_bwd=None,
+        emulate_host_smem: Optional[hardware.EmulationHost] = None,
+    ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise TypeError(f"SM120 backward takes Float16 or BFloat16, got {dtype}")
+        error = bwd_config_error(head_dim, head_dim_v, config)
+        if error is not None:
+            raise ValueError(f"SM120 backward config not implementable: {error}")
+        super().__init__(
+            dtype, head_dim, head_dim_v, qhead_per_kvhead, config.m_block, config.n_block, config.stages_q,
+            config.stages_do, config.num_threads, pack_gqa, is_causal, is_local, config.sdp_swapab,
+            config.dkv_swapab, config.dq_swapab, config.atom_m_sdp, config.atom_n_dkv, config.atom_m_dq,
+            V_in_regs=config.v_in_regs, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+        )
+        self.config = config
+        self.emulate_host_smem = emulate_host_smem
+        # filled in at trace time, read by the occupancy check, the codegen report and the tests
+        self.smem_bytes_unpadded: Optional[int] = None
+        self.smem_bytes_launched: Optional[int] = None
+        self.launch_threads: Optional[int] = None
+
+    def _get_shared_storage_cls(self):
+        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)

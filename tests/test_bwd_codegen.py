@@ -1,0 +1,79 @@
+"""The SM120 backward family (kernels/bwd_sm120.py) on a CPU: feasibility rules, the exact shared-memory
+footprint, sm_120a codegen of upstream's own SM120 backward config, and emulation padding.
+
+No GPU: kernels are traced with upstream's fake backward tensors and compiled for sm_120a
+(codegen.compile_bwd_cubin). The backward is not dispatched to yet; these tests hold the slice in place.
+"""
+
+import re
+
+import pytest
+
+from flash_attn_sm120 import codegen, hardware
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, smem_bytes, upstream_bwd_config
+
+pytestmark = pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
+
+
+def test_upstream_sm120_default_is_what_its_interface_runs():
+    assert upstream_bwd_config(64) == BwdConfig(128, 64, 64, 2, 2)
+    assert upstream_bwd_config(128) == BwdConfig(128, 64, 64, 1, 1)
+    assert upstream_bwd_config(96).name == "bwd-w4-64x64-q1do1-a444"
+
+
+@pytest.mark.parametrize("cfg,d,match", [
+    (BwdConfig(num_threads=192), 128, "num_threads"),
+    (BwdConfig(stages_q=3), 64, "stages"),
+    (BwdConfig(atom_m_sdp=3), 64, "do not divide"),
+    (BwdConfig(256, 64, 64, atom_m_sdp=8), 128, r"S/dP: a 64x64 tile is not a multiple of 128x16"),
+    (BwdConfig(256, 64, 64, atom_n_dkv=8), 128, r"dK: a 64x128 tile is not a multiple of 128x16"),
+    (BwdConfig(128, 128, 128, 2, 2), 128, "shared memory"),
+    (BwdConfig(), 260, "head dims"),
+])
+def test_refusals_name_the_reason(cfg, d, match):
+    err = bwd_config_error(d, d, cfg)
+    assert err is not None and re.search(match, err), err
+
+
+def test_smem_counts_what_upstreams_can_implement_leaves_out():
+    """Upstream's SM120 can_implement counts Q, dO, K and V; the struct also holds sP, sdS, sLSE, sdPsum."""
+    cfg = upstream_bwd_config(128)
+    qdokv = 64 * 128 * 2 * 4
+    assert smem_bytes(128, 128, cfg) == 82944 > qdokv == 65536
+    # a config upstream's check accepts that does not fit 99 KB once sP / sdS are counted
+    big = BwdConfig(128, 64, 128, 1, 1, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4)
+    assert 128 * 128 * 2 * 2 + 64 * 128 * 2 * 2 <= 101376 < smem_bytes(128, 128, big) + hardware.DSL_STATIC_SMEM
+    assert "shared memory" in bwd_config_error(128, 128, big)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,cfg", [(64, upstream_bwd_config(64)), (128, upstream_bwd_config(128)),
+                                   (96, BwdConfig(256, 64, 64, 1, 1))])
+def test_smem_formula_is_the_traced_struct_size(d, cfg):
+    kernels = []
+    _, smem = codegen.compile_bwd_cubin(cfg, d, kernel_out=kernels)
+    assert smem == kernels[0].smem_bytes_unpadded == smem_bytes(d, d, cfg)
+    assert kernels[0].launch_threads == cfg.num_threads
+
+
+@pytest.mark.slow
+def test_upstream_sm120_backward_spills_at_d128_on_sm120a():
+    """The reason the backward family exists: upstream's SM120 backward at d=128 (4 warps, 64x64) runs out
+    of registers on sm_120a. At d=64 it fits."""
+    res128, hist128, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(upstream_bwd_config(128), 128)[0])
+    assert res128["regs"] == 255 and res128["stack"] > 0 and hist128.get("LDL", 0) > 0
+    res64, hist64, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(upstream_bwd_config(64), 64)[0])
+    assert res64["stack"] == 0 and hist64.get("LDL", 0) == 0 and hist64.get("HMMA", 0) > 0
+
+
+@pytest.mark.slow
+def test_emulation_padding_reaches_the_backward_kernel():
+    """An H200 as its driver reports it keeps as many CTAs of the backward per SM as SM120 would."""
+    host = hardware.EmulationHost(233472, 232448, 1024, 0)
+    cfg = upstream_bwd_config(64)  # 65 KB + 1 KB static on SM120: 1 CTA/SM; the H200 would fit 3
+    kernels = []
+    _, launched = codegen.compile_bwd_cubin(cfg, 64, arch="sm_90a", emulate_host_smem=host, kernel_out=kernels)
+    k = kernels[0]
+    target = hardware.sm120_occupancy(k.smem_bytes_unpadded + hardware.DSL_STATIC_SMEM, cfg.num_threads).ctas_per_sm
+    assert launched == k.smem_bytes_launched > k.smem_bytes_unpadded
+    assert host.smem_per_sm // (launched + host.static_smem + host.reserved_per_cta) == target == 1
