@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 import torch
@@ -45,7 +45,7 @@ class DeviceInfo:
     def uses_sm120_kernels(self) -> bool:
         return self.mode in ("sm120", "emulated")
 
-    @property
+    @cached_property  # read on every attention call: built once
     def emulate_host_smem(self) -> Optional[hardware.EmulationHost]:
         """What the SM120 kernels need to pad for (the host driver's numbers), or None on a real SM120."""
         if not self.is_emulated:

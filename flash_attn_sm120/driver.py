@@ -391,9 +391,10 @@ def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                      window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars) -> None:
     """Compile and occupancy-check the kernel of `key`, once per process.
 
-    A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on an SM120 (the check there only
-    tests the model), but recompiled in emulation: a padded launch runs only after its check."""
-    if key not in _compile_cache or statics.emulate_host_smem is not None:
+    A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on a real SM120 (the check there only
+    tests the model; such a kernel leaves no record), and recompiled anywhere else: in emulation a
+    padded launch runs only after its check, and an unpadded run is always recorded."""
+    if key not in _compile_cache or launch_mode(statics.emulate_host_smem, q.device) != "sm120":
         index = [to_cute_tensor(t, assumed_align=4, leading_dim=0) if t is not None else None
                  for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
         cute_aux = [to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None

@@ -37,7 +37,7 @@ from flash_attn.cute.interface import (
 )
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import driver, hardware, splitkv
+from flash_attn_sm120 import driver, hardware, occupancy, splitkv
 from flash_attn_sm120.config import (
     _FALLBACKS,
     FwdConfig,
@@ -226,6 +226,10 @@ def clear_cache() -> None:
     _compile_cache = _make_cache()
     _verified_keys.clear()
     _PLANS.clear()
+
+
+def statics_emulated(cp: "CallPlan") -> bool:
+    return cp.compile_key is not None and cp.compile_key[0].fwd.emulate_host_smem is not None
 
 
 def _host_int(x) -> Optional[int]:
@@ -436,7 +440,7 @@ def forward(
             cute_aux = AuxData([to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None,
                                aux_scalars)
             host = statics.fwd.emulate_host_smem
-            if cp.compile_key not in _compile_cache or host is not None:
+            if cp.compile_key not in _compile_cache or driver.launch_mode(host, q.device) != "sm120":
                 _compile_cache[cp.compile_key] = driver.compile_verified(
                     lambda h: make_splitkv_kernel(replace(statics, fwd=replace(statics.fwd, emulate_host_smem=h)),
                                                   cp.score_mod, mask_mod, aux_tensors is not None),
@@ -466,6 +470,8 @@ def forward(
             ))
             if memo:
                 cp.combine = combine
+            if statics_emulated(cp):
+                occupancy.note_unchecked("upstream FlashAttentionForwardCombine (split combine, not padded)")
         # the combine reads LSE partials token-major: (splits, b, s, h) / (splits, total_q, h) views;
         # the last three arguments (dynamic splits, virtual batch, semaphore) are unused here
         combine(o_kernel, lse_kernel.transpose(-1, -2), out, lse.transpose(-1, -2) if lse is not None else None,

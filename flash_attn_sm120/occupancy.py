@@ -56,6 +56,16 @@ class LaunchOccupancy:
 
 
 _RECORDS: list[LaunchOccupancy] = []
+_UNCHECKED: set[str] = set()  # kernels launched next to ours that are not SM120 kernels of this package
+
+
+def note_unchecked(name: str) -> None:
+    """A kernel that runs unpadded and unchecked next to ours (upstream's split combine): listed apart."""
+    _UNCHECKED.add(name)
+
+
+def unchecked() -> list[str]:
+    return sorted(_UNCHECKED)
 
 
 def records() -> list[LaunchOccupancy]:
@@ -64,12 +74,15 @@ def records() -> list[LaunchOccupancy]:
 
 
 def all_verified() -> bool:
-    """True when kernels were launched, every one was checked at SM120's count, none ran unpadded."""
+    """True when this package's SM120 kernels were launched, every one was checked at SM120's count and
+    none ran unpadded. A refused kernel counts against the run although it never launched. Upstream's
+    split combine is not one of them: `unchecked()` lists it, and the JSON writers record that list."""
     return bool(_RECORDS) and all(r.matches and r.mode != "unpadded" for r in _RECORDS)
 
 
 def reset_records() -> None:
     _RECORDS.clear()
+    _UNCHECKED.clear()
 
 
 # ------------------------------------------------------------------------------------ CUDA driver
@@ -117,8 +130,19 @@ def host_function(cubin: bytes, threads: int, dynamic_smem: int) -> HostFunction
     """Load `cubin` (one kernel) into the current context and ask the driver about it."""
     import torch
 
-    torch.cuda.init()  # a current primary context for cuKernelGetFunction
     cu = _cu()
+    # the device's primary context (torch's) made current on this thread for cuKernelGetFunction
+    dev = _check(cu.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
+    ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return _query_cubin(cu, cubin, threads, dynamic_smem)
+    finally:
+        cu.cuCtxPopCurrent()
+        cu.cuDevicePrimaryCtxRelease(dev)
+
+
+def _query_cubin(cu, cubin: bytes, threads: int, dynamic_smem: int) -> HostFunction:
     lib = _check(cu.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData")
     try:
         count = _check(cu.cuLibraryGetKernelCount(lib), "cuLibraryGetKernelCount")

@@ -303,6 +303,7 @@ def main(argv=None):
             copy_bandwidth_GBps=copy_bw / 1e9, date=time.strftime("%Y-%m-%d %H:%M:%S"),
             command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
             occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
+            unchecked_kernels=occupancy.unchecked(),
             rows=rows,
         ), indent=1))
         print(f"wrote {args.out}")

@@ -177,6 +177,7 @@ def main() -> None:
             gpu=torch.cuda.get_device_name(), mode=mode, date=time.strftime("%Y-%m-%d %H:%M:%S"),
             command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
             occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
+            unchecked_kernels=occupancy.unchecked(),
             rows=rows), indent=1))
 
 

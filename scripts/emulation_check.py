@@ -76,6 +76,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         overpad = "launched (padding NOT applied)"
     except Exception as e:
+        # the occupancy check refuses it first (cuFuncSetAttribute above the GPU's limit): this
+        # tests the check; tests/test_occupancy_gpu.py::test_waves tests the launch itself
         overpad = f"refused as it must be: {type(e).__name__}: {str(e)[:120]}"
     print(f"over-padded launch ({2 * info.smem_per_sm // 1024} KB per CTA): {overpad}", flush=True)
     if args.json:

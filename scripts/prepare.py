@@ -369,6 +369,7 @@ def save(rows: list[Row], summary: dict, info, args, path: Path) -> None:
         # CTAs per SM (occupancy.py); the per-kernel records follow
         "occupancy_verified": occupancy.all_verified(),
         "occupancy": [r.to_dict() for r in occupancy.records()],
+        "unchecked_kernels": occupancy.unchecked(),
         "summary": summary, "rows": [asdict(r) for r in rows],
     }
     path.write_text(json.dumps(doc, indent=1))
