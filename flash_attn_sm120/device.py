@@ -26,7 +26,6 @@ from flash_attn_sm120 import hardware
 EMULATE_ENV = "FLASH_ATTN_SM120_EMULATE"
 
 
-
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str

@@ -139,19 +139,20 @@ def compile_verified(make: Callable, compile_fn: Callable, host, device: torch.d
     kernel = make(host)  # a config that cannot run is refused here, before any device work
     mode = launch_mode(host, device)
     with torch.cuda.device(device):
-        kernel, compiled, host_fn = _compile_and_measure(kernel, compile_fn)
+        compiled, host_fn = _compile_and_measure(kernel, compile_fn)
         if mode == "emulated" and host_fn.static_smem != host.static_smem:
             host = host.with_static(host_fn.static_smem)
-            kernel, compiled, host_fn = _compile_and_measure(make(host), compile_fn)
+            kernel = make(host)
+            compiled, host_fn = _compile_and_measure(kernel, compile_fn)
         occupancy.check(name, kernel, host_fn, mode)
     return compiled
 
 
 def _compile_and_measure(kernel, compile_fn):
+    """(compiled, the host driver's answer for it); the cubin is kept only as long as it is read."""
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_fn(kernel, f"--keep-cubin --dump-dir={tmp}")
-        host_fn = occupancy.measure(compiled, kernel)
-    return kernel, compiled, host_fn
+        return compiled, occupancy.measure(compiled, kernel)
 
 
 def _make_cache():

@@ -127,7 +127,7 @@ def cubin_of(compiled) -> Optional[bytes]:
 
 
 def host_function(cubin: bytes, threads: int, dynamic_smem: int) -> HostFunction:
-    """Load `cubin` (one kernel) into the current context and ask the driver about it."""
+    """Load `cubin` (one kernel) in the current device's primary context and ask the driver about it."""
     import torch
 
     cu = _cu()
@@ -171,9 +171,7 @@ def sm120_count(unpadded_smem: int, threads: int, regs: int) -> hardware.Occupan
 
 def compare(name: str, kernel, host: HostFunction, mode: str, sm120_regs: Optional[int] = None) -> LaunchOccupancy:
     """The record for a compiled `kernel` (its trace-time launch facts) and the host's answer."""
-    threads = kernel.launch_threads
-    if threads is None or kernel.smem_bytes_launched is None:
-        raise RuntimeError(f"occupancy check: {name} recorded no launch size (its shared storage was never built)")
+    threads, _ = _launch_size(kernel, name)
     regs = host.regs if sm120_regs is None else sm120_regs
     occ = sm120_count(kernel.smem_bytes_unpadded, threads, regs)
     return LaunchOccupancy(
@@ -186,12 +184,18 @@ def compare(name: str, kernel, host: HostFunction, mode: str, sm120_regs: Option
 
 def measure(compiled, kernel) -> HostFunction:
     """The host driver's answer for a compiled kernel (kept cubin) at its launch size."""
-    if kernel.launch_threads is None or kernel.smem_bytes_launched is None:
-        raise RuntimeError("occupancy check: the kernel recorded no launch size (its shared storage was never built)")
+    threads, dynamic_smem = _launch_size(kernel, "the kernel")
     cubin = cubin_of(compiled)
     if cubin is None:
         raise RuntimeError("occupancy check: the compile kept no cubin (compile with --keep-cubin)")
-    return host_function(cubin, kernel.launch_threads, kernel.smem_bytes_launched)
+    return host_function(cubin, threads, dynamic_smem)
+
+
+def _launch_size(kernel, name: str) -> tuple[int, int]:
+    """(block threads, dynamic shared memory) the kernel recorded while its shared storage was built."""
+    if kernel.launch_threads is None or kernel.smem_bytes_launched is None:
+        raise RuntimeError(f"occupancy check: {name} recorded no launch size (its shared storage was never built)")
+    return kernel.launch_threads, kernel.smem_bytes_launched
 
 
 def check(name: str, kernel, host: HostFunction, mode: str, sm120_regs: Optional[int] = None) -> LaunchOccupancy:

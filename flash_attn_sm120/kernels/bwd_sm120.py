@@ -34,15 +34,11 @@ import cutlass
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
 
 from flash_attn_sm120 import hardware
-from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage
+from flash_attn_sm120.kernels.fwd_cpasync import _round_up, emulation_storage
 
 _HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
 _SMEM_ALIGN = 1024  # sK, sV, sQ, sdO are 1 KB aligned
 _SMALL_ALIGN = 128  # sLSE, sdPsum, sP, sdS are 128 B aligned
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 @dataclass(frozen=True)
