@@ -212,6 +212,25 @@ def itertools_accumulate(xs):
         yield total
 
 
+def window_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device):
+    """(sq, sk) bool, True = masked, bottom-right aligned like FlashAttention, with upstream FA4's
+    window meaning (`validation.window_bounds`: one negative side is a real bound)."""
+    import torch
+
+    from flash_attn_sm120.validation import window_bounds
+
+    left, right = window_bounds(causal, *window)
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    shift = seqlen_k - seqlen_q
+    mask = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right is not None:
+        mask |= cols > rows + shift + right
+    if left is not None:
+        mask |= cols < rows + shift - left
+    return mask
+
+
 def reference_attention(q, k, v, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,
                         upcast=True, seqlen_k_used=None):
     """Plain attention on (b, s, h, d) tensors, fp32 when upcast; GQA by head repetition.
@@ -225,17 +244,7 @@ def reference_attention(q, k, v, causal=False, window=(None, None), softmax_scal
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty(b, sq, h, v.shape[-1], dtype=torch.float32 if upcast else q.dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    rows = torch.arange(sq, device=q.device)[:, None]
-    cols = torch.arange(sk, device=q.device)[None, :]
-    shift = sk - sq
-    mask = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
-    left, right = window
-    if causal:
-        right = 0
-    if right is not None:
-        mask |= cols > rows + shift + right
-    if left is not None:
-        mask |= cols < rows + shift - left
+    mask = window_mask(sq, sk, causal, window, q.device)
     group = h // hk
     chunk = max(1, (1 << 26) // max(sk, 1))  # query rows per step: ~256 MB of fp32 scores
     for bi in range(b):

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from flash_attn_sm120 import bench
+from flash_attn_sm120.validation import window_bounds
 
 Q_LAYOUTS = ("dense", "packed", "padded")
 K_LAYOUTS = ("dense", "packed", "padded", "paged")
@@ -383,21 +384,10 @@ def forward_via_api(inputs: Inputs, case: AttnCase, problem: AttnProblem):
 
 
 def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> Optional[torch.Tensor]:
-    """(sq, sk) bool, True = masked; bottom-right aligned like FlashAttention; None if nothing is masked."""
-    left, right = window
-    if causal:
-        right = 0
-    if left is None and right is None:
+    """(sq, sk) bool, True = masked (`bench.window_mask`); None if nothing can be masked."""
+    if window_bounds(causal, *window) == (None, None):
         return None
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(seqlen_k, device=device)[None, :]
-    shift = seqlen_k - seqlen_q
-    mask = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    if right is not None:
-        mask |= cols > rows + shift + right
-    if left is not None:
-        mask |= cols < rows + shift - left
-    return mask
+    return bench.window_mask(seqlen_q, seqlen_k, causal, window, device)
 
 
 def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 ALIGN_BYTES = 16
+WINDOW_LIMIT = 1 << 30  # |window| beyond this is clamped: longer than any int32-indexed sequence
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,14 @@ def check_head_dim(head_dim: int, head_dim_v: int) -> None:
 
 
 def normalize_window(window_size) -> tuple[Optional[int], Optional[int]]:
-    """(left, right) with None meaning unbounded; -1 is accepted as unbounded too (FA2 style)."""
+    """(left, right) as ints or None, values unchanged: upstream FA4's meaning, resolved later by
+    its `_resolve_causal_local_window`.
+
+    None is unbounded. A negative value is a real bound unless *both* sides are negative (then the
+    window is unbounded): (None, -1) attends only to keys strictly before the diagonal, (-2, None)
+    only to keys at least two after it. This is not FA2's convention, where -1 on one side meant
+    unbounded; `window_bounds` states the rule.
+    """
     if window_size is None or (type(window_size) is tuple and window_size == (None, None)):
         return None, None
     if not isinstance(window_size, Sequence) or isinstance(window_size, (str, bytes)) or len(window_size) != 2:
@@ -114,10 +122,23 @@ def normalize_window(window_size) -> tuple[Optional[int], Optional[int]]:
         if isinstance(w, bool) or not isinstance(w, numbers.Integral):
             raise TypeError(f"window_size {side} must be an int or None, got {w!r}")
         w = int(w)
-        if w < -1:
-            raise ValueError(f"window_size {side}={w} is invalid: use >= 0, or -1/None for unbounded")
-        out.append(None if w == -1 else w)
+        # beyond any sequence length a bound means the same; clamped so that the kernels' int32
+        # index + window arithmetic cannot overflow
+        out.append(max(-WINDOW_LIMIT, min(w, WINDOW_LIMIT)))
     return out[0], out[1]
+
+
+def window_bounds(causal: bool, left: Optional[int], right: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """The key range a query row attends to, as offsets from its (bottom-right aligned) diagonal:
+    keys j with diag - left <= j <= diag + right, None = unbounded. Upstream FA4's rule: both sides
+    negative means no window; causal sets right to 0; one negative side is a bound like any other.
+    (The reference masks use this; the kernels get upstream's resolver, and the CPU tests pin the
+    two to each other.)"""
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    return left, right
 
 
 def check_flags(**flags) -> None:

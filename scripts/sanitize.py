@@ -4,7 +4,7 @@
 Each family of flash_attn_sm120.paths (the dispatcher's path counts under the family of the config
 it resolves to) runs SHAPES, each adapted to what the path supports: a dense causal GQA problem,
 a varlen local-window softcap problem with an empty sequence, a seqused (padded) problem with
-NaN padding, and a large-head-dim sliding window. Paths that support SplitKV or paged K/V also
+NaN padding, a large-head-dim sliding window, and a window with a negative right side. Paths that support SplitKV or paged K/V also
 run a split and a paged problem through the public API.
 
 Steps:
@@ -56,6 +56,9 @@ SHAPES = (
      AttnProblem((65, 1), (129, 200), nheads_kv=2, pad_q=7, pad_k=13, seed=3)),
     ("large-d-window", AttnCase("bfloat16", 256, 256, 1, None, "causal_l", 0.0, True, "dense", "dense"),
      AttnProblem((130,), (130,), nheads_kv=1, window_left=50, seed=4)),
+    # upstream's one-sided negative bound: keys >= 70 before the diagonal, the first rows empty
+    ("negative-window", AttnCase("bfloat16", 128, 128, 2, None, "local_lr", 0.0, True, "dense", "dense"),
+     AttnProblem((200,), (333,), nheads_kv=2, window_left=300, window_right=-70, seed=5)),
 )
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)

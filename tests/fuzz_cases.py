@@ -176,9 +176,15 @@ def seqlen(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(*parts)
 
 
-def window_size(max_len: int) -> st.SearchStrategy[int]:
-    return st.one_of(st.integers(0, 8), st.sampled_from((0, 15, 16, 63, 64, 127, 128, 256)),
-                     st.integers(0, max(8, max_len + 64)))
+def window_size(max_len: int, negative: bool = True) -> st.SearchStrategy[int]:
+    """A window side: small, tile edges, anything; and (negative) upstream's one-sided negative
+    bounds, which shift the band off the diagonal (both sides negative is no window at all)."""
+    parts = [st.integers(0, 8), st.sampled_from((0, 15, 16, 63, 64, 127, 128, 256)),
+             st.integers(0, max(8, max_len + 64))]
+    if negative:
+        parts += [st.integers(-8, -1), st.sampled_from((-1, -16, -63, -64, -65, -128)),
+                  st.integers(-max(8, max_len + 64), -1)]
+    return st.one_of(*parts)
 
 
 @st.composite
@@ -216,8 +222,9 @@ def problems(draw, fc: FuzzCase, plan: FuzzPlan):
     else:
         seqlens_k = tuple(k_len(sq, k_lo) for sq in seqlens_q)
     max_k = max(seqlens_k, default=1)
-    left = draw(window_size(max_k), label="window_left") if case.has_window[0] else None
-    right = draw(window_size(max_k), label="window_right") if case.has_window[1] else None
+    # backward: negative bounds empty whole rows, which the backward paths leave to a later slice
+    left = draw(window_size(max_k, not bwd), label="window_left") if case.has_window[0] else None
+    right = draw(window_size(max_k, not bwd), label="window_right") if case.has_window[1] else None
     scale = draw(st.one_of(st.none(), st.floats(0.02, 1.0, allow_nan=False, allow_infinity=False)), label="scale")
     pad = st.sampled_from((0, 0, 1, 8, 64, 129))
     return AttnProblem(

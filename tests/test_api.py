@@ -107,7 +107,8 @@ def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
     out, lse = flash_attn_sm120.flash_attn_func(q, k, v, causal=True, window_size=(-1, -1), softcap=0.0)
     kw = calls["driver"]
     assert kw["emulate_host_smem"] == pad
-    assert kw["causal"] is True and kw["window_size_left"] is None
+    # passed as given: the driver resolves it with upstream's rule (both negative: no window)
+    assert kw["causal"] is True and (kw["window_size_left"], kw["window_size_right"]) == (-1, -1)
     assert out.shape == q.shape and "upstream" not in calls
 
 
@@ -196,7 +197,6 @@ def test_cpu_tensors_rejected():
      "contiguous in its last"),
     (lambda: (_cuda_qkv()[0], _cuda_qkv(s=32)[1], _cuda_qkv()[2]), {}, ValueError, "agree"),
     (lambda: (_cuda_qkv()[0], _cuda_qkv(d=32)[1], _cuda_qkv(d=32)[2]), {}, ValueError, "does not match q head dim"),
-    (lambda: _cuda_qkv(), dict(window_size=(-5, 0)), ValueError, "window_size left"),
     (lambda: _cuda_qkv(), dict(window_size=(1.5, 0)), TypeError, "window_size left"),
     (lambda: _cuda_qkv(), dict(window_size=(3,)), TypeError, "pair"),
     (lambda: _cuda_qkv(), dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
@@ -242,3 +242,18 @@ def test_varlen_validation(fake_device):
     with pytest.raises(ValueError, match="3 dimensions"):
         q4 = torch.empty(1, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
         flash_attn_sm120.flash_attn_varlen_func(q4, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("window", [(None, -1), (-1, None), (-4, 9), (9, -4)])
+def test_one_sided_negative_window_reaches_the_driver_as_a_bound(fake_device, window):
+    """Upstream's meaning: one negative side is a real bound, so the driver (which applies upstream's
+    resolver) gets the values unchanged and compiles a local kernel."""
+    from flash_attn.cute.interface import _resolve_causal_local_window
+
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    flash_attn_sm120.flash_attn_func(*_cuda_qkv(), window_size=window)
+    kw = calls["driver"]
+    got = (kw["window_size_left"], kw["window_size_right"])
+    assert got == window
+    assert _resolve_causal_local_window(kw["causal"], *got)[:2] == (False, True)

@@ -74,7 +74,7 @@ def small_attention(draw):
     dv = draw(st.sampled_from((d, 8, 32)))
     sq, sk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     causal = draw(st.booleans())
-    window = (draw(st.one_of(st.none(), st.integers(0, 45))), draw(st.one_of(st.none(), st.integers(0, 45))))
+    window = (draw(st.one_of(st.none(), st.integers(-45, 45))), draw(st.one_of(st.none(), st.integers(-45, 45))))
     softcap = draw(st.sampled_from((0.0, 0.0, 2.0)))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
