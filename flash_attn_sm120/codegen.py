@@ -214,24 +214,47 @@ def report_row(
                                         upstream_class=upstream_class, kernel_out=kernels)
     # families with extra warps (the TMA producer warpgroup) launch more threads than config.num_threads
     threads = getattr(kernels[0], "num_threads_total", config.num_threads)
+    return _row_of_cubin(cubin, smem_dyn, threads, config, keep_sass,
+                         name=name or f"{config.name}-d{head_dim}{'-causal' if causal else ''}", shipped=shipped,
+                         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)
+
+
+def bwd_report_row(
+    config,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    name: Optional[str] = None,
+    shipped: bool = False,
+    causal: bool = False,
+    local: bool = False,
+    dtype: str = "bfloat16",
+    qhead_per_kvhead: int = 1,
+    note: str = "",
+    keep_sass: Optional[dict] = None,
+) -> CodegenResult:
+    """The sm_120a codegen row of one backward kernel (a kernels.bwd_sm120.BwdConfig)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
+                                        qhead_per_kvhead=qhead_per_kvhead)
+    mask = "-causal" if causal else "-local" if local else ""
+    return _row_of_cubin(cubin, smem_dyn, config.num_threads, config, keep_sass,
+                         name=name or f"{config.name}-d{head_dim}{mask}", shipped=shipped, head_dim=head_dim,
+                         head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)
+
+
+def _row_of_cubin(cubin: bytes, smem_dyn: int, threads: int, config, keep_sass: Optional[dict], **fields) -> CodegenResult:
     res, hist, sass_text = inspect_cubin(cubin)
     if keep_sass is not None:
         keep_sass["text"] = sass_text
     smem_total = smem_dyn + res["shared"]
     occ = hardware.sm120_occupancy(smem_total, threads, res["regs"])
-    lds, sts = hist.get("LDL", 0), hist.get("STL", 0)
     return CodegenResult(
-        name=name or f"{config.name}-d{head_dim}{'-causal' if causal else ''}",
-        shipped=shipped,
         config=config.to_dict(),
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        causal=causal,
-        dtype=dtype,
         regs=res["regs"],
         stack_bytes=res["stack"],
-        local_loads=lds,
-        local_stores=sts,
+        local_loads=hist.get("LDL", 0),
+        local_stores=hist.get("STL", 0),
         spill_bytes=res["stack"] + res["local"],
         smem_bytes=smem_total,
         smem_dynamic=smem_dyn,
@@ -240,7 +263,7 @@ def report_row(
         ctas_limiter=occ.limiter,
         warps_per_sm=occ.ctas_per_sm * (threads // 32),
         sass=hist,
-        note=note,
+        **fields,
     )
 
 
@@ -401,10 +424,9 @@ def compile_bwd_cubin(
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators."""
     import cutlass
-    import cutlass.cute as cute
     from flash_attn.cute.interface import make_fake_bwd_tensors
-    from flash_attn.cute.utils import AuxData
 
+    from flash_attn_sm120.driver_bwd import compile_kernel as compile_bwd_kernel
     from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
     from flash_attn_sm120.occupancy import cubin_of
 
@@ -417,11 +439,9 @@ def compile_bwd_cubin(
      _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
     window = cutlass.Int32(0) if local else None
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = cute.compile(
+        compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
-            cutlass.Float32(1.0), None, None, None, None, window, window, None, None, None,
-            AuxData(None, None), None, None, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options=f"--enable-tvm-ffi --keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+            None, None, None, None, window, window, options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

@@ -2,8 +2,8 @@
 
 Dispatch, per call, on the device of `q`:
   * compute capability 12.x, or FLASH_ATTN_SM120_EMULATE=1 on SM80+: validate, then run this
-    package's SM120 forward (driver.py); autograd's backward is upstream's `_flash_attn_bwd`
-    (on a real SM120 that is upstream's SM120 backward; in emulation, the device's own);
+    package's SM120 forward (driver.py, driver_splitkv.py); autograd's backward is this package's
+    SM120 backward (driver_bwd.py), in emulation too;
   * any other CUDA GPU: `flash_attn.cute.flash_attn_func` / `flash_attn_varlen_func`, called
     with the same arguments, so H100/B200 users see no change at all;
   * CPU tensors: validation raises a clear error.
@@ -20,7 +20,7 @@ import flash_attn.cute.interface as upstream
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
 
-from flash_attn_sm120 import driver, driver_splitkv, validation, validation_paged
+from flash_attn_sm120 import driver, driver_bwd, driver_splitkv, validation, validation_paged
 from flash_attn_sm120.device import device_info
 
 
@@ -83,7 +83,7 @@ def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requ
 
 
 class _Sm120AttnFunc(torch.autograd.Function):
-    """Forward on this package's kernels, backward on upstream's."""
+    """Forward and backward on this package's SM120 kernels (driver*.py, driver_bwd.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
@@ -106,9 +106,7 @@ class _Sm120AttnFunc(torch.autograd.Function):
         kw.update(zip(names, index))
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = upstream._flash_attn_bwd(
-            q, k, v, out, dout, lse, dlse=dlse if ctx.return_lse else None, **kw
-        )[:3]
+        dq, dk, dv = driver_bwd.backward(q, k, v, out, dout, lse, dlse=dlse if ctx.return_lse else None, **kw)
         return dq, dk, dv, None, None, None, None
 
 
@@ -165,7 +163,7 @@ def flash_attn_func(
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, deterministic=deterministic, _tensors=(), _tensor_names=(),
+        window_size_right=right, emulate_host_smem=target[0], _tensors=(), _tensor_names=(),
     )
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
@@ -245,7 +243,7 @@ def flash_attn_varlen_func(
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, deterministic=deterministic, max_seqlen_q=max_seqlen_q,
+        window_size_right=right, emulate_host_smem=target[0], max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)

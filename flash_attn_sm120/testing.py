@@ -323,7 +323,8 @@ OUTPUT_ALLOCATORS = ("flash_attn_sm120.driver", "flash_attn_sm120.driver_splitkv
 
 @contextlib.contextmanager
 def poisoned_outputs():
-    """Within: every out/lse that a driver's forward allocates itself starts as NaN.
+    """Within: every out/lse that a driver's forward allocates itself, and every dq/dk/dv of the
+    backward driver, starts as NaN.
 
     The public API lets the drivers allocate (torch.empty), whose stale contents may look right;
     wrapping the module attributes the interface calls makes an unwritten element fail for sure.
@@ -350,9 +351,19 @@ def poisoned_outputs():
 
         module.forward = forward
         patched.append((module, original))
+    from flash_attn_sm120 import driver_bwd
+
+    original_bwd = driver_bwd.backward
+
+    def backward(q, k, v, *args, dq=None, dk=None, dv=None, **kw):
+        dq, dk, dv = (torch.full_like(x, float("nan")) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+        return original_bwd(q, k, v, *args, dq=dq, dk=dk, dv=dv, **kw)
+
+    driver_bwd.backward = backward
     try:
         yield
     finally:
+        driver_bwd.backward = original_bwd
         for module, original in patched:
             module.forward = original
 
@@ -581,7 +592,8 @@ def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int
         g_lse = [torch.randn(inputs.q_layout.lse_seq(lse, i).shape, generator=gen, device=out.device) for i in nq]
     outs = [inputs.q_layout.seq(out, i) for i in nq]
     lses = [inputs.q_layout.lse_seq(lse, i) for i in nq] if case.return_lse else None
-    grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), (inputs.q, inputs.k, inputs.v))
+    with poisoned_outputs():  # the backward driver's dq/dk/dv start as NaN
+        grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), (inputs.q, inputs.k, inputs.v))
 
     results = {"actual": grads, "out": out.detach(), "lse": None if lse is None else lse.detach()}
     window = problem.window(case)

@@ -428,6 +428,8 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     ap.add_argument("--subset", default="", help="only problems whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="write all rows and the summary here")
     ap.add_argument("--plot", type=Path, default=None, help="bar chart of TFLOPS per shape (matplotlib)")
+    ap.add_argument("--bwd-configs", type=Path, default=None,
+                    help="--set bwd: JSON file {name: BwdConfig fields [+ head_dims]} timed next to the table's")
     args = ap.parse_args(argv)
     problems = [p for p in bench.problem_set(args.set) if args.subset in p.name]
     if args.dry_run:
@@ -435,6 +437,8 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
         return {}
     info = detect(args.emulate)
     print(f"mode: {info.mode} -- {info.label()}")
+    if args.set == "bwd":
+        return _run_bwd(args, problems, info)
     impls = [] if args.baseline else candidates(info)
     if not args.no_references or args.baseline:
         refs = reference_impls(info)
@@ -457,16 +461,45 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     return summary
 
 
-def _print_table(rows: list[Row]) -> None:
+def _run_bwd(args, problems: list[Problem], info) -> dict:
+    """--set bwd: the backward alone, candidates and references side by side (scripts/prepare_bwd.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import prepare_bwd
+
+    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+
+    impls = [] if args.baseline else prepare_bwd.table_candidate(info)
+    if args.bwd_configs and not args.baseline:
+        raw = json.loads(args.bwd_configs.read_text())
+        configs = {n: (BwdConfig(**{k: v for k, v in c.items() if k != "head_dims"}), c.get("head_dims"))
+                   for n, c in raw.items()}
+        impls += prepare_bwd.config_candidates(info, configs)
+    if not args.no_references or args.baseline:
+        refs = prepare_bwd.reference_bwd_impls(info)
+        impls += [r for r in refs if args.references == "all" or r.name in args.references.split(",")]
+    rows = prepare_bwd.evaluate_bwd(impls, problems, info, reps=args.reps, row_cls=Row)
+    summary = summarize(rows, info, "reference" if args.baseline else "candidate")
+    summary["vs_upstream_sm120"] = prepare_bwd.summary_ratios(rows, "sm120_bwd_table")
+    _print_table(rows, "bwd_tflops")
+    print(format_summary(summary))
+    ratios = summary["vs_upstream_sm120"]
+    print(f"bwd_vs_upstream_sm120_geomean: {ratios['geomean']:.3f} (min {ratios['min']:.3f})")
+    print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
+    if args.json:
+        save(rows, summary, info, args, args.json)
+    return summary
+
+
+def _print_table(rows: list[Row], field: str = "tflops") -> None:
     problems = list(dict.fromkeys(r.problem for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
-    print("\nTFLOPS (" + rows[0].mode + ")" if rows else "")
+    print(f"\n{'backward ' if field == 'bwd_tflops' else ''}TFLOPS (" + rows[0].mode + ")" if rows else "")
     print(f"{'problem':34s}" + "".join(f"{i[:18]:>19s}" for i in impls))
     for p in problems:
         cells = []
         for i in impls:
             r = next((r for r in rows if r.problem == p and r.impl == i), None)
-            cells.append(f"{r.tflops:19.1f}" if r and r.status == "ok" else f"{(r.status if r else '-'):>19s}")
+            cells.append(f"{getattr(r, field):19.1f}" if r and r.status == "ok" else f"{(r.status if r else '-'):>19s}")
         print(f"{p:34s}" + "".join(cells))
 
 

@@ -125,6 +125,12 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         return f"head dims ({head_dim}, {head_dim_v}) must be multiples of 8 in [8, 256]"
     if not (1 <= cfg.stages_q <= 2 and 1 <= cfg.stages_do <= 2):
         return f"stages (Q {cfg.stages_q}, dO {cfg.stages_do}) must be 1 or 2"
+    # upstream's SM80/SM120 mainloop: it asserts stages_q >= stages_do; with S/dP swapped its LSE and
+    # dPsum rows no longer match the accumulator's (an assertion), and swapped dK/dV fails to build
+    if cfg.stages_q < cfg.stages_do:
+        return f"stages_q ({cfg.stages_q}) must be >= stages_do ({cfg.stages_do}) in upstream's mainloop"
+    if cfg.sdp_swapab or cfg.dkv_swapab:
+        return "sdp_swapab / dkv_swapab are not supported by upstream's SM80/SM120 mainloop (dq_swapab is)"
     warps = cfg.num_warps
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     for err in (

@@ -1,0 +1,120 @@
+"""Backward kernel configs: the TOML table in configs/sm120_bwd.toml and a pure selection rule.
+
+Mirrors config.py for the backward. The table is data: one entry per (head_dim bucket, mask kind) with
+a `kernels.bwd_sm120.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layouts, swapAB flags, V in
+registers) and the provenance of the measurement that chose it (scripts/config_search.py, stage
+bwd-*). `select_bwd_config` is a pure function of the table and the problem's static properties.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from flash_attn_sm120.config import CONFIG_DIR, HEAD_DIM_BUCKETS, MASK_KINDS, head_dim_bucket, mask_kind
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error
+
+BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
+BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)
+
+# Tried in order when the table has no entry that runs the head dims: spill-free on sm_120a and within
+# 99 KB (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps, 64x64) is not
+# among them: it spills at d=128 and does not fit above.
+BWD_FALLBACKS = (
+    BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2),
+    BwdConfig(256, 64, 32, 1, 1, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4, v_in_regs=True),
+    BwdConfig(128, 32, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),
+)
+
+
+@dataclass(frozen=True)
+class BwdTableEntry:
+    head_dim: int  # bucket upper bound
+    mask: str
+    config: BwdConfig
+    provenance: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+_CONFIG_KEYS = {f.name: f.type for f in fields(BwdConfig)}
+
+
+def config_from_row(raw: dict) -> BwdConfig:
+    """A BwdConfig from a TOML row: every BwdConfig field is required (the table says what it runs)."""
+    missing = [k for k in _CONFIG_KEYS if k not in raw]
+    if missing:
+        raise KeyError(", ".join(missing))
+    return BwdConfig(**{k: (bool(raw[k]) if isinstance(BwdConfig.__dataclass_fields__[k].default, bool)
+                            else int(raw[k])) for k in _CONFIG_KEYS})
+
+
+def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
+    """Validate a parsed TOML document into entries (ValueError names the entry and the problem)."""
+    if data.get("schema") != 1:
+        raise ValueError(f"backward config table schema must be 1, got {data.get('schema')!r}")
+    entries, seen = [], set()
+    for i, raw in enumerate(data.get("bwd", [])):
+        where = f"bwd entry {i}"
+        try:
+            head_dim, mask = int(raw["head_dim"]), str(raw["mask"])
+            cfg = config_from_row(raw)
+        except KeyError as e:
+            raise ValueError(f"{where}: missing key(s) {e}") from None
+        if head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"{where}: head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+        if mask not in MASK_KINDS:
+            raise ValueError(f"{where}: mask {mask!r} not in {MASK_KINDS}")
+        err = bwd_config_error(head_dim, head_dim, cfg)
+        if err:
+            raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
+        prov = raw.get("provenance")
+        if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
+            raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
+        if (head_dim, mask) in seen:
+            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask})")
+        seen.add((head_dim, mask))
+        entries.append(BwdTableEntry(head_dim, mask, cfg, dict(prov)))
+    return entries
+
+
+def load_bwd_table(path: Path | str | None = None) -> tuple[BwdTableEntry, ...]:
+    """The shipped table, or `path`, or the file named by FLASH_ATTN_SM120_BWD_TABLE."""
+    return _load_cached(str(path or os.environ.get(BWD_TABLE_ENV) or BWD_TABLE_PATH))
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
+    with open(path, "rb") as f:
+        return tuple(parse_bwd_table(tomllib.load(f)))
+
+
+@lru_cache(maxsize=1024)
+def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> BwdConfig:
+    """The table's config for this problem, else the first fallback that runs; pure.
+
+    Lookup order as the forward's: exact (bucket, mask); local tries causal; then the bucket's
+    non-causal entry; then BWD_FALLBACKS. A config that cannot run the actual head dims is skipped.
+    """
+    bucket = head_dim_bucket(head_dim, head_dim_v)
+    kind = mask_kind(causal, local)
+    by_key = {(e.head_dim, e.mask): e.config for e in table}
+    for m in [kind] + (["causal"] if kind == "local" else []) + ["none"]:
+        cfg = by_key.get((bucket, m))
+        if cfg is not None and bwd_config_error(head_dim, head_dim_v, cfg) is None:
+            return cfg
+    for cfg in BWD_FALLBACKS:
+        if bwd_config_error(head_dim, head_dim_v, cfg) is None:
+            return cfg
+    raise ValueError(f"no SM120 backward config fits head dims ({head_dim}, {head_dim_v}) in 99 KB of shared memory")
+
+
+def table_entries(table: Optional[Iterable[BwdTableEntry]] = None) -> tuple[BwdTableEntry, ...]:
+    return tuple(load_bwd_table() if table is None else table)

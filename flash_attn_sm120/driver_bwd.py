@@ -1,0 +1,287 @@
+"""The SM120 backward driver: config choice, buffers, compile cache and the three launches.
+
+A thin replacement for the SM120 branch of upstream's `_flash_attn_bwd`, which hard-codes 4 warps,
+64x64 tiles and no tuning. One backward is three kernels:
+
+  1. upstream's preprocess (imported): dPsum = rowsum(dO * O) (minus dLSE when the LSE had a
+     gradient), LSE in log2 units (an empty row's -inf becomes 0, so its P is 0), dQ accumulator zeroed;
+  2. the main kernel (kernels/bwd_sm120.py, a BwdConfig from configs/sm120_bwd.toml): one CTA per
+     n_block of K/V walks the m_blocks of Q/dO that can see it, writes dK/dV (MHA) or adds them into
+     fp32 accumulators (GQA: several query heads share one KV head), and adds dQ into its fp32
+     accumulator with atomics;
+  3. upstream's postprocess (imported): the fp32 accumulators to the output dtype, dQ and dK scaled
+     by the softmax scale. It reads the accumulators in the main kernel's thread layout, so it gets
+     the main kernel's warps, atom layout and swapAB flag.
+
+The main kernel is cached per compile key and, in SM120 emulation, padded and occupancy-checked
+like every forward kernel (driver.compile_verified). The pre/postprocess kernels are upstream's,
+memory-bound and unpadded: they are listed as unchecked (occupancy.note_unchecked).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.cache_utils import JITCache
+from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, to_cute_tensor
+from flash_attn.cute.interface import (
+    _bwd_postprocess_convert,
+    _bwd_preprocess,
+    _resolve_causal_local_window,
+    maybe_contiguous,
+)
+from flash_attn.cute.utils import AuxData
+
+from flash_attn_sm120 import occupancy
+from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+from flash_attn_sm120.driver import compile_verified
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
+
+_TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+HDIM_MULTIPLE = 32  # accumulator head-dim padding of upstream's SM80/SM120 backward (no SM90 swap)
+POSTPROCESS_ARCH = 120  # upstream's pre/postprocess read the accumulators in SM80/SM120 MMA layout
+UNCHECKED = "bwd pre/postprocess (upstream, unpadded)"
+
+
+@dataclass(frozen=True)
+class BwdStatics:
+    """Everything a compiled backward main kernel is specialized on (the compile key)."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int
+    causal: bool
+    local: bool
+    has_window_left: bool
+    has_window_right: bool
+    softcap: float
+    has_cu_seqlens_q: bool
+    has_cu_seqlens_k: bool
+    has_seqused_q: bool
+    has_seqused_k: bool
+    single_q_block: bool  # one m_block / n_block: upstream keys on these (TVM stride specialization)
+    single_k_block: bool
+    broadcast: tuple
+    config: BwdConfig
+    emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
+
+    @property
+    def describe(self) -> str:
+        flags = [f for f, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap),
+                                  ("varlen", self.has_cu_seqlens_q or self.has_cu_seqlens_k)) if on]
+        return (f"{self.config.name} d={self.head_dim}/{self.head_dim_v} {self.dtype} "
+                f"qhead_per_kvhead={self.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
+
+
+_compile_cache = JITCache()
+_verified_keys: set = set()
+_forced_config: list[BwdConfig] = []
+compile_count = {"bwd": 0}
+
+
+class force_config:
+    """Context manager: every backward inside uses `config` (tests, the search, the research loop)."""
+
+    def __init__(self, config: BwdConfig):
+        self.config = config
+
+    def __enter__(self):
+        _forced_config.append(self.config)
+        return self.config
+
+    def __exit__(self, *exc):
+        _forced_config.pop()
+
+
+def clear_cache() -> None:
+    global _compile_cache
+    _compile_cache = JITCache()
+    _verified_keys.clear()
+
+
+def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig]) -> BwdConfig:
+    """The given or forced config (refused with the reason if SM120 cannot run it), else the table's."""
+    if config is None and _forced_config:
+        config = _forced_config[-1]
+    if config is None:
+        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local)
+    err = bwd_config_error(head_dim, head_dim_v, config)
+    if err is not None:
+        raise ValueError(f"SM120 backward config {config.name} not implementable: {err}")
+    return config
+
+
+def make_kernel(statics: BwdStatics, host) -> FlashAttentionBackwardSm120Tuned:
+    score_mod = score_mod_bwd = None
+    if statics.softcap:
+        score_mod = fa_utils.create_softcap_scoremod(statics.softcap)
+        score_mod_bwd = fa_utils.create_softcap_scoremod_bwd(statics.softcap)
+    return FlashAttentionBackwardSm120Tuned(
+        _TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
+        statics.qhead_per_kvhead, statics.config, is_causal=statics.causal, is_local=statics.local,
+        score_mod=score_mod, score_mod_bwd=score_mod_bwd, emulate_host_smem=host,
+    )
+
+
+def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,
+                   window_left, window_right, options: str = ""):
+    """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes)."""
+    return cute.compile(
+        kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
+        window_left, window_right,
+        None, None, None,  # dQ / dK / dV semaphores (deterministic ordering)
+        AuxData(None, None), None,  # aux data, block sparsity
+        None,  # varlen tile-count hint
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=("--enable-tvm-ffi " + options).strip(),
+    )
+
+
+def _rounded(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_size_left: Optional[int],
+    window_size_right: Optional[int],
+    softcap: Optional[float] = 0.0,
+    emulate_host_smem=None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    dlse: Optional[torch.Tensor] = None,
+    config: Optional[BwdConfig] = None,
+    dq: Optional[torch.Tensor] = None,
+    dk: Optional[torch.Tensor] = None,
+    dv: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of validated forward inputs on this package's SM120 backward.
+
+    Shapes as upstream: q (b, sq, h, d) or varlen (total_q, h, d) with cu_seqlens_q; lse (b, h, sq) or
+    (h, total_q); dlse like lse (the LSE's own gradient, or None). dq/dk/dv: buffers to write (shaped
+    like q/k/v, last dim contiguous), else new ones.
+    """
+    causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
+        causal, window_size_left, window_size_right
+    )
+    q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
+    dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
+                  for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_kv, head_dim_v = v.shape[-2:]
+    qhead_per_kvhead = num_heads // num_heads_kv
+    softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    cfg = choose_config(head_dim, head_dim_v, causal, local, config)
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    seqlen_q = (max_seqlen_q if max_seqlen_q is not None else q.shape[0]) if varlen_q else q.shape[1]
+    seqlen_k = (max_seqlen_k if max_seqlen_k is not None else k.shape[0]) if varlen_k else k.shape[1]
+    statics = BwdStatics(
+        dtype=str(q.dtype).replace("torch.", ""), head_dim=head_dim, head_dim_v=head_dim_v,
+        qhead_per_kvhead=qhead_per_kvhead, causal=causal, local=local,
+        has_window_left=window_size_left is not None, has_window_right=window_size_right is not None,
+        softcap=float(softcap or 0.0), has_cu_seqlens_q=varlen_q, has_cu_seqlens_k=varlen_k,
+        has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
+        single_q_block=_rounded(seqlen_q, cfg.m_block) == cfg.m_block,
+        single_k_block=_rounded(seqlen_k, cfg.n_block) == cfg.n_block,
+        broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
+        emulate_host_smem=emulate_host_smem,
+    )
+    buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
+    dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
+    cute_dtype = _TORCH_TO_CUTE[q.dtype]
+    occupancy.note_unchecked(UNCHECKED)
+    _bwd_preprocess(
+        out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dlse,
+        cute_dtype, head_dim, head_dim_v, cfg.m_block, fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE,
+    )
+    gqa = qhead_per_kvhead > 1
+    dk_target, dv_target = (dk_accum, dv_accum) if gqa else (dk, dv)
+    tensors = (q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_target, dv_target)
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if statics not in _verified_keys:
+        _compile_checked(statics, tensors, index, window_size_left, window_size_right, q.device)
+    _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
+                            None, None, None, AuxData(None, None), None, None)
+    post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
+    _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
+                             head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
+    if gqa:
+        for accum, grad, scale, d in ((dk_accum, dk, softmax_scale, head_dim), (dv_accum, dv, 1.0, head_dim_v)):
+            _bwd_postprocess_convert(accum, grad, scale, cu_seqlens_k, seqused_k, POSTPROCESS_ARCH, cute_dtype, d,
+                                     cfg.n_block, cfg.num_threads, cfg.atom_n_dkv, cfg.dkv_swapab, **post)
+    return dq, dk, dv
+
+
+def _checked_grad(name: str, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if g.shape != like.shape or g.dtype != like.dtype or g.device != like.device or g.stride(-1) != 1:
+        raise ValueError(f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)}, last dim contiguous, on "
+                         f"{like.device}, got {g.dtype} {tuple(g.shape)} on {g.device}")
+    return g
+
+
+def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: int, varlen_q: bool, varlen_k: bool):
+    """(dq_accum, dpsum, lse_log2, dk_accum, dv_accum) in upstream's layouts for this config's tiles.
+
+    Varlen rows are padded per sequence (one extra m_block / n_block each), as upstream's kernels
+    index them. The dK/dV accumulators exist for GQA only, zeroed (the kernel adds into them).
+    """
+    cfg, dev, f32 = statics.config, q.device, torch.float32
+    num_heads, num_heads_kv = q.shape[-2], k.shape[-2]
+    hd, hdv = _rounded(statics.head_dim, HDIM_MULTIPLE), _rounded(statics.head_dim_v, HDIM_MULTIPLE)
+    if varlen_q:
+        rows_q = (q.shape[0] + (batch + 1) * cfg.m_block - 1) // cfg.m_block * cfg.m_block
+        dq_accum = torch.empty(num_heads, rows_q * hd, dtype=f32, device=dev)
+        dpsum = torch.empty(num_heads, rows_q, dtype=f32, device=dev)
+    else:
+        rows_q = _rounded(seqlen_q, cfg.m_block)
+        dq_accum = torch.empty(batch, num_heads, rows_q * hd, dtype=f32, device=dev)
+        dpsum = torch.empty(batch, num_heads, rows_q, dtype=f32, device=dev)
+    lse_log2 = torch.empty_like(dpsum)
+    dk_accum = dv_accum = None
+    if statics.qhead_per_kvhead > 1:
+        if varlen_k:
+            rows_k = (k.shape[0] + (batch + 1) * cfg.n_block - 1) // cfg.n_block * cfg.n_block
+            shape_k, shape_v = (num_heads_kv, rows_k * hd), (num_heads_kv, rows_k * hdv)
+        else:
+            rows_k = _rounded(seqlen_k, cfg.n_block)
+            shape_k, shape_v = (batch, num_heads_kv, rows_k * hd), (batch, num_heads_kv, rows_k * hdv)
+        dk_accum = torch.zeros(shape_k, dtype=f32, device=dev)
+        dv_accum = torch.zeros(shape_v, dtype=f32, device=dev)
+    return dq_accum, dpsum, lse_log2, dk_accum, dv_accum
+
+
+def _compile_checked(statics: BwdStatics, tensors, index, window_left, window_right, device) -> None:
+    """Compile and occupancy-check the main kernel of `statics`, once per process."""
+    cute_tensors = [to_cute_tensor(t) for t in tensors]
+    cute_index = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in index]
+    _compile_cache[statics] = compile_verified(
+        lambda host: make_kernel(replace(statics, emulate_host_smem=host), host),
+        lambda kernel, options: compile_kernel(kernel, *cute_tensors, *cute_index, window_left, window_right,
+                                               options=options),
+        statics.emulate_host_smem, device, statics.describe,
+    )
+    compile_count["bwd"] += 1
+    _verified_keys.add(statics)

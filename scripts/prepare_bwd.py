@@ -1,0 +1,234 @@
+"""The backward part of the harness (`prepare.py --set bwd`): candidates against references, one process.
+
+Each problem's forward (out, LSE) is computed once with the shipped forward; then every
+implementation's backward alone is timed on the same q, k, v, out, dO, LSE:
+
+  * candidates: this package's backward (driver_bwd.backward: upstream's preprocess, the main kernel
+    of a BwdConfig, upstream's postprocess), with the table's config or a given one;
+  * `upstream_sm120`: upstream's SM120 backward kernel class with upstream's own SM120 config
+    (kernels.bwd_sm120.upstream_bwd_config), through the same driver, padded and occupancy-checked
+    the same way in emulation;
+  * `sdpa_*`: PyTorch SDPA backends' backward (autograd of their forward, the backward kernels timed);
+  * `fa4_native_not_sm120`: the host GPU's own FA4 backward (never an SM120 number).
+
+Before timing, each implementation's dq/dk/dv (poisoned with NaN before the call where the
+implementation takes buffers) are checked against fp32 autograd with upstream's rule: within 2x the
+error of the same reference in the inputs' precision, plus an atol. A wrong candidate is `incorrect`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from flash_attn_sm120 import bench
+from flash_attn_sm120.bench import Problem
+
+GRAD_ATOL = 1e-3
+
+
+@dataclass
+class BwdImpl:
+    name: str
+    run: Callable  # run(p, x, poisoned: bool) -> (dq, dk, dv)
+    kind: str = "candidate"
+    supports: Callable[[Problem], bool] = lambda p: True
+
+
+def forward_state(p: Problem, info, seed: int = 0) -> dict:
+    """Inputs, the shipped forward's out and LSE, and a random dO for one problem."""
+    import torch
+
+    from flash_attn_sm120 import driver
+
+    x = bench.make_inputs(p, seed=seed)
+    out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal,
+                              window_size_left=p.window[0], window_size_right=p.window[1], softcap=None,
+                              pack_gqa=None, need_lse=True, emulate_host_smem=info.emulate_host_smem)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x.update(out=out, lse=lse, dout=torch.randn(out.shape, generator=g, device="cuda").to(out.dtype))
+    return x
+
+
+def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kind: str = "candidate") -> BwdImpl:
+    """This package's backward driver with config_for(problem) (None: the table's choice)."""
+    import torch
+
+    from flash_attn_sm120 import driver_bwd
+
+    def run(p, x, poisoned):
+        grads = [torch.full_like(x[n], float("nan")) if poisoned else None for n in ("q", "k", "v")]
+        return driver_bwd.backward(
+            x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None, causal=p.causal,
+            window_size_left=p.window[0], window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
+            config=config_for(p), dq=grads[0], dk=grads[1], dv=grads[2])
+
+    return BwdImpl(name, run, kind, supports=lambda p: not p.is_varlen)
+
+
+def _autograd_impl(name: str, forward: Callable, supports) -> BwdImpl:
+    """A reference whose backward is autograd of its own forward: the graph is built once per input
+    set, and `run` times torch.autograd.grad through it (the backward kernels only)."""
+    import torch
+
+    graphs: dict = {}
+
+    def run(p, x, poisoned):
+        key = id(x["q"])
+        if key not in graphs:
+            leaves = [x[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
+            graphs.clear()
+            graphs[key] = (leaves, forward(p, *leaves))
+        leaves, out = graphs[key]
+        return torch.autograd.grad(out, leaves, x["dout"], retain_graph=True)
+
+    return BwdImpl(name, run, "reference", supports)
+
+
+def reference_bwd_impls(info) -> list[BwdImpl]:
+    import torch
+
+    from flash_attn_sm120.kernels.bwd_sm120 import upstream_bwd_config
+
+    refs = [sm120_bwd_impl("upstream_sm120", lambda p: upstream_bwd_config(max(p.head_dim, p.dv)), info, "reference")]
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        sdpa_kernel = None
+    if sdpa_kernel is not None:
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def fwd(p, q, k, v, _backend=backend):
+                with sdpa_kernel(_backend):
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=p.causal,
+                        enable_gqa=p.nheads != p.nheads_kv)
+                return o.transpose(1, 2)
+            refs.append(_autograd_impl(name, fwd, lambda p: not p.is_varlen and p.window == (None, None)))
+    if info.capability[0] != 12:
+        import flash_attn.cute as fa4
+
+        refs.append(_autograd_impl("fa4_native_not_sm120", lambda p, q, k, v: fa4.flash_attn_func(q, k, v, causal=p.causal)[0],
+                                   lambda p: not p.is_varlen))
+    return refs
+
+
+def reference_grads(p: Problem, x: dict, heads_per_chunk: int = 4):
+    """fp32 and input-precision autograd gradients of the reference attention, in head chunks (MHA: a
+    head's gradients depend on that head only), so long sequences fit."""
+    import torch
+
+    from flash_attn_sm120 import testing
+
+    chunk = heads_per_chunk if p.nheads == p.nheads_kv else p.nheads
+    out = {}
+    for upcast in (True, False):
+        grads = [torch.empty(x[n].shape, dtype=torch.float32 if upcast else x[n].dtype, device="cuda")
+                 for n in ("q", "k", "v")]
+        for h0 in range(0, p.nheads, chunk):
+            hk0, hk1 = (h0, h0 + chunk) if chunk != p.nheads else (0, p.nheads_kv)
+            leaves = [x["q"][:, :, h0:h0 + chunk], x["k"][:, :, hk0:hk1], x["v"][:, :, hk0:hk1]]
+            leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in leaves]
+            o, _ = testing.attention_ref(*leaves, causal=p.causal, window=p.window, upcast=upcast,
+                                         reorder_ops=not upcast)
+            g = torch.autograd.grad(o, leaves, x["dout"][:, :, h0:h0 + chunk].to(o.dtype))
+            grads[0][:, :, h0:h0 + chunk] = g[0]
+            grads[1][:, :, hk0:hk1] = g[1]
+            grads[2][:, :, hk0:hk1] = g[2]
+            del o, g, leaves
+        out["ref" if upcast else "pt"] = grads
+    return out["ref"], out["pt"]
+
+
+def check_grads(actual, ref, pt) -> tuple[bool, float, str]:
+    """Upstream's rule per gradient: max|actual - ref| <= 2 max|pt - ref| + atol, every element finite."""
+    worst, detail = 0.0, ""
+    for name, a, r, lo in zip(("dq", "dk", "dv"), actual, ref, pt):
+        if not bool(a.isfinite().all()):
+            return False, float("inf"), f"{name}: non-finite (unwritten) elements"
+        err = (a.float() - r).abs().max().item()
+        bound = 2 * (lo.float() - r).abs().max().item() + GRAD_ATOL
+        worst = max(worst, err)
+        if err > bound:
+            return False, err, f"{name}: error {err:.3e} > bound {bound:.3e}"
+    return True, worst, detail
+
+
+def evaluate_bwd(impls: list[BwdImpl], problems: list[Problem], info, reps: int = 20, log=print,
+                 row_cls=None) -> list:
+    """One row per (impl, problem): correctness, then the backward's median time and TFLOPS."""
+    import torch
+
+    rows = []
+    for p in problems:
+        xs = [forward_state(p, info, seed=s) for s in range(2)]
+        ref, pt = reference_grads(p, xs[0])
+        for impl in impls:
+            row = row_cls(impl.name, impl.kind, p.name, info.mode, "ok")
+            if not impl.supports(p):
+                row.status = "unsupported"
+                rows.append(row)
+                continue
+            try:
+                ok, err, detail = check_grads(impl.run(p, xs[0], True), ref, pt)
+                row.max_err = err
+                if not ok:
+                    row.status, row.detail = "incorrect", detail
+                    rows.append(row)
+                    log(_fmt(row))
+                    continue
+                torch.cuda.reset_peak_memory_stats()
+                t = bench.time_cuda(lambda i: impl.run(p, xs[i], False), rotations=len(xs), reps=reps)
+                row.peak_vram_mib = torch.cuda.max_memory_allocated() / 2**20
+                row.bwd_ms, row.spread = t.median_ms, t.spread
+                row.bwd_tflops = bench.backward_flops(p) / t.median_ms / 1e9
+            except Exception as e:  # a crashing candidate is reported, the run goes on
+                row.status, row.detail = "error", f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            log(_fmt(row))
+        del ref, pt, xs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt(r) -> str:
+    t = (f"bwd {r.bwd_tflops:7.1f} TFLOPS {r.bwd_ms:8.3f} ms ±{100 * r.spread:4.1f}%" if r.status == "ok"
+         else f"{r.status:>30s}")
+    e = f" err {r.max_err:.2e}" if r.max_err == r.max_err else ""
+    return f"[{r.mode}] {r.problem:32s} {r.impl:26s} {t}{e} {r.detail}"
+
+
+def table_candidate(info) -> list[BwdImpl]:
+    return [sm120_bwd_impl("sm120_bwd_table", lambda p: None, info)]
+
+
+def config_candidates(info, configs: dict) -> list[BwdImpl]:
+    """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
+    dim the config can run)."""
+    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
+
+    out = []
+    for name, (cfg, dims) in configs.items():
+        impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info)
+        impl.supports = lambda p, _c=cfg, _d=dims: (not p.is_varlen and (_d is None or p.head_dim in _d)
+                                                  and bwd_config_error(p.head_dim, p.dv, _c) is None)
+        out.append(impl)
+    return out
+
+
+def summary_ratios(rows, candidate: str, reference: str = "upstream_sm120") -> dict:
+    """Per problem candidate / reference TFLOPS, and their geomean and minimum."""
+    by = {(r.impl, r.problem): r for r in rows if r.status == "ok"}
+    ratios = {}
+    for (impl, prob), r in by.items():
+        if impl == candidate and (reference, prob) in by:
+            ratios[prob] = r.bwd_tflops / by[(reference, prob)].bwd_tflops
+    return {"ratios": ratios, "geomean": bench.geomean(list(ratios.values())),
+            "min": min(ratios.values(), default=float("nan"))}
+
+
+def best_per_problem(rows, kind: str = "candidate") -> dict[str, Optional[object]]:
+    best: dict = {}
+    for r in rows:
+        if r.kind == kind and r.status == "ok" and (r.problem not in best or r.bwd_tflops > best[r.problem].bwd_tflops):
+            best[r.problem] = r
+    return best

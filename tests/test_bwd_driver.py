@@ -1,0 +1,144 @@
+"""The backward driver and its config table on a CPU: table parsing and selection, fallbacks, buffer
+layouts against upstream's, and that autograd reaches driver_bwd in the SM120 modes."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attn_sm120
+from flash_attn_sm120 import config_bwd, driver_bwd, interface
+from flash_attn_sm120.config_bwd import BWD_FALLBACKS, parse_bwd_table, select_bwd_config
+from flash_attn_sm120.device import DeviceInfo
+from flash_attn_sm120.hardware import EmulationHost
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error
+
+ROW = dict(head_dim=128, mask="none", num_threads=256, m_block=64, n_block=64, stages_q=1, stages_do=1,
+           sdp_swapab=False, dkv_swapab=False, dq_swapab=False, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2,
+           v_in_regs=False, provenance=dict(gpu="g", mode="emulated", date="d", command="c"))
+
+
+def test_shipped_table_parses():
+    for e in config_bwd.load_bwd_table():
+        assert bwd_config_error(e.head_dim, e.head_dim, e.config) is None
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(head_dim=100), "not a bucket"), (dict(mask="sliding"), "mask"),
+    (dict(atom_m_sdp=8), "S/dP"), (dict(provenance={"gpu": "g"}), "provenance"),
+    (dict(num_threads=None), "missing"),
+])
+def test_bad_rows_are_named(change, match):
+    row = {**ROW, **change}
+    row = {k: v for k, v in row.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        parse_bwd_table({"schema": 1, "bwd": [row]})
+
+
+def test_duplicate_and_schema():
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_bwd_table({"schema": 1, "bwd": [ROW, ROW]})
+    with pytest.raises(ValueError, match="schema"):
+        parse_bwd_table({"schema": 2})
+
+
+def test_selection_order():
+    causal_row = {**ROW, "mask": "causal", "atom_m_dq": 4}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row]}))
+    assert select_bwd_config(table, 128, 128, False, False).atom_m_dq == 2
+    assert select_bwd_config(table, 128, 128, True, False).atom_m_dq == 4
+    assert select_bwd_config(table, 128, 128, False, True).atom_m_dq == 4  # local -> causal
+    assert select_bwd_config(table, 112, 112, False, False) == table[0].config  # bucket 128
+    assert select_bwd_config(table, 64, 64, False, False) in BWD_FALLBACKS  # no d64 entry
+
+
+@pytest.mark.parametrize("d", range(8, 257, 8))
+def test_every_head_dim_has_a_config(d):
+    cfg = select_bwd_config((), d, d, False, False)
+    assert bwd_config_error(d, d, cfg) is None
+
+
+def test_forced_config_is_checked():
+    with driver_bwd.force_config(BwdConfig(128, 128, 128, 2, 2)):
+        with pytest.raises(ValueError, match="not implementable.*shared memory"):
+            driver_bwd.choose_config(128, 128, False, False, None)
+    cfg = BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2, v_in_regs=True)
+    with driver_bwd.force_config(cfg):
+        assert driver_bwd.choose_config(128, 128, True, False, None) == cfg
+
+
+def _statics(cfg, qhead_per_kvhead=1, d=128):
+    return driver_bwd.BwdStatics("bfloat16", d, d, qhead_per_kvhead, False, False, False, False, 0.0, False,
+                                 False, False, False, False, False, (), cfg, None)
+
+
+@pytest.mark.parametrize("cfg", [BwdConfig(), BWD_FALLBACKS[0], BwdConfig(128, 32, 128, atom_m_sdp=2, atom_n_dkv=4,
+                                                                        atom_m_dq=2)])
+def test_buffers_have_upstreams_layout(cfg):
+    """The sizes upstream's _flash_attn_bwd allocates for the same tiles (its formulas, written out)."""
+    b, sq, sk, h, hk, d = 3, 300, 200, 8, 2, 96
+    hd = math.ceil(d / 32) * 32
+    with FakeTensorMode():
+        q = torch.empty(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+        dq_accum, dpsum, lse_log2, dk_accum, dv_accum = driver_bwd._allocate(
+            q, k, _statics(cfg, h // hk, d), b, sq, sk, False, False)
+        m, n = cfg.m_block, cfg.n_block
+        assert dq_accum.shape == (b, h, math.ceil(sq / m) * m * hd)
+        assert dpsum.shape == lse_log2.shape == (b, h, math.ceil(sq / m) * m)
+        assert dk_accum.shape == dv_accum.shape == (b, hk, math.ceil(sk / n) * n * hd)
+        # varlen: one extra tile per sequence
+        qv = torch.empty(b * sq, h, d, device="cuda", dtype=torch.bfloat16)
+        kv = torch.empty(b * sk, hk, d, device="cuda", dtype=torch.bfloat16)
+        dq_accum, dpsum, _, dk_accum, _ = driver_bwd._allocate(qv, kv, _statics(cfg, h // hk, d), b, sq, sk, True, True)
+        rows_q = (b * sq + (b + 1) * m - 1) // m * m
+        rows_k = (b * sk + (b + 1) * n - 1) // n * n
+        assert dq_accum.shape == (h, rows_q * hd) and dpsum.shape == (h, rows_q)
+        assert dk_accum.shape == (hk, rows_k * hd)
+        # MHA writes dK/dV directly
+        assert driver_bwd._allocate(q, k, _statics(cfg, 1, d), b, sq, sk, False, False)[3] is None
+
+
+@pytest.mark.parametrize("mode,pad", [("sm120", None), ("emulated", EmulationHost(233472, 232448, 1024))])
+def test_autograd_runs_the_sm120_backward(monkeypatch, mode, pad):
+    """The call's backward arguments (as flash_attn_func records them) reach driver_bwd.backward.
+    (Fake CUDA tensors cannot run autograd's engine on a CPU build, so the Function's backward is
+    called with the context the forward would leave.)"""
+    info = DeviceInfo("fake", (12, 0) if mode == "sm120" else (9, 0), 188, 233472, 232448, mode, 1024)
+    monkeypatch.setattr(interface, "device_info", lambda dev: info)
+    recorded, seen = {}, {}
+
+    def fake_forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad):
+        recorded.update(bwd_kwargs=dict(bwd_kwargs), requires_grad=requires_grad)
+        return torch.zeros_like(q), None
+
+    def fake_backward(q, k, v, out, dout, lse, **kw):
+        seen.update(kw)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(interface, "_forward", fake_forward)
+    monkeypatch.setattr(interface.driver_bwd, "backward", fake_backward)
+    with FakeTensorMode():
+        q = torch.empty(2, 64, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(2, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        flash_attn_sm120.flash_attn_func(q, k, v, causal=True, window_size=(None, -3), softcap=5.0)
+        assert recorded["requires_grad"]
+        kw = recorded["bwd_kwargs"]
+        kw.pop("_tensors")
+        ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.zeros_like(q), torch.zeros(2, 8, 64, device="cuda")),
+                              bwd_kwargs=kw, return_lse=False)
+        grads = interface._Sm120AttnFunc.backward(ctx, torch.zeros_like(q), None)
+    assert len(grads) == 7 and grads[0].shape == q.shape and grads[1].shape == k.shape
+    assert seen["emulate_host_smem"] == pad and seen["causal"] is True and seen["softcap"] == 5.0
+    assert (seen["window_size_left"], seen["window_size_right"]) == (None, -3)
+    assert seen["dlse"] is None
+
+
+def test_bad_gradient_buffer_is_named():
+    with FakeTensorMode():
+        x = torch.empty(2, 4, device="cuda")
+        with pytest.raises(ValueError, match="dq must be"):
+            driver_bwd._checked_grad("dq", torch.empty(4, 2, device="cuda"), x)

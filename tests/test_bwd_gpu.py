@@ -1,0 +1,85 @@
+"""The SM120 backward (driver_bwd.py) on a GPU against fp32 autograd, with NaN-poisoned dq/dk/dv.
+
+Every case runs the public API's forward and autograd backward (`testing.check_backward`): each
+gradient within upstream's rule (2x the error of the same reference in the inputs' precision, plus
+an atol) on valid rows, and every valid element written. Configs: upstream's own SM120 config, the
+fallbacks, every entry of configs/sm120_bwd.toml, and 8-warp / 128-row tiles, dense and varlen, MHA,
+GQA and MQA, causal, local (negative windows included), softcap, the LSE's own gradient, fp16.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
+from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table  # noqa: E402
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config  # noqa: E402
+from flash_attn_sm120.testing import AttnCase, AttnProblem  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+EXTRA = [
+    BwdConfig(256, 64, 128, 2, 2, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2),  # PR 2771's d64 shape
+    BwdConfig(256, 128, 64, 1, 1, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4),
+    BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2, v_in_regs=True),
+    BwdConfig(128, 64, 64, 1, 1, dq_swapab=True),
+]
+CONFIGS = ([("upstream", upstream_bwd_config(64)), ("upstream", upstream_bwd_config(128))]
+           + [(f"fallback{i}", c) for i, c in enumerate(BWD_FALLBACKS)]
+           + [(f"table-d{e.head_dim}-{e.mask}", e.config) for e in load_bwd_table()]
+           + [("extra", c) for c in EXTRA])
+
+
+def _run(cfg, case, problem):
+    inputs = testing.make_inputs(case, problem, "cuda", requires_grad=True)
+    with driver_bwd.force_config(cfg):
+        return testing.check_backward(inputs, case, problem)
+
+
+@pytest.mark.parametrize("label,cfg", CONFIGS, ids=[f"{n}-{c.name}" for n, c in CONFIGS])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_configs_dense(label, cfg, d):
+    if bwd_config_error(d, d, cfg) is not None:
+        pytest.skip(bwd_config_error(d, d, cfg))
+    for mask, hk, ratio, sq, sk in (("none", 2, 1, 200, 333), ("causal", 1, 4, 257, 300)):
+        case = AttnCase("bfloat16", d, d, ratio, None, mask)
+        _run(cfg, case, AttnProblem((sq, sq), (sk, sk), nheads_kv=hk, seed=d + sq))
+
+
+FEATURES = [
+    # (id, case, problem)
+    ("varlen-gqa-causal", AttnCase("bfloat16", 128, 128, 2, None, "causal", q_layout="packed", k_layout="packed"),
+     AttnProblem((77, 300, 5), (90, 300, 64), nheads_kv=2, seed=1)),
+    ("seqused-padded", AttnCase("float16", 64, 64, 1, None, "none", q_layout="padded", k_layout="padded"),
+     AttnProblem((65, 130), (129, 200), nheads_kv=2, pad_q=7, pad_k=13, seed=2)),
+    ("mqa-local", AttnCase("bfloat16", 96, 96, 8, None, "local_lr"),
+     AttnProblem((300,), (300,), nheads_kv=1, window_left=40, window_right=7, seed=3)),
+    ("negative-window", AttnCase("bfloat16", 128, 128, 1, None, "local_lr"),
+     AttnProblem((200,), (333,), nheads_kv=2, window_left=300, window_right=-70, seed=4)),
+    ("negative-left", AttnCase("bfloat16", 64, 64, 2, None, "local_l"),
+     AttnProblem((190,), (190,), nheads_kv=1, window_left=-20, seed=5)),
+    ("softcap-lse", AttnCase("bfloat16", 128, 128, 1, None, "causal", softcap=15.0, return_lse=True),
+     AttnProblem((129,), (129,), nheads_kv=3, seed=6)),
+    ("causal-sq-gt-sk", AttnCase("bfloat16", 64, 64, 1, None, "causal"),
+     AttnProblem((300,), (100,), nheads_kv=2, seed=7)),
+    ("d192", AttnCase("bfloat16", 192, 192, 2, None, "causal"), AttnProblem((150,), (150,), nheads_kv=1, seed=8)),
+    ("d256", AttnCase("bfloat16", 256, 256, 1, None, "none"), AttnProblem((100,), (150,), nheads_kv=1, seed=9)),
+    ("d80-dv64", AttnCase("float16", 80, 64, 1, None, "none"), AttnProblem((70,), (90,), nheads_kv=2, seed=10)),
+]
+
+
+@pytest.mark.parametrize("name,case,problem", FEATURES, ids=[f[0] for f in FEATURES])
+def test_features_on_the_table_choice(name, case, problem):
+    """The dispatcher's own choice (table or fallback) on each feature."""
+    inputs = testing.make_inputs(case, problem, "cuda", requires_grad=True)
+    testing.check_backward(inputs, case, problem)
+
+
+def test_no_recompile_for_new_lengths():
+    case = AttnCase("bfloat16", 64, 64, 2, None, "causal")
+    testing.check_backward(testing.make_inputs(case, AttnProblem((130,), (150,), nheads_kv=1, seed=1), "cuda", True),
+                           case, AttnProblem((130,), (150,), nheads_kv=1, seed=1))
+    before = driver_bwd.compile_count["bwd"]
+    p = AttnProblem((250,), (260,), nheads_kv=1, seed=2)
+    testing.check_backward(testing.make_inputs(case, p, "cuda", True), case, p)
+    assert driver_bwd.compile_count["bwd"] == before
