@@ -31,7 +31,7 @@ BWD_MASKS = ("none", "causal")
 # warps along M, N, M), Q/dO stages, V in registers; swapAB one flag at a time on the default atoms.
 TILES = {128: ((64, 64), (64, 128), (128, 64)), 256: ((64, 64), (64, 128), (128, 64), (128, 128))}
 ATOMS = {128: ((4, 4, 4), (2, 4, 2), (2, 2, 2)), 256: ((2, 4, 2), (4, 4, 4), (2, 8, 2), (4, 8, 4), (2, 4, 4))}
-STAGES = ((1, 1), (2, 2), (1, 2))
+STAGES = ((1, 1), (2, 2), (2, 1))
 SWAPS = ((True, False, False), (False, True, False), (False, False, True))
 
 

@@ -116,7 +116,7 @@ def test_dispatch_sm120_uses_driver(fake_device, mode, pad):
 def test_forward_computes_lse_for_autograd(monkeypatch, grad, return_lse, want):
     """The backward needs the LSE even when the caller did not ask for it. Grad mode is off inside
     autograd.Function.forward, so the caller decides (a deep-fuzz find: every backward without
-    return_lse reached upstream's backward with lse=None)."""
+    return_lse reached the backward with lse=None)."""
     seen = {}
 
     def fake_forward(q, k, v, need_lse, **kw):
@@ -130,7 +130,7 @@ def test_forward_computes_lse_for_autograd(monkeypatch, grad, return_lse, want):
 
     monkeypatch.setattr(interface.driver_splitkv, "takes_this_path", lambda **kw: False)
     monkeypatch.setattr(interface.driver, "forward", fake_forward)
-    monkeypatch.setattr(interface.upstream, "_flash_attn_bwd", fake_bwd)
+    monkeypatch.setattr(interface.driver_bwd, "backward", fake_bwd)
     q, k, v = (torch.zeros(1, 32, 2, 64, requires_grad=grad) for _ in range(3))
     bwd_kwargs = dict(_tensors=(), _tensor_names=())
     out, lse = interface._Sm120AttnFunc.apply(q, k, v, {}, bwd_kwargs, return_lse, grad)
