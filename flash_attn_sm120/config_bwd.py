@@ -30,9 +30,10 @@ BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experimen
 # 99 KB (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps, 64x64) is not
 # among them: it spills at d=128 and does not fit above.
 BWD_FALLBACKS = (
-    BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2),
-    BwdConfig(256, 64, 32, 1, 1, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4, v_in_regs=True),
-    BwdConfig(128, 32, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),
+    BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2),  # d <= 128 (not 96)
+    BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4),  # d = 96
+    BwdConfig(256, 64, 32, 1, 1, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4),  # d <= 192
+    BwdConfig(128, 32, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),  # d <= 256
 )
 
 

@@ -35,8 +35,7 @@ A family may pack only some GQA ratios (the TMA family: tile_m a multiple of the
 Every entry of configs/sm120_fwd.toml also becomes a path, "table-d<bucket>-<mask>", restricted to
 its head-dim bucket (`kernel_paths()` reads the table on each call).
 
-Upstream's backward (used after every forward path) has cases its own tests skip per device;
-`BACKWARD_GAPS` lists them by execution mode and the fuzz suite does not draw them.
+`BACKWARD_GAPS` lists backward cases the fuzz suite must not draw, by execution mode (none today).
 """
 
 from __future__ import annotations
@@ -58,13 +57,12 @@ ALL_HEAD_DIMS = tuple(range(8, 257, 8))
 # Head dims upstream's backward is tested at (flash-attn-4 tests/cute: d <= 128)
 BACKWARD_HEAD_DIMS = (64, 96, 128)
 
-# Cases upstream's own tests (flash-attn-4 4.0.0b36, tests/cute) skip for its backward, per mode:
-#   varlen             SM90 skips every varlen backward (emulation runs the host's SM90 backward)
-#   d64-noncausal      SM90 d=64 non-causal backward is an xfail
-#   causal-sq-gt-sk    causal (and here: local) backward with seqlen_q > seqlen_k is not tested
+# Backward cases the fuzz suite must not draw, per mode. Empty since the backward is this package's
+# own in both modes (driver_bwd.py): the SM90 backward's gaps (varlen, d64 non-causal) no longer
+# apply in emulation, and causal seqlen_q > seqlen_k is covered (tests/test_bwd_gpu.py).
 BACKWARD_GAPS: dict[str, frozenset] = {
-    "emulated": frozenset({"varlen", "d64-noncausal", "causal-sq-gt-sk"}),
-    "sm120": frozenset({"causal-sq-gt-sk"}),
+    "emulated": frozenset(),
+    "sm120": frozenset(),
 }
 
 ConfigSpec = Union[None, FwdConfig, Callable[[int, int], FwdConfig]]

@@ -28,7 +28,7 @@ def test_shipped_table_parses():
 @pytest.mark.parametrize("change,match", [
     (dict(head_dim=100), "not a bucket"), (dict(mask="sliding"), "mask"),
     (dict(atom_m_sdp=8), "S/dP"), (dict(provenance={"gpu": "g"}), "provenance"),
-    (dict(num_threads=None), "missing"),
+    (dict(num_threads=None), "missing"), (dict(v_in_regs=True), "v_in_regs"),
 ])
 def test_bad_rows_are_named(change, match):
     row = {**ROW, **change}
@@ -64,7 +64,7 @@ def test_forced_config_is_checked():
     with driver_bwd.force_config(BwdConfig(128, 128, 128, 2, 2)):
         with pytest.raises(ValueError, match="not implementable.*shared memory"):
             driver_bwd.choose_config(128, 128, False, False, None)
-    cfg = BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2, v_in_regs=True)
+    cfg = BwdConfig(256, 64, 64, 2, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
     with driver_bwd.force_config(cfg):
         assert driver_bwd.choose_config(128, 128, True, False, None) == cfg
 

@@ -22,7 +22,9 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
   * SM120 feasibility rules with a reason for each refusal (`bwd_config_error`);
   * SM120 emulation padding through the same checked mechanism as the forward
     (`fwd_cpasync.emulation_storage`, verified per compile by occupancy.py).
-Everything else (mainloop, masking, atomics, GQA accumulation, varlen) is upstream's.
+  * a causal/local mask that is right for any S/dP warp layout (bwd_mask.py): upstream's assumes one
+    warp along N, which only its own SM120 config has.
+Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import cutlass
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
 
 from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels import bwd_mask
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up, emulation_storage
 
 _HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
@@ -131,6 +134,12 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         return f"stages_q ({cfg.stages_q}) must be >= stages_do ({cfg.stages_do}) in upstream's mainloop"
     if cfg.sdp_swapab or cfg.dkv_swapab:
         return "sdp_swapab / dkv_swapab are not supported by upstream's SM80/SM120 mainloop (dq_swapab is)"
+    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives
+    # wrong dQ at 4 and 8 warps, and dq_swapab fails to build when the padded head dim is not a multiple of 64
+    if cfg.v_in_regs:
+        return "v_in_regs gives wrong dQ in upstream's SM80/SM120 mainloop (measured); not offered"
+    if cfg.dq_swapab and _round_up(head_dim, _HDIM_MULTIPLE) % 64:
+        return f"dq_swapab needs the padded head dim ({_round_up(head_dim, _HDIM_MULTIPLE)}) to be a multiple of 64"
     warps = cfg.num_warps
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     for err in (
@@ -192,3 +201,13 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
     def _get_shared_storage_cls(self):
         return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)
+
+    @property
+    def sdp_warps_along_n(self) -> int:
+        return self.config.num_warps // self.config.atom_m_sdp
+
+    def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
+        # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
+        if mask_fn is not None and self.sdp_warps_along_n > 1:
+            mask_fn = bwd_mask.layout_free(mask_fn)
+        return super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)

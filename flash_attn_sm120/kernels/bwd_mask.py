@@ -1,0 +1,68 @@
+"""Causal / local / seqlen masking of the backward's S tile for any warp layout of its MMA.
+
+Why this exists: upstream's `AttentionMask.apply_mask` masks causal and local tiles with the "R2P"
+trick, which turns a column limit into a bit mask over the columns a thread holds. Its bit positions
+assume the accumulator layout of one warp along N (SM90 WGMMA, or an SM80 tiled MMA whose N
+permutation is 16 wide). Upstream's SM120 backward always has that (4 warps along M for S/dP), so
+it never shows. With 2 or more warps along N (an 8-warp 64-row tile, or 4 warps as 2x2) the
+permuted columns no longer match the bits and the backward's gradients are wrong under a causal or
+local mask (measured on the H200: dQ errors of order 1 on every such config).
+
+`layout_free(mask_fn)` replaces upstream's mask callback with one that compares every element's
+own (row, col) coordinate, from `thr_mma.partition_C` of an identity tensor, with the limits:
+
+    masked  <=>  col >= seqlen_k                                   (mask_seqlen)
+             or  col >  row + seqlen_k - seqlen_q                  (causal)
+             or  col >  row + seqlen_k - seqlen_q + window_right   (local, right bound)
+             or  col <  row + seqlen_k - seqlen_q - window_left    (local, left bound)
+
+which is upstream's bottom-right-aligned definition, negative window sides included.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+
+def layout_free(mask_fn):
+    """The same masking as upstream's `partial(AttentionMask.apply_mask, ...)`, for any MMA layout."""
+    mask = mask_fn.func.__self__
+    kw = dict(mask_fn.keywords)
+    return partial(apply_mask_any_layout, mask, n_block=kw["n_block"], thr_mma=kw["thr_mma"],
+                   mask_seqlen=kw["mask_seqlen"], mask_causal=kw["mask_causal"],
+                   mask_local=kw.get("mask_local", False))
+
+
+@cute.jit
+def apply_mask_any_layout(
+    mask,
+    acc_S: cute.Tensor,
+    m_block: Int32,
+    n_block: Int32,
+    thr_mma: cute.TiledMma,
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_causal: cutlass.Constexpr[bool],
+    mask_local: cutlass.Constexpr[bool],
+):
+    tScS = thr_mma.partition_C(cute.make_identity_tensor((mask.tile_m, mask.tile_n)))
+    row0 = m_block * mask.tile_m
+    col0 = n_block * mask.tile_n
+    shift = mask.seqlen_k - mask.seqlen_q
+    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+        row = tScS[i][0] + row0
+        col = tScS[i][1] + col0
+        masked = False
+        if const_expr(mask_seqlen):
+            masked = masked or col >= mask.seqlen_k
+        if const_expr(mask_causal):
+            masked = masked or col > row + shift
+        if const_expr(mask_local):
+            if const_expr(mask.window_size_right is not None):
+                masked = masked or col > row + shift + mask.window_size_right
+            if const_expr(mask.window_size_left is not None):
+                masked = masked or col < row + shift - mask.window_size_left
+        acc_S[i] = -Float32.inf if masked else acc_S[i]
