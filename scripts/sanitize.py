@@ -4,7 +4,8 @@
 Each family of flash_attn_sm120.paths (the dispatcher's path counts under the family of the config
 it resolves to) runs SHAPES, each adapted to what the path supports: a dense causal GQA problem,
 a varlen local-window softcap problem with an empty sequence, a seqused (padded) problem with
-NaN padding, a large-head-dim sliding window, and a window with a negative right side. Paths that support SplitKV or paged K/V also
+NaN padding, a large-head-dim sliding window, and a window with a negative right side. The
+dispatcher's path also runs the backward kernels (BWD_SHAPES, through autograd). Paths that support SplitKV or paged K/V also
 run a split and a paged problem through the public API.
 
 Steps:
@@ -60,6 +61,19 @@ SHAPES = (
     ("negative-window", AttnCase("bfloat16", 128, 128, 2, None, "local_lr", 0.0, True, "dense", "dense"),
      AttnProblem((200,), (333,), nheads_kv=2, window_left=300, window_right=-70, seed=5)),
 )
+# The backward kernels (driver_bwd: the table's configs and its fallbacks), run by the dispatcher's path
+# through the public API's autograd: one case per backward table entry kind plus varlen GQA and d192.
+BWD_SHAPES = (
+    ("bwd-d64-causal-gqa", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, False, "dense", "dense", True),
+     AttnProblem((150, 150), (193, 193), nheads_kv=2, seed=11)),
+    ("bwd-d96-none", AttnCase("float16", 96, 96, 1, None, "none", 0.0, True, "dense", "dense", True),
+     AttnProblem((130,), (200,), nheads_kv=2, seed=12)),
+    ("bwd-d128-varlen-gqa-local", AttnCase("bfloat16", 128, 128, 2, None, "local_lr", 0.0, False, "packed", "packed",
+                                           True),
+     AttnProblem((77, 150), (90, 160), nheads_kv=1, window_left=50, window_right=-3, seed=13)),
+    ("bwd-d192-causal", AttnCase("bfloat16", 192, 192, 1, None, "causal", 0.0, False, "dense", "dense", True),
+     AttnProblem((100,), (130,), nheads_kv=1, seed=14)),
+)
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)
 ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
@@ -105,6 +119,11 @@ def build_cases(paths, families=None) -> list[dict]:
             c = adapt(path, case)
             p = problem if c.q_layout != "dense" or case.q_layout == "dense" else _dense(problem)
             cases.append(_case(path, name, c, p, "driver"))
+        if path.family == "dispatch":
+            for name, case, problem in BWD_SHAPES:
+                c = _case(path, name, case, problem, "public")
+                c["family"] = "bwd"
+                cases.append(c)
         base = adapt(path, SHAPES[0][1])
         if path.supports.splits:
             cases.append(_case(path, "splitkv", base, replace(SHAPES[0][2], num_splits=3), "public"))

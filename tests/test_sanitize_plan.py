@@ -23,6 +23,7 @@ def test_every_path_gets_every_shape_and_cases_fit_the_path():
     for p in paths:
         extra = {"splitkv"} if p.supports.splits else set()
         extra |= {"paged"} if p.supports.paged else set()
+        extra |= {name for name, _, _ in sanitize.BWD_SHAPES} if p.family == "dispatch" else set()
         expected = {name for name, _, _ in sanitize.SHAPES} | extra if p.head_dims() else set()
         assert {c["shape"] for c in cases if c["path"] == p.name} == expected
     by_name = {p.name: p for p in paths}

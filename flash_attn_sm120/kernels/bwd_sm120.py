@@ -23,16 +23,19 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
   * SM120 emulation padding through the same checked mechanism as the forward
     (`fwd_cpasync.emulation_storage`, verified per compile by occupancy.py).
   * a causal/local mask that is right for any S/dP warp layout (bwd_mask.py): upstream's assumes one
-    warp along N, which only its own SM120 config has.
+    warp along N, which only its own SM120 config has;
+  * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`).
 Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import cutlass
+from cutlass import const_expr
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
 
 from flash_attn_sm120 import hardware
@@ -211,3 +214,14 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if mask_fn is not None and self.sdp_warps_along_n > 1:
             mask_fn = bwd_mask.layout_free(mask_fn)
         return super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV, tiled_mma,
+                 tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v):
+        # Varlen GQA: upstream's epilogue adds dK/dV into the accumulators from offset_k + batch * n_block,
+        # its postprocess reads them from that offset rounded down to n_block (SeqlenInfoQK.padded_offset_k);
+        # they differ whenever a sequence starts off a tile boundary (wrong dK/dV, measured). Giving the
+        # epilogue the offset that lands on the rounded one makes both agree.
+        if const_expr(self.qhead_per_kvhead > 1 and seqlen.has_cu_seqlens_k):
+            seqlen = dataclasses.replace(seqlen, offset_k=seqlen.padded_offset_k - batch_idx * self.n_block_size)
+        return super().epilogue(acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV,
+                                tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
