@@ -420,9 +420,12 @@ def compile_bwd_cubin(
     arch: str = TARGET_ARCH,
     emulate_host_smem=None,
     kernel_out: Optional[list] = None,
+    deterministic: bool = False,
+    dq_descending: bool = False,
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
-    backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators."""
+    backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
+    deterministic adds the ordering semaphores (int32, batch x heads x blocks)."""
     import cutlass
     from flash_attn.cute.interface import make_fake_bwd_tensors
 
@@ -433,15 +436,24 @@ def compile_bwd_cubin(
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     kernel = FlashAttentionBackwardSm120Tuned(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config,
-                                              is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem)
+                                              is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem,
+                                              deterministic=deterministic, dq_descending=dq_descending)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
     window = cutlass.Int32(0) if local else None
+    sems = (None, None)
+    if deterministic:
+        import cutlass.cute as cute
+        from quack.compile_utils import make_fake_tensor
+
+        sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))  # noqa: E731
+        sems = (sem(), sem() if gqa else None)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
-            None, None, None, None, window, window, options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+            None, None, None, None, window, window, *sems,
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

@@ -72,11 +72,14 @@ class BwdStatics:
     broadcast: tuple
     config: BwdConfig
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
+    deterministic: bool = False
+    dq_descending: bool = False  # deterministic dQ turn order (kernels/bwd_deterministic.py)
 
     @property
     def describe(self) -> str:
         flags = [f for f, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap),
-                                  ("varlen", self.has_cu_seqlens_q or self.has_cu_seqlens_k)) if on]
+                                  ("varlen", self.has_cu_seqlens_q or self.has_cu_seqlens_k),
+                                  ("deterministic", self.deterministic)) if on]
         return (f"{self.config.name} d={self.head_dim}/{self.head_dim_v} {self.dtype} "
                 f"qhead_per_kvhead={self.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
 
@@ -128,21 +131,34 @@ def make_kernel(statics: BwdStatics, host) -> FlashAttentionBackwardSm120Tuned:
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
         statics.qhead_per_kvhead, statics.config, is_causal=statics.causal, is_local=statics.local,
         score_mod=score_mod, score_mod_bwd=score_mod_bwd, emulate_host_smem=host,
+        deterministic=statics.deterministic, dq_descending=statics.dq_descending,
     )
 
 
 def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,
-                   window_left, window_right, options: str = ""):
-    """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes)."""
+                   window_left, window_right, dq_sem=None, dkv_sem=None, options: str = ""):
+    """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes).
+    dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots)."""
     return cute.compile(
         kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
         window_left, window_right,
-        None, None, None,  # dQ / dK / dV semaphores (deterministic ordering)
+        dq_sem, dkv_sem, None,  # dQ / dK / dV semaphores (deterministic ordering; dK's serves dV too)
         AuxData(None, None), None,  # aux data, block sparsity
         None,  # varlen tile-count hint
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=("--enable-tvm-ffi " + options).strip(),
     )
+
+
+def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int]) -> None:
+    """NotImplementedError for what the deterministic backward does not cover (sliding windows)."""
+    if _resolve_causal_local_window(causal, window_size_left, window_size_right)[1]:
+        raise NotImplementedError("deterministic=True with a sliding window (local attention) is not supported by "
+                                  "the SM120 backward yet; causal and full attention are")
+
+
+def _host_bound(max_seqlen, total: int) -> int:
+    return total if max_seqlen is None or isinstance(max_seqlen, torch.Tensor) else min(int(max_seqlen), total)
 
 
 def _rounded(x: int, m: int) -> int:
@@ -170,6 +186,7 @@ def backward(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     dlse: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
     config: Optional[BwdConfig] = None,
     dq: Optional[torch.Tensor] = None,
     dk: Optional[torch.Tensor] = None,
@@ -184,6 +201,8 @@ def backward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right
     )
+    if deterministic:
+        check_deterministic(causal, window_size_left, window_size_right)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
                   for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))
@@ -196,8 +215,9 @@ def backward(
     cfg = choose_config(head_dim, head_dim_v, causal, local, config)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    seqlen_q = (max_seqlen_q if max_seqlen_q is not None else q.shape[0]) if varlen_q else q.shape[1]
-    seqlen_k = (max_seqlen_k if max_seqlen_k is not None else k.shape[0]) if varlen_k else k.shape[1]
+    # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
+    seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]
+    seqlen_k = _host_bound(max_seqlen_k, k.shape[0]) if varlen_k else k.shape[1]
     statics = BwdStatics(
         dtype=str(q.dtype).replace("torch.", ""), head_dim=head_dim, head_dim_v=head_dim_v,
         qhead_per_kvhead=qhead_per_kvhead, causal=causal, local=local,
@@ -207,7 +227,8 @@ def backward(
         single_q_block=_rounded(seqlen_q, cfg.m_block) == cfg.m_block,
         single_k_block=_rounded(seqlen_k, cfg.n_block) == cfg.n_block,
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
-        emulate_host_smem=emulate_host_smem,
+        emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
+        dq_descending=bool(deterministic) and causal and _all_n_blocks_resident(q.device, seqlen_k, cfg, varlen_k),
     )
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
@@ -221,10 +242,11 @@ def backward(
     dk_target, dv_target = (dk_accum, dv_accum) if gqa else (dk, dv)
     tensors = (q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_target, dv_target)
     index = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None)
     if statics not in _verified_keys:
-        _compile_checked(statics, tensors, index, window_size_left, window_size_right, q.device)
+        _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device)
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
-                            None, None, None, AuxData(None, None), None, None)
+                            *sems, None, AuxData(None, None), None, None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
     _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
                              head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
@@ -273,14 +295,37 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
     return dq_accum, dpsum, lse_log2, dk_accum, dv_accum
 
 
-def _compile_checked(statics: BwdStatics, tensors, index, window_left, window_right, device) -> None:
+def _all_n_blocks_resident(device, seqlen_k: int, cfg: BwdConfig, varlen_k: bool) -> bool:
+    """Whether every n_block CTA of one head fits on the GPU at once (1 CTA per SM, the least any
+    shipped config runs): the condition for the deadlock-free descending dQ order of causal
+    attention. Varlen keeps the ascending order (its scheduler's launch order differs)."""
+    if varlen_k:
+        return False
+    from flash_attn_sm120.device import device_info
+
+    return -(-seqlen_k // cfg.n_block) <= device_info(device).num_sms
+
+
+def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: int):
+    """Zeroed int32 turn counters: dQ per (batch, head, m_block), dK/dV per (batch, KV head, n_block)."""
+    cfg = statics.config
+    m_blocks, n_blocks = -(-seqlen_q // cfg.m_block), -(-seqlen_k // cfg.n_block)
+    dq_sem = torch.zeros(batch, q.shape[-2], max(m_blocks, 1), dtype=torch.int32, device=q.device)
+    dkv_sem = None
+    if statics.qhead_per_kvhead > 1:
+        dkv_sem = torch.zeros(batch, k.shape[-2], max(n_blocks, 1), dtype=torch.int32, device=q.device)
+    return dq_sem, dkv_sem
+
+
+def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device) -> None:
     """Compile and occupancy-check the main kernel of `statics`, once per process."""
     cute_tensors = [to_cute_tensor(t) for t in tensors]
     cute_index = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in index]
+    cute_sems = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in sems]
     _compile_cache[statics] = compile_verified(
         lambda host: make_kernel(replace(statics, emulate_host_smem=host), host),
         lambda kernel, options: compile_kernel(kernel, *cute_tensors, *cute_index, window_left, window_right,
-                                               options=options),
+                                               *cute_sems, options=options),
         statics.emulate_host_smem, device, statics.describe,
     )
     compile_count["bwd"] += 1

@@ -55,7 +55,6 @@ def _check_common_features(
     )
     if requires_grad:
         validation.reject_unsupported(
-            deterministic_backward=deterministic,
             score_mod_backward=score_mod is not None or score_mod_bwd is not None,
             mask_mod_backward=mask_mod is not None,
             paged_KV_backward=page_table is not None,
@@ -163,8 +162,11 @@ def flash_attn_func(
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, emulate_host_smem=target[0], _tensors=(), _tensor_names=(),
+        window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, _tensors=(),
+        _tensor_names=(),
     )
+    if requires_grad and deterministic:
+        driver_bwd.check_deterministic(causal, left, right)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
@@ -243,9 +245,11 @@ def flash_attn_varlen_func(
     )
     bwd_kwargs = dict(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, emulate_host_smem=target[0], max_seqlen_q=max_seqlen_q,
+        window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
+    if requires_grad and deterministic:
+        driver_bwd.check_deterministic(causal, left, right)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 

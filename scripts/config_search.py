@@ -429,7 +429,13 @@ def _read_keys(path) -> set:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=["enumerate", "prune", "time", "time-shard", "write"], required=True)
+    ap.add_argument("--stage", choices=["enumerate", "prune", "time", "time-shard", "write", "bwd-enumerate",
+                                        "bwd-prune", "bwd-candidates", "bwd-write"], required=True,
+                    help="forward stages, or the backward's (scripts/search_bwd.py): bwd-enumerate, bwd-prune "
+                         "(sm_120a, CPU), bwd-candidates (survivors -> --bwd-candidates JSON for prepare.py "
+                         "--set bwd --bwd-configs), bwd-write (--bwd-result JSON -> configs/sm120_bwd.toml)")
+    ap.add_argument("--bwd-candidates", type=Path, help="backward candidates JSON (bwd-candidates writes, bwd-write reads)")
+    ap.add_argument("--bwd-result", type=Path, help="bwd-write: the prepare.py --set bwd --json output")
     ap.add_argument("--out", type=Path, default=ROOT / "configs" / "measurements" / "search")
     ap.add_argument("--buckets", type=int, nargs="*", default=list(HEAD_DIM_BUCKETS))
     ap.add_argument("--masks", nargs="*", default=list(MASKS))
@@ -453,6 +459,8 @@ def main(argv=None) -> None:
         for b in args.buckets:
             cands = enumerate_candidates(b, args.grid)
             print(f"d{b}: {len(cands)} implementable configs")
+    elif args.stage.startswith("bwd-"):
+        _bwd_stage(args)
     elif args.stage == "prune":
         stage_prune(args.out, args.buckets, args.masks, args.jobs, args.grid)
     elif args.stage == "time":
@@ -467,5 +475,23 @@ def main(argv=None) -> None:
         stage_write(args.out, args.toml, cmd)
 
 
+def _bwd_stage(args) -> None:
+    import search_bwd
+
+    dims = [d for d in args.buckets if d in search_bwd.BWD_HEAD_DIMS] or list(search_bwd.BWD_HEAD_DIMS)
+    masks = [m for m in args.masks if m in search_bwd.BWD_MASKS]
+    out = args.out if args.out != ROOT / "configs" / "measurements" / "search" else ROOT / "configs" / "measurements" / "search_bwd"
+    if args.stage == "bwd-enumerate":
+        for d in dims:
+            print(f"d{d}: {len(search_bwd.enumerate_bwd_candidates(d, args.grid))} implementable backward configs")
+    elif args.stage == "bwd-prune":
+        search_bwd.stage_prune(out, dims, masks, args.jobs, args.grid)
+    elif args.stage == "bwd-candidates":
+        search_bwd.stage_candidates(out, dims, args.bwd_candidates or out / "candidates.json")
+    else:
+        search_bwd.stage_write(args.bwd_result, args.bwd_candidates, ROOT / "configs" / "sm120_bwd.toml")
+
+
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "scripts"))
     main()

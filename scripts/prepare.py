@@ -480,10 +480,14 @@ def _run_bwd(args, problems: list[Problem], info) -> dict:
     rows = prepare_bwd.evaluate_bwd(impls, problems, info, reps=args.reps, row_cls=Row)
     summary = summarize(rows, info, "reference" if args.baseline else "candidate")
     summary["vs_upstream_sm120"] = prepare_bwd.summary_ratios(rows, "sm120_bwd_table")
+    summary["deterministic_vs_table"] = prepare_bwd.summary_ratios(rows, "sm120_bwd_table_deterministic",
+                                                                   "sm120_bwd_table")
     _print_table(rows, "bwd_tflops")
     print(format_summary(summary))
     ratios = summary["vs_upstream_sm120"]
     print(f"bwd_vs_upstream_sm120_geomean: {ratios['geomean']:.3f} (min {ratios['min']:.3f})")
+    det = summary["deterministic_vs_table"]
+    print(f"bwd_deterministic_vs_table_geomean: {det['geomean']:.3f} (min {det['min']:.3f})")
     print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
     if args.json:
         save(rows, summary, info, args, args.json)

@@ -50,7 +50,8 @@ def forward_state(p: Problem, info, seed: int = 0) -> dict:
     return x
 
 
-def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kind: str = "candidate") -> BwdImpl:
+def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kind: str = "candidate",
+                   deterministic: bool = False) -> BwdImpl:
     """This package's backward driver with config_for(problem) (None: the table's choice)."""
     import torch
 
@@ -61,7 +62,7 @@ def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kin
         return driver_bwd.backward(
             x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None, causal=p.causal,
             window_size_left=p.window[0], window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
-            config=config_for(p), dq=grads[0], dk=grads[1], dv=grads[2])
+            config=config_for(p), deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
 
     return BwdImpl(name, run, kind, supports=lambda p: not p.is_varlen)
 
@@ -198,7 +199,9 @@ def _fmt(r) -> str:
 
 
 def table_candidate(info) -> list[BwdImpl]:
-    return [sm120_bwd_impl("sm120_bwd_table", lambda p: None, info)]
+    """The shipped table, and the same with deterministic=True (semaphore-ordered accumulation)."""
+    return [sm120_bwd_impl("sm120_bwd_table", lambda p: None, info),
+            sm120_bwd_impl("sm120_bwd_table_deterministic", lambda p: None, info, deterministic=True)]
 
 
 def config_candidates(info, configs: dict) -> list[BwdImpl]:

@@ -19,10 +19,13 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BWD_HEAD_DIMS = (64, 96, 128)
 BWD_MASKS = ("none", "causal")
@@ -121,3 +124,90 @@ def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------- candidates and write
+def stage_candidates(out: Path, head_dims, path: Path, per_dim: int = 6) -> dict:
+    """The survivors, as the JSON `prepare.py --set bwd --bwd-configs` reads: per head dim, the
+    `per_dim` with the fewest registers among distinct (warps, tile, stages) shapes first."""
+    from dataclasses import asdict
+
+    surv = survivors(out)
+    doc = {}
+    for d in head_dims:
+        cfgs = [c for c in surv.get((d, "none"), []) if c != upstream_bwd_config(d)]
+        seen, picked = set(), []
+        for c in cfgs:  # one per shape first, then the rest in prune order
+            shape = (c.num_threads, c.m_block, c.n_block, c.stages_q, c.stages_do)
+            if shape not in seen:
+                seen.add(shape)
+                picked.append(c)
+        picked += [c for c in cfgs if c not in picked]
+        for i, c in enumerate(picked[:per_dim]):
+            doc[f"d{d}-{i}"] = dict(asdict(c), head_dims=[d])
+    path.write_text(json.dumps(doc, indent=0))
+    print(f"{len(doc)} candidates -> {path}")
+    return doc
+
+
+def pick_bwd_winners(doc: dict, candidates: dict) -> dict:
+    """(bucket, mask) -> (BwdConfig, name, [(problem, tflops, upstream_tflops)]) from a prepare.py --set bwd JSON.
+
+    A candidate must be correct on every problem of its key; the best geomean wins, and upstream's
+    own config is kept unless the winner beats it by more than the larger timing spread."""
+    from flash_attn_sm120.bench import geomean
+    from flash_attn_sm120.config import head_dim_bucket
+
+    ok = [r for r in doc["rows"] if r["status"] == "ok"]
+    problems: dict = {}
+    for r in ok:
+        name, prob = r["impl"], r["problem"]
+        d = int(prob.split("d")[-1].split("-")[0])
+        key = (head_dim_bucket(d, d), "causal" if prob.endswith("-causal") else "none")
+        problems.setdefault(key, {}).setdefault(prob, {})[name] = r
+    winners = {}
+    for key, by_prob in problems.items():
+        names = set.intersection(*(set(v) for v in by_prob.values()))
+        names = {n for n in names if n in candidates or n == "upstream_sm120"}
+        score = {n: geomean([by_prob[p][n]["bwd_tflops"] for p in by_prob]) for n in names}
+        best = max(score, key=score.get)
+        if best != "upstream_sm120" and "upstream_sm120" in score:
+            spread = max(max(by_prob[p][best]["spread"], by_prob[p]["upstream_sm120"]["spread"]) for p in by_prob)
+            if score[best] <= score["upstream_sm120"] * (1 + spread):
+                best = "upstream_sm120"
+        cfg = upstream_bwd_config(key[0]) if best == "upstream_sm120" else candidates[best]
+        rows = [(p, by_prob[p][best]["bwd_tflops"], by_prob[p].get("upstream_sm120", {}).get("bwd_tflops"))
+                for p in sorted(by_prob)]
+        winners[key] = (cfg, best, rows)
+    return winners
+
+
+def entry_text(bucket: int, mask: str, cfg: BwdConfig, name: str, rows, gpu: str, mode: str, date: str,
+               command: str) -> str:
+    from dataclasses import asdict
+
+    lines = ["[[bwd]]", f"head_dim = {bucket}", f'mask = "{mask}"']
+    lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in asdict(cfg).items()]
+    fmt = lambda xs: ", ".join(f"{x:.1f}" if isinstance(x, float) else f'"{x}"' for x in xs)  # noqa: E731
+    lines += ["[bwd.provenance]", f'gpu = "{gpu}"', f'mode = "{mode}"', f'date = "{date}"',
+              f"tflops = [{fmt([r[1] for r in rows])}]", f"upstream_tflops = [{fmt([r[2] for r in rows])}]",
+              f"problems = [{fmt([r[0] for r in rows])}]", f'candidate = "{name}"', f'command = "{command}"']
+    return "\n".join(lines)
+
+
+def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
+    """Write the winners of a prepare.py --set bwd JSON into the backward table (header kept)."""
+    doc = json.loads(result.read_text())
+    cands = {n: BwdConfig(**{k: v for k, v in c.items() if k != "head_dims"})
+             for n, c in json.loads(candidates_path.read_text()).items()}
+    winners = pick_bwd_winners(doc, cands)
+    text = toml_path.read_text()
+    header = text.split("\n[[bwd]]", 1)[0].rstrip() + "\n"
+    # the run's own command, with the files it read and wrote as committed in the repository
+    command = re.sub(r"--bwd-configs \S+", f"--bwd-configs {os.path.relpath(candidates_path, ROOT)}", doc["command"])
+    command = re.sub(r"--json \S+", f"--json {os.path.relpath(result, ROOT)}", command)
+    blocks = [entry_text(b, m, *winners[(b, m)], doc["gpu"], doc["mode"], doc["date"][:10], command)
+              for b, m in sorted(winners)]
+    toml_path.write_text(header + "\n" + "\n\n".join(blocks) + "\n")
+    for (b, m), (cfg, name, _) in sorted(winners.items()):
+        print(f"d{b} {m}: {name} {cfg.name}")

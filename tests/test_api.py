@@ -165,15 +165,18 @@ def test_varlen_paged_not_implemented(fake_device):
                                                 page_table=torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
 
 
-def test_backward_features_rejected_when_grad_needed(fake_device):
-    set_mode, _ = fake_device
+def test_deterministic_with_a_window_is_refused_when_grad_needed(fake_device):
+    """deterministic=True covers full and causal attention; a sliding window is refused before any
+    work when a backward may follow, and runs as usual without grad."""
+    set_mode, calls = fake_device
     set_mode("sm120")
     q, k, v = _cuda_qkv()
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True)
+    with pytest.raises(NotImplementedError, match="deterministic=True with a sliding window"):
+        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, window_size=(8, 0))
+    assert "driver" not in calls
     with torch.no_grad():  # inference: fine
-        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True)
+        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, window_size=(8, 0))
 
 
 

@@ -24,7 +24,8 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
     (`fwd_cpasync.emulation_storage`, verified per compile by occupancy.py).
   * a causal/local mask that is right for any S/dP warp layout (bwd_mask.py): upstream's assumes one
     warp along N, which only its own SM120 config has;
-  * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`).
+  * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`);
+  * `deterministic`: semaphore-ordered dQ and GQA dK/dV accumulation (bwd_deterministic.py).
 Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
@@ -34,12 +35,17 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import const_expr
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
+from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
-from flash_attn_sm120.kernels import bwd_mask
+from flash_attn_sm120.kernels import bwd_deterministic, bwd_mask
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up, emulation_storage
 
 _HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
@@ -182,8 +188,12 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         score_mod=None,
         score_mod_bwd=None,
         emulate_host_smem: Optional[hardware.EmulationHost] = None,
+        deterministic: bool = False,
+        dq_descending: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if deterministic and is_local:
+            raise NotImplementedError("deterministic backward with a sliding window (local) is not supported yet")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"SM120 backward takes Float16 or BFloat16, got {dtype}")
         error = bwd_config_error(head_dim, head_dim_v, config)
@@ -197,6 +207,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         )
         self.config = config
         self.emulate_host_smem = emulate_host_smem
+        self.deterministic = deterministic
+        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -209,11 +221,77 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     def sdp_warps_along_n(self) -> int:
         return self.config.num_warps // self.config.atom_m_sdp
 
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: cutlass.Float32,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+        window_size_left: Int32 | int | None = None,
+        window_size_right: Int32 | int | None = None,
+        mdQ_semaphore: Optional[cute.Tensor] = None,
+        mdK_semaphore: Optional[cute.Tensor] = None,
+        mdV_semaphore: Optional[cute.Tensor] = None,
+        aux_data: AuxData = AuxData(),
+        blocksparse_tensors=None,
+        mCuTotalMBlocks: Optional[cute.Tensor] = None,
+        stream: cuda.CUstream = None,
+    ):
+        # Upstream's SM80/SM120 mainloop takes no semaphores; they travel to compute_one_m_block and
+        # the epilogue at the end of aux_data (dQ's, then dK/dV's with GQA), as kernel arguments.
+        aux_data = self._aux_with_semaphores(aux_data, mdQ_semaphore, mdK_semaphore)
+        FlashAttentionBackwardSm120.__call__(
+            self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
+            mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, None, None, None, aux_data,
+            blocksparse_tensors, mCuTotalMBlocks, stream,
+        )
+
+    def _aux_with_semaphores(self, aux_data: AuxData, dq_sem, dkv_sem) -> AuxData:
+        """Plain Python (outside the jit body's rewriting): aux_data with the ordering's semaphores appended."""
+        if not self.deterministic:
+            return aux_data
+        sems = [dq_sem] + ([dkv_sem] if self.qhead_per_kvhead > 1 else [])
+        return AuxData(list(aux_data.tensors or []) + sems, aux_data.scalars)
+
     def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
+        ordered = mask_fn  # upstream's partial(AttentionMask.apply_mask, n_block=..., ...): the CTA's indices
         # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
         if mask_fn is not None and self.sdp_warps_along_n > 1:
             mask_fn = bwd_mask.layout_free(mask_fn)
-        return super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        if not self.deterministic:
+            return super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        sems = kwargs["aux_data"].tensors
+        self._dkv_semaphore = sems[-1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
+        dq_sem = sems[-2] if self.qhead_per_kvhead > 1 else sems[-1]
+        mask, kw = ordered.func.__self__, ordered.keywords
+        block_info = BlockInfo(self.m_block_size, self.n_block_size, self.is_causal, self.is_local, False,
+                               mask.window_size_left, mask.window_size_right)
+        turn = bwd_deterministic.dq_turn(block_info, mask.seqlen_info, m_block, kw["n_block"], self.dq_descending)
+        flag = fa_utils.elem_pointer(dq_sem, (kw["batch_idx"], kw["head_idx"], m_block))
+        # the wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
+        # on the last m_blocks that load does not happen, and the wait comes first
+        name, ahead = ("load_Q_LSE", 1) if self.num_stages_Q == 1 else ("load_dO_dPsum", self.num_stages_dO)
+        load = kwargs[name]
+
+        def load_after_turn(*a, **k):
+            bwd_deterministic.acquire(flag, turn)
+            return load(*a, **k)
+
+        kwargs[name] = load_after_turn
+        bwd_deterministic.acquire_if(m_block + ahead >= kwargs["m_block_max"], flag, turn)
+        super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        bwd_deterministic.release(flag)
 
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV, tiled_mma,
                  tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v):
@@ -223,5 +301,11 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         # epilogue the offset that lands on the rounded one makes both agree.
         if const_expr(self.qhead_per_kvhead > 1 and seqlen.has_cu_seqlens_k):
             seqlen = dataclasses.replace(seqlen, offset_k=seqlen.padded_offset_k - batch_idx * self.n_block_size)
-        return super().epilogue(acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV,
-                                tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
+        ordered = self.deterministic and self.qhead_per_kvhead > 1
+        if ordered:  # GQA: the group's query heads add into the KV head's dK/dV tiles in head order
+            flag = fa_utils.elem_pointer(self._dkv_semaphore, (batch_idx, num_head // self.qhead_per_kvhead, n_block))
+            bwd_deterministic.acquire(flag, num_head % self.qhead_per_kvhead)
+        super().epilogue(acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV,
+                         tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
+        if ordered:
+            bwd_deterministic.release(flag)
