@@ -198,19 +198,18 @@ def problems(draw, fc: FuzzCase, plan: FuzzPlan):
     h = hk * case.qhead_per_kvhead
     batch = draw(st.integers(1, plan.max_batch), label="batch")
     per_seq = max(1, budget // batch)
-    # backward: no empty rows (sk >= sq under a mask, sk >= 1): upstream's backward gaps
-    masked = case.causal or case.local
+    # backward: every sequence has keys (sk >= 1); rows a mask leaves empty (causal with sq > sk,
+    # negative window sides) are drawn like the forward's since the backward is this package's own
 
     def k_len(sq: int, lo: int) -> int:
-        lo = max(lo, sq) if bwd and masked else lo
         cap = max(lo, min(max_len, per_seq // (h * max(sq, 1))))
         return draw(seqlen(lo, cap))
 
     q_var, k_var = case.q_layout != "dense", case.k_layout != "dense"
     q_lo = 0 if q_var else 1
     k_lo = 1 if bwd else (0 if k_var else 1)
-    # with sk >= sq forced, sq <= sqrt(budget / h) keeps h * sq * sk within the budget
-    q_hi = max(1, min(max_len, math.isqrt(per_seq // h))) if bwd and masked else max_len
+    # sq <= sqrt(budget / h) leaves room for sk within the budget
+    q_hi = max(1, min(max_len, math.isqrt(per_seq // h))) if bwd else max_len
     if not q_var:
         sq = draw(seqlen(q_lo, q_hi), label="seqlen_q")
         seqlens_q = (sq,) * batch
@@ -222,9 +221,8 @@ def problems(draw, fc: FuzzCase, plan: FuzzPlan):
     else:
         seqlens_k = tuple(k_len(sq, k_lo) for sq in seqlens_q)
     max_k = max(seqlens_k, default=1)
-    # backward: negative bounds empty whole rows, which the backward paths leave to a later slice
-    left = draw(window_size(max_k, not bwd), label="window_left") if case.has_window[0] else None
-    right = draw(window_size(max_k, not bwd), label="window_right") if case.has_window[1] else None
+    left = draw(window_size(max_k), label="window_left") if case.has_window[0] else None
+    right = draw(window_size(max_k), label="window_right") if case.has_window[1] else None
     scale = draw(st.one_of(st.none(), st.floats(0.02, 1.0, allow_nan=False, allow_infinity=False)), label="scale")
     pad = st.sampled_from((0, 0, 1, 8, 64, 129))
     return AttnProblem(
