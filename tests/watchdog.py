@@ -21,6 +21,7 @@ Default 300 s; FLASH_ATTN_SM120_WATCHDOG_S overrides (0 disables).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -73,8 +74,10 @@ class Watchdog:
         self.disarm()
         if self._backstop_file is not None:
             self._backstop_file.close()
-            if self.report_path and os.path.getsize(self.report_path + ".hang") == 0:
-                os.remove(self.report_path + ".hang")  # nothing hung
+            # nothing hung: remove the empty file (under pytest-xdist another worker may have already)
+            with contextlib.suppress(FileNotFoundError):
+                if self.report_path and os.path.getsize(self.report_path + ".hang") == 0:
+                    os.remove(self.report_path + ".hang")
             self._backstop_file = None
 
     def _fire(self, label: str) -> None:
