@@ -1,6 +1,6 @@
 """Forward kernel configs: a dataclass, the TOML table in configs/, and a pure selection rule.
 
-The table (configs/sm120_fwd.toml) is data: one entry per (head_dim bucket, mask kind) with the
+The table (flash_attn_sm120/configs/sm120_fwd.toml) is data: one entry per (head_dim bucket, mask kind) with the
 kernel family, warps, tiles, stages and the provenance of the measurement that chose it.
 `select_fwd_config` is a pure function of the table and the problem's static properties, so it is
 tested on a CPU; the driver calls it once per compile key.

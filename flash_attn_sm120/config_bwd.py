@@ -1,4 +1,4 @@
-"""Backward kernel configs: the TOML table in configs/sm120_bwd.toml and a pure selection rule.
+"""Backward kernel configs: the TOML table in flash_attn_sm120/configs/sm120_bwd.toml and a pure selection rule.
 
 Mirrors config.py for the backward. The table is data: one entry per (head_dim bucket, mask kind) with
 a `kernels.bwd_sm120.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layouts, swapAB flags, V in

@@ -3,7 +3,7 @@
 A forward is decode-shaped when every sequence has at most DECODE_MAX_SEQLEN_Q query tokens
 (generation steps, speculative decoding). Its M tile then holds the whole GQA group of one KV
 head (pack_gqa) and its time is the read of K and V, so it gets its own table,
-configs/sm120_decode.toml, instead of the prefill table (configs/sm120_fwd.toml); the dispatcher
+flash_attn_sm120/configs/sm120_decode.toml, instead of the prefill table (flash_attn_sm120/configs/sm120_fwd.toml); the dispatcher
 (driver_splitkv.py) picks one or the other per call. Entries are keyed by head-dim bucket and
 carry provenance; "unmeasured" entries say why they were chosen.
 

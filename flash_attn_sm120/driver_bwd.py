@@ -5,7 +5,7 @@ A thin replacement for the SM120 branch of upstream's `_flash_attn_bwd`, which h
 
   1. upstream's preprocess (imported): dPsum = rowsum(dO * O) (minus dLSE when the LSE had a
      gradient), LSE in log2 units (an empty row's -inf becomes 0, so its P is 0), dQ accumulator zeroed;
-  2. the main kernel (kernels/bwd_sm120.py, a BwdConfig from configs/sm120_bwd.toml): one CTA per
+  2. the main kernel (kernels/bwd_sm120.py, a BwdConfig from flash_attn_sm120/configs/sm120_bwd.toml): one CTA per
      n_block of K/V walks the m_blocks of Q/dO that can see it, writes dK/dV (MHA) or adds them into
      fp32 accumulators (GQA: several query heads share one KV head), and adds dQ into its fp32
      accumulator with atomics;

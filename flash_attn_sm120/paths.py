@@ -1,6 +1,6 @@
 """Kernel-path registry: every way the package can compute a forward, how to force it, what it supports.
 
-A *kernel path* is the dispatcher's own choice (configs/sm120_fwd.toml, then its fallbacks; through
+A *kernel path* is the dispatcher's own choice (flash_attn_sm120/configs/sm120_fwd.toml, then its fallbacks; through
 the public API, decode-shaped calls use the decode table) or one forced configuration of a kernel
 family. The correctness gate (tests/test_fuzz_gpu.py) fuzzes
 every path listed here and scripts/sanitize.py runs compute-sanitizer over a few shapes of each
@@ -32,7 +32,7 @@ Example: a family that runs head dims 64/96/128 without varlen or GQA packing wo
 A family may pack only some GQA ratios (the TMA family: tile_m a multiple of the ratio);
 `KernelPath.packs` says whether an explicit pack_gqa=True runs as asked.
 
-Every entry of configs/sm120_fwd.toml also becomes a path, "table-d<bucket>-<mask>", restricted to
+Every entry of flash_attn_sm120/configs/sm120_fwd.toml also becomes a path, "table-d<bucket>-<mask>", restricted to
 its head-dim bucket (`kernel_paths()` reads the table on each call).
 
 `BACKWARD_GAPS` lists backward cases the fuzz suite must not draw, by execution mode (none today).
@@ -194,7 +194,7 @@ def _tma_fp16_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
 
 
 def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:
-    """The base paths plus one per entry of the config table (default: configs/sm120_fwd.toml)."""
+    """The base paths plus one per entry of the config table (default: flash_attn_sm120/configs/sm120_fwd.toml)."""
     paths = BASE_PATHS + table_paths(load_fwd_table() if table is None else table)
     names = [p.name for p in paths]
     if len(set(names)) != len(names):

@@ -12,7 +12,7 @@ The SM120 counterpart of upstream's sm90_config_search.py:
      config padded the same way; results are appended to a JSONL file one candidate at a time, so
      an interrupted search resumes where it stopped. `--gpus 0,1,..` runs one worker process per GPU;
      `--compile-workers N` compiles the survivors in N processes first (persistent cache);
-  4. write (`--stage write`): the winner of each (bucket, mask) into configs/sm120_fwd.toml with
+  4. write (`--stage write`): the winner of each (bucket, mask) into flash_attn_sm120/configs/sm120_fwd.toml with
      provenance (GPU, mode, date, TFLOPS, reference TFLOPS, command). Upstream's config wins ties
      unless a candidate beats it by more than the measured spread.
 
@@ -433,7 +433,7 @@ def main(argv=None) -> None:
                                         "bwd-prune", "bwd-candidates", "bwd-write"], required=True,
                     help="forward stages, or the backward's (scripts/search_bwd.py): bwd-enumerate, bwd-prune "
                          "(sm_120a, CPU), bwd-candidates (survivors -> --bwd-candidates JSON for prepare.py "
-                         "--set bwd --bwd-configs), bwd-write (--bwd-result JSON -> configs/sm120_bwd.toml)")
+                         "--set bwd --bwd-configs), bwd-write (--bwd-result JSON -> flash_attn_sm120/configs/sm120_bwd.toml)")
     ap.add_argument("--bwd-candidates", type=Path, help="backward candidates JSON (bwd-candidates writes, bwd-write reads)")
     ap.add_argument("--bwd-result", type=Path, help="bwd-write: the prepare.py --set bwd --json output")
     ap.add_argument("--out", type=Path, default=ROOT / "configs" / "measurements" / "search")
@@ -450,7 +450,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", type=json.loads, default=[], help="JSON list of FwdConfig dicts: screen just these")
     ap.add_argument("--round", default="final")
     ap.add_argument("--shard", type=Path)
-    ap.add_argument("--toml", type=Path, default=ROOT / "configs" / "sm120_fwd.toml")
+    ap.add_argument("--toml", type=Path, default=ROOT / "flash_attn_sm120" / "configs" / "sm120_fwd.toml")
     ap.add_argument("--grid", type=json.loads, default=None, help='JSON overrides, e.g. {"threads": [256]}')
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -489,7 +489,7 @@ def _bwd_stage(args) -> None:
     elif args.stage == "bwd-candidates":
         search_bwd.stage_candidates(out, dims, args.bwd_candidates or out / "candidates.json")
     else:
-        search_bwd.stage_write(args.bwd_result, args.bwd_candidates, ROOT / "configs" / "sm120_bwd.toml")
+        search_bwd.stage_write(args.bwd_result, args.bwd_candidates, ROOT / "flash_attn_sm120" / "configs" / "sm120_bwd.toml")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Run it (the harness in prepare.py does the timing, the correctness gate and the 
 
     python scripts/experiment.py > run.log 2>&1        # add --emulate on a non-SM120 GPU
 
-It starts as a working copy of the shipped configuration (configs/sm120_fwd.toml): OVERRIDES is
+It starts as a working copy of the shipped configuration (flash_attn_sm120/configs/sm120_fwd.toml): OVERRIDES is
 empty, so every problem uses the table's config. An experiment changes OVERRIDES, `config_for`,
 or adds a kernel subclass (register a new family in flash_attn_sm120/kernels/__init__.py, then name
 it in a FwdConfig(family=...)). See program.md for the loop.
@@ -19,7 +19,7 @@ from prepare import run, sm120_impl  # noqa: E402
 
 from flash_attn_sm120.config import FwdConfig, head_dim_bucket, mask_kind  # noqa: E402,F401
 
-DESCRIPTION = "baseline: the shipped table (the seed lineage's kept TMA causal entries are in configs/sm120_fwd.toml)"
+DESCRIPTION = "baseline: the shipped table (the seed lineage's kept TMA causal entries are in flash_attn_sm120/configs/sm120_fwd.toml)"
 TARGET_SET = "seed"  # the problems the loop optimizes (prepare.py --set)
 SUBSET = ""  # only problems whose name contains this (e.g. "d256"); "" = the whole set
 REFERENCES = "upstream_sm120"  # timed beside the experiment in the same process

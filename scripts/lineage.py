@@ -8,7 +8,7 @@
   python scripts/lineage.py record --log L --desc D [--exit-code N|timeout]
       the same decision for a run of the current experiment.py made elsewhere (a lent GPU machine)
   python scripts/lineage.py list       # the kept experiments, oldest first, with their metrics
-  python scripts/lineage.py promote    # write the last kept OVERRIDES into configs/sm120_fwd.toml
+  python scripts/lineage.py promote    # write the last kept OVERRIDES into flash_attn_sm120/configs/sm120_fwd.toml
 
 A run is kept when it is correct and its target-set geomean beats the best kept run of the same
 GPU, mode and set by more than the measured spread (the larger of the two runs' 10-90% spreads,
@@ -155,7 +155,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_promote(args) -> int:
-    """Merge the kept experiment's OVERRIDES into configs/sm120_fwd.toml with provenance."""
+    """Merge the kept experiment's OVERRIDES into flash_attn_sm120/configs/sm120_fwd.toml with provenance."""
     exp = _load_experiment()
     rows = [r for r in read_rows() if r["status"] == "keep"]
     if not rows:

@@ -14,7 +14,7 @@ in order, this script
 
 Regenerating gives byte-identical files (fixed identity and dates, no git signature, zero
 commit ids in the mbox header, git run without user or system config). Measurement numbers in
-the commit messages come from the config table's provenance (configs/sm120_fwd.toml), a committed
+the commit messages come from the config table's provenance (flash_attn_sm120/configs/sm120_fwd.toml), a committed
 benchmark JSON (0002) and codegen facts from the sm_120a prune results, never from this script.
 The steps live in scripts/patchgen/ (one module per patch; the shared machinery in core.py).
 

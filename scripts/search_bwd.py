@@ -10,7 +10,7 @@ Called by scripts/config_search.py (`--stage bwd-enumerate|bwd-prune|bwd-time|bw
   3. time (GPU, emulation or SM120): each survivor's full backward (preprocess, main kernel,
      postprocess) on the bucket's problems, after an fp32 gradient check with poisoned outputs,
      next to upstream's config run the same way (`driver_bwd.backward` with `config=`);
-  4. write: the fastest per (head dim, mask) into configs/sm120_bwd.toml with provenance.
+  4. write: the fastest per (head dim, mask) into flash_attn_sm120/configs/sm120_bwd.toml with provenance.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """sm_120a codegen report for every shipped forward and backward config, on any machine (no GPU needed).
 
-Compiles each entry of configs/sm120_fwd.toml, plus upstream's own SM120 default (4 warps,
-128x64, d=128, the reference row), and each entry of configs/sm120_bwd.toml and the backward's
+Compiles each entry of flash_attn_sm120/configs/sm120_fwd.toml, plus upstream's own SM120 default (4 warps,
+128x64, d=128, the reference row), and each entry of flash_attn_sm120/configs/sm120_bwd.toml and the backward's
 fallbacks, plus upstream's own SM120 backward at d=128, for sm_120a with fake tensors, then prints registers, spill
 bytes, shared memory, CTAs per SM on SM120 (and what limits it) and a SASS opcode histogram.
 
@@ -42,7 +42,7 @@ def rows(table_path: Path | None = None, include_upstream: bool = True) -> list[
 
 
 def bwd_rows(include_upstream: bool = True) -> list[dict]:
-    """The backward: every entry of configs/sm120_bwd.toml (at its bucket's head dim, with its mask), the
+    """The backward: every entry of flash_attn_sm120/configs/sm120_bwd.toml (at its bucket's head dim, with its mask), the
     fallbacks at the largest head dim each serves, and upstream's own SM120 backward at d=128."""
     from flash_attn_sm120.codegen import bwd_report_row
     from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table
@@ -76,7 +76,7 @@ def format_table(rs: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--table", type=Path, default=None, help="config table (default configs/sm120_fwd.toml)")
+    ap.add_argument("--table", type=Path, default=None, help="config table (default flash_attn_sm120/configs/sm120_fwd.toml)")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's reference row")
     args = ap.parse_args(argv)
     rs = rows(args.table, include_upstream=not args.no_upstream) + bwd_rows(not args.no_upstream)

@@ -154,7 +154,7 @@ def main() -> int:
                 if not args.perf_only and "causal" in masks:
                     perf(cfg, bench.Problem(1, 8192, 8192, 16, 16, d, causal=True), guard, emulate)
     if args.baseline:
-        print("== baseline: the dispatcher's config (configs/sm120_fwd.toml)")
+        print("== baseline: the dispatcher's config (flash_attn_sm120/configs/sm120_fwd.toml)")
         for causal in (False, True):
             perf(None, bench.Problem(1, 8192, 8192, 16, 16, 128, causal=causal), guard, emulate)
     print("FAILURES:", failures)

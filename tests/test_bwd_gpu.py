@@ -3,7 +3,7 @@
 Every case runs the public API's forward and autograd backward (`testing.check_backward`): each
 gradient within upstream's rule (2x the error of the same reference in the inputs' precision, plus
 an atol) on valid rows, and every valid element written. Configs: upstream's own SM120 config, the
-fallbacks, every entry of configs/sm120_bwd.toml, and 8-warp / 128-row tiles, dense and varlen, MHA,
+fallbacks, every entry of flash_attn_sm120/configs/sm120_bwd.toml, and 8-warp / 128-row tiles, dense and varlen, MHA,
 GQA and MQA, causal, local (negative windows included), softcap, the LSE's own gradient, fp16.
 """
 

@@ -25,7 +25,7 @@ def entry(d, mask, **kw):
 
 def test_shipped_table_parses_and_has_entries():
     table = load_fwd_table()
-    assert len(table) >= 4, "configs/sm120_fwd.toml must ship measured entries"
+    assert len(table) >= 4, "flash_attn_sm120/configs/sm120_fwd.toml must ship measured entries"
     for e in table:
         assert e.config.error(e.head_dim, e.head_dim) is None
         assert e.provenance["mode"] in ("sm120", "emulated")
@@ -156,3 +156,21 @@ def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
     assert routed.config == want
     with pytest.raises(NotImplementedError, match="varlen"):
         driver._route(varlen, False, True, True, False)
+
+
+def test_tables_ship_inside_the_package():
+    """The tables are package data (a wheel carries them), not a link to a directory outside the package:
+    scripts/wheel_check.py (run by .ci/run) builds and uses the wheel from outside the repository."""
+    import sys
+    from pathlib import Path
+
+    from flash_attn_sm120.config import CONFIG_DIR
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    assert CONFIG_DIR.is_dir() and not CONFIG_DIR.is_symlink()
+    assert {p.name for p in CONFIG_DIR.glob("*.toml")} >= {"sm120_fwd.toml", "sm120_bwd.toml", "sm120_decode.toml"}
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert "configs/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["flash_attn_sm120"]

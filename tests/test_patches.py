@@ -334,7 +334,7 @@ def test_patched_upstream_forward_matches_reference(tmp_path, source):
         patches = mp.generate(tmp_path / "patches", table_path=table, prune_path=None)
     else:
         if not mp.load_table(mp.DEFAULT_TABLE):
-            pytest.skip("configs/sm120_fwd.toml is empty: the checked-in patch keeps upstream's defaults")
+            pytest.skip("flash_attn_sm120/configs/sm120_fwd.toml is empty: the checked-in patch keeps upstream's defaults")
         patches = sorted(PATCH_DIR.glob("*.patch"))
     for case in _probe(_patched_site(tmp_path, patches), COMPILE_CASES, _GPU_PROBE, gpu=True):
         assert case["built"] == case["expected"], f"dispatch did not use the table's config: {case}"

@@ -31,11 +31,11 @@ from flash_attn_sm120 import config as pkg_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 UPSTREAM_DISTRIBUTION = "flash-attn-4"
-DEFAULT_TABLE = ROOT / "configs" / "sm120_fwd.toml"
+DEFAULT_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_fwd.toml"
 # sm_120a prune results of every search round; a later round's row of the same key wins
 DEFAULT_PRUNE = tuple(ROOT / "configs" / "measurements" / d / "prune_sm120a.jsonl" for d in ("search", "search_2"))
 DEFAULT_OUT = ROOT / "upstream_patches"
-DEFAULT_DECODE_TABLE = ROOT / "configs" / "sm120_decode.toml"
+DEFAULT_DECODE_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_decode.toml"
 # the decode benchmark whose rows the SplitKV patch's message quotes (bench_decode.py --out)
 DEFAULT_DECODE_BENCH = ROOT / "configs" / "measurements" / "2026-11-29_decode_emulated_run3.json"
 

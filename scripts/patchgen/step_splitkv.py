@@ -2,7 +2,7 @@
 
 Lifts whole modules: `flash_attn_sm120/kernels/fwd_splitkv.py` becomes upstream's
 `flash_fwd_sm120_splitkv.py`, `splitkv.py` with the occupancy model of `hardware.py` becomes
-`flash_fwd_sm120_splits.py`, and `decode.py` with `configs/sm120_decode.toml` becomes
+`flash_fwd_sm120_splits.py`, and `decode.py` with `flash_attn_sm120/configs/sm120_decode.toml` becomes
 `SM120_DECODE_TABLE` in `flash_fwd_sm120_configs.py`; `interface.py` loses its "not supported on
 SM 12.0" asserts for paged KV and SplitKV.
 """
