@@ -10,8 +10,17 @@ family and config, split count, shared memory and CTAs per SM) without a GPU.
 """
 
 from flash_attn_sm120.device import EMULATE_ENV, device_info, execution_mode
-from flash_attn_sm120.explain import explain
 from flash_attn_sm120.interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "execution_mode", "device_info", "EMULATE_ENV"]
+
+
+def __getattr__(name: str):
+    # explain is imported on first use: `python -m flash_attn_sm120.explain` then runs a module that the
+    # package import has not loaded yet (no runpy warning)
+    if name == "explain":
+        from flash_attn_sm120.explain import explain
+
+        return explain
+    raise AttributeError(f"module 'flash_attn_sm120' has no attribute {name!r}")

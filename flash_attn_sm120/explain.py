@@ -159,16 +159,18 @@ def _explanation(route: str, config: FwdConfig, head_dims: tuple[int, int], pack
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seqlen-q", type=int, default=1)
-    ap.add_argument("--seqlen-k", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--num-splits", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    ap.add_argument("--seqlen-q", type=int, default=1, help="query length (default 1: a decode step)")
+    ap.add_argument("--seqlen-k", type=int, default=32768, help="key length (default 32768)")
+    ap.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    ap.add_argument("--heads-kv", type=int, default=8, help="key/value heads, GQA when fewer (default 8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim of q, k and v (default 128)")
+    ap.add_argument("--causal", action="store_true", help="causal mask")
+    ap.add_argument("--num-splits", type=int, default=1,
+                    help="SplitKV as upstream: 1 off, n > 1 that many, <= 0 chosen for the GPU (default 1)")
     ap.add_argument("--page-size", type=int, default=0, help="paged KV with this page size (0: dense)")
-    ap.add_argument("--num-sms", type=int, default=hardware.DEFAULT_NUM_SMS)
+    ap.add_argument("--num-sms", type=int, default=hardware.DEFAULT_NUM_SMS,
+                    help=f"SMs of the SM120 GPU to plan for (default {hardware.DEFAULT_NUM_SMS})")
     args = ap.parse_args(argv)
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(args.batch, args.seqlen_q, args.heads, args.head_dim, **meta)

@@ -106,3 +106,21 @@ def test_paged_prefill_at_d112_reports_a_tile_the_page_gathers_can_fill():
     if paged_tile_error(dense.config.num_threads, dense.config.tile_n, 112, 112) is None:
         pytest.skip(f"the table's d112 tile {dense.config.name} is pageable: nothing to route around")
     assert (e.config.tile_m, e.config.tile_n) != (dense.config.tile_m, dense.config.tile_n)
+
+
+def test_cli_runs_without_warnings_and_documents_every_option():
+    """`python -m flash_attn_sm120.explain`: no runpy warning (the package imports explain lazily), no
+    NumPy warning (numpy is a dependency), and --help describes each option."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-W", "always", "-m", "flash_attn_sm120.explain", "--seqlen-k", "4096"],
+                         capture_output=True, text=True, check=True)
+    assert "found in sys.modules" not in run.stderr and "Failed to initialize NumPy" not in run.stderr, run.stderr
+    helptext = subprocess.run([sys.executable, "-m", "flash_attn_sm120.explain", "--help"], capture_output=True,
+                              text=True, check=True).stdout
+    lines = helptext.splitlines()
+    options = [i for i, line in enumerate(lines) if line.strip().startswith("--")]
+    assert len(options) == 10
+    for i in options:  # a description on the option's line, or on the next (argparse wraps long names)
+        assert len(lines[i].split(None, 2)) == 3 or lines[i + 1].startswith(" " * 20), lines[i]
