@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -93,10 +94,22 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
     )
 
 
+# The CuTe DSL warns at every compile that upstream's AuxData argument "cannot be converted to a
+# JitArgument": it is a compile-time structure by design. Filtered at this package's own compile calls only.
+_AUX_DATA_WARNING = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
+
+
+def quiet_compile(*args, **kwargs):
+    """cute.compile without the DSL's AuxData warning (the only one filtered)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_AUX_DATA_WARNING, category=UserWarning)
+        return cute.compile(*args, **kwargs)
+
+
 def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_left, window_right, aux: AuxData, options: str = ""):
     """cute.compile with upstream's SM80/SM120 forward call convention (cute tensors or fakes)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return quiet_compile(
         kernel, q, k, v, o, lse, 1.0,
         cu_q, cu_k, used_q, used_k,
         None,  # page table

@@ -41,7 +41,7 @@ from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import occupancy
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
-from flash_attn_sm120.driver import compile_verified
+from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
@@ -139,7 +139,7 @@ def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q,
                    window_left, window_right, dq_sem=None, dkv_sem=None, options: str = ""):
     """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes).
     dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots)."""
-    return cute.compile(
+    return quiet_compile(
         kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
         window_left, window_right,
         dq_sem, dkv_sem, None,  # dQ / dK / dV semaphores (deterministic ordering; dK's serves dV too)

@@ -54,7 +54,7 @@ from flash_attn_sm120.decode import (
     select_decode_config,
     select_prefill_config,
 )
-from flash_attn_sm120.driver import FwdStatics, build_statics
+from flash_attn_sm120.driver import FwdStatics, build_statics, quiet_compile
 from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV, paged_tile_error
 
 
@@ -170,7 +170,7 @@ def compile_splitkv_kernel(
 ):
     """cute.compile with upstream's SM80/SM120 forward call convention, page table included."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return quiet_compile(
         kernel, q, k, v, o, lse, 1.0,
         cu_q, cu_k, used_q, used_k, page_table,
         window_left, window_right,
