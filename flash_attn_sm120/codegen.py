@@ -23,6 +23,7 @@ from typing import Optional
 
 from flash_attn_sm120 import hardware
 from flash_attn_sm120.config import FwdConfig
+from flash_attn_sm120.occupancy import cubin_of
 
 TARGET_ARCH = "sm_120a"
 
@@ -184,9 +185,7 @@ def compile_fwd_cubin(
             kernel, q, k, v, o, lse, None, None, None, None, window, window, AuxData(None, None),
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
         )
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, str):  # some DSL builds return the dump path instead of bytes
-            cubin = Path(cubin).read_bytes()
+        cubin = cubin_of(compiled)
     if kernel_out is not None:
         kernel_out.append(kernel)
     smem = getattr(kernel, "smem_bytes_launched", None)
@@ -353,9 +352,7 @@ def compile_splitkv_cubin(
             kernel, q, k, v, o, lse, cu_q, None, None, used_k, page_table, window, window, AuxData(None, None),
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
         )
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, str):
-            cubin = Path(cubin).read_bytes()
+        cubin = cubin_of(compiled)
     smem = getattr(kernel, "smem_bytes_launched", None)
     return cubin, smem if smem is not None else config.smem_bytes(head_dim, head_dim_v)
 
@@ -402,9 +399,7 @@ def compile_combine_cubin(
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=f"--enable-tvm-ffi --keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
         )
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, str):
-            cubin = Path(cubin).read_bytes()
+        cubin = cubin_of(compiled)
     return cubin
 
 
@@ -431,7 +426,6 @@ def compile_bwd_cubin(
 
     from flash_attn_sm120.driver_bwd import compile_kernel as compile_bwd_kernel
     from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
-    from flash_attn_sm120.occupancy import cubin_of
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]

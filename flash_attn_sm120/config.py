@@ -115,6 +115,22 @@ def mask_kind(causal: bool, local: bool) -> str:
     return "local" if local else "causal" if causal else "none"
 
 
+def check_entry_key(where: str, head_dim: int, mask: str) -> None:
+    """A table row's (bucket, mask) key, as the forward and backward tables have it."""
+    if head_dim not in HEAD_DIM_BUCKETS:
+        raise ValueError(f"{where}: head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+    if mask not in MASK_KINDS:
+        raise ValueError(f"{where}: mask {mask!r} not in {MASK_KINDS}")
+
+
+def checked_provenance(where: str, raw: dict) -> dict:
+    """A measured row's provenance (gpu, mode, date, command), copied."""
+    prov = raw.get("provenance")
+    if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
+        raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
+    return dict(prov)
+
+
 def parse_fwd_table(data: dict) -> list[TableEntry]:
     """Validate and convert a parsed TOML document into entries (raises ValueError on bad data)."""
     if data.get("schema") != 1:
@@ -128,22 +144,17 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
             cfg = FwdConfig.from_row(raw)
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e}") from None
-        if head_dim not in HEAD_DIM_BUCKETS:
-            raise ValueError(f"{where}: head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-        if mask not in MASK_KINDS:
-            raise ValueError(f"{where}: mask {mask!r} not in {MASK_KINDS}")
+        check_entry_key(where, head_dim, mask)
         err = cfg.error(head_dim, head_dim)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
-        prov = raw.get("provenance")
-        if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
-            raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
+        prov = checked_provenance(where, raw)
         # a (bucket, mask) may list one entry per kernel family: the first is the measured fastest,
         # later ones serve the calls an earlier family refuses (e.g. varlen on the TMA family)
         if (head_dim, mask, cfg.family) in seen:
             raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}, family {cfg.family})")
         seen.add((head_dim, mask, cfg.family))
-        entries.append(TableEntry(head_dim, mask, cfg, dict(prov)))
+        entries.append(TableEntry(head_dim, mask, cfg, prov))
     return entries
 
 

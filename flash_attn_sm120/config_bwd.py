@@ -13,14 +13,19 @@ import sys
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from flash_attn_sm120.config import CONFIG_DIR, HEAD_DIM_BUCKETS, MASK_KINDS, head_dim_bucket, mask_kind
+from flash_attn_sm120.config import (
+    CONFIG_DIR,
+    check_entry_key,
+    checked_provenance,
+    head_dim_bucket,
+    mask_kind,
+)
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
@@ -43,22 +48,21 @@ BWD_FALLBACKS = (
 
 @dataclass(frozen=True)
 class BwdTableEntry:
+    """A row of the backward table (config.TableEntry's fields, with a BwdConfig)."""
+
     head_dim: int  # bucket upper bound
     mask: str
     config: BwdConfig
     provenance: dict = field(default_factory=dict, compare=False, hash=False)
 
 
-_CONFIG_KEYS = {f.name: f.type for f in fields(BwdConfig)}
-
-
 def config_from_row(raw: dict) -> BwdConfig:
     """A BwdConfig from a TOML row: every BwdConfig field is required (the table says what it runs)."""
-    missing = [k for k in _CONFIG_KEYS if k not in raw]
+    missing = [f.name for f in fields(BwdConfig) if f.name not in raw]
     if missing:
         raise KeyError(", ".join(missing))
-    return BwdConfig(**{k: (bool(raw[k]) if isinstance(BwdConfig.__dataclass_fields__[k].default, bool)
-                            else int(raw[k])) for k in _CONFIG_KEYS})
+    return BwdConfig(**{f.name: bool(raw[f.name]) if isinstance(f.default, bool) else int(raw[f.name])
+                        for f in fields(BwdConfig)})
 
 
 def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
@@ -73,20 +77,15 @@ def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
             cfg = config_from_row(raw)
         except KeyError as e:
             raise ValueError(f"{where}: missing key(s) {e}") from None
-        if head_dim not in HEAD_DIM_BUCKETS:
-            raise ValueError(f"{where}: head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-        if mask not in MASK_KINDS:
-            raise ValueError(f"{where}: mask {mask!r} not in {MASK_KINDS}")
+        check_entry_key(where, head_dim, mask)
         err = bwd_config_error(head_dim, head_dim, cfg)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
-        prov = raw.get("provenance")
-        if not isinstance(prov, dict) or not {"gpu", "mode", "date", "command"} <= prov.keys():
-            raise ValueError(f"{where}: provenance needs gpu, mode, date, command")
+        prov = checked_provenance(where, raw)
         if (head_dim, mask) in seen:
             raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask})")
         seen.add((head_dim, mask))
-        entries.append(BwdTableEntry(head_dim, mask, cfg, dict(prov)))
+        entries.append(BwdTableEntry(head_dim, mask, cfg, prov))
     return entries
 
 
@@ -120,6 +119,3 @@ def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool
             return cfg
     raise ValueError(f"no SM120 backward config fits head dims ({head_dim}, {head_dim_v}) in 99 KB of shared memory")
 
-
-def table_entries(table: Optional[Iterable[BwdTableEntry]] = None) -> tuple[BwdTableEntry, ...]:
-    return tuple(load_bwd_table() if table is None else table)

@@ -181,18 +181,21 @@ _forced_config: list[FwdConfig] = []
 class force_config:
     """Context manager: every forward inside uses `config` instead of the table's choice.
 
-    For tests (the fuzz registry forces each kernel path) and the research loop.
+    For tests (the fuzz registry forces each kernel path) and the research loop. A subclass with its
+    own `_stack` forces another driver's configs (driver_bwd.force_config).
     """
 
-    def __init__(self, config: FwdConfig):
+    _stack = _forced_config
+
+    def __init__(self, config):
         self.config = config
 
     def __enter__(self):
-        _forced_config.append(self.config)
+        self._stack.append(self.config)
         return self.config
 
     def __exit__(self, *exc):
-        _forced_config.pop()
+        self._stack.pop()
 
 
 # compile events, for tests and benchmarks that must see whether a call compiled

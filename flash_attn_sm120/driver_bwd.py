@@ -39,10 +39,11 @@ from flash_attn.cute.interface import (
 )
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import occupancy
+from flash_attn_sm120 import driver, occupancy
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
+from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 HDIM_MULTIPLE = 32  # accumulator head-dim padding of upstream's SM80/SM120 backward (no SM90 swap)
@@ -90,18 +91,10 @@ _forced_config: list[BwdConfig] = []
 compile_count = {"bwd": 0}
 
 
-class force_config:
+class force_config(driver.force_config):
     """Context manager: every backward inside uses `config` (tests, the search, the research loop)."""
 
-    def __init__(self, config: BwdConfig):
-        self.config = config
-
-    def __enter__(self):
-        _forced_config.append(self.config)
-        return self.config
-
-    def __exit__(self, *exc):
-        _forced_config.pop()
+    _stack = _forced_config
 
 
 def clear_cache() -> None:
@@ -159,10 +152,6 @@ def check_deterministic(causal: bool, window_size_left: Optional[int], window_si
 
 def _host_bound(max_seqlen, total: int) -> int:
     return total if max_seqlen is None or isinstance(max_seqlen, torch.Tensor) else min(int(max_seqlen), total)
-
-
-def _rounded(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def backward(
@@ -224,8 +213,8 @@ def backward(
         has_window_left=window_size_left is not None, has_window_right=window_size_right is not None,
         softcap=float(softcap or 0.0), has_cu_seqlens_q=varlen_q, has_cu_seqlens_k=varlen_k,
         has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
-        single_q_block=_rounded(seqlen_q, cfg.m_block) == cfg.m_block,
-        single_k_block=_rounded(seqlen_k, cfg.n_block) == cfg.n_block,
+        single_q_block=_round_up(seqlen_q, cfg.m_block) == cfg.m_block,
+        single_k_block=_round_up(seqlen_k, cfg.n_block) == cfg.n_block,
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         dq_descending=bool(deterministic) and causal and _all_n_blocks_resident(q.device, seqlen_k, cfg, varlen_k),
@@ -272,13 +261,13 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
     """
     cfg, dev, f32 = statics.config, q.device, torch.float32
     num_heads, num_heads_kv = q.shape[-2], k.shape[-2]
-    hd, hdv = _rounded(statics.head_dim, HDIM_MULTIPLE), _rounded(statics.head_dim_v, HDIM_MULTIPLE)
+    hd, hdv = _round_up(statics.head_dim, HDIM_MULTIPLE), _round_up(statics.head_dim_v, HDIM_MULTIPLE)
     if varlen_q:
         rows_q = (q.shape[0] + (batch + 1) * cfg.m_block - 1) // cfg.m_block * cfg.m_block
         dq_accum = torch.empty(num_heads, rows_q * hd, dtype=f32, device=dev)
         dpsum = torch.empty(num_heads, rows_q, dtype=f32, device=dev)
     else:
-        rows_q = _rounded(seqlen_q, cfg.m_block)
+        rows_q = _round_up(seqlen_q, cfg.m_block)
         dq_accum = torch.empty(batch, num_heads, rows_q * hd, dtype=f32, device=dev)
         dpsum = torch.empty(batch, num_heads, rows_q, dtype=f32, device=dev)
     lse_log2 = torch.empty_like(dpsum)
@@ -288,7 +277,7 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
             rows_k = (k.shape[0] + (batch + 1) * cfg.n_block - 1) // cfg.n_block * cfg.n_block
             shape_k, shape_v = (num_heads_kv, rows_k * hd), (num_heads_kv, rows_k * hdv)
         else:
-            rows_k = _rounded(seqlen_k, cfg.n_block)
+            rows_k = _round_up(seqlen_k, cfg.n_block)
             shape_k, shape_v = (batch, num_heads_kv, rows_k * hd), (batch, num_heads_kv, rows_k * hdv)
         dk_accum = torch.zeros(shape_k, dtype=f32, device=dev)
         dv_accum = torch.zeros(shape_v, dtype=f32, device=dev)

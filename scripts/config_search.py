@@ -114,22 +114,25 @@ def stage_prune(out: Path, buckets, masks, jobs: int, grid: dict | None) -> None
                     seen.add(key)
                     todo.append((cfg.to_dict(), b, m))
     print(f"prune: {len(todo)} compiles for sm_120a ({len(done)} already done)", flush=True)
+    run_prune(path, todo, _prune_one, jobs,
+              lambda row: f"regs={row['regs']} spill={row['spill_bytes']} ctas/SM={row['ctas_per_sm']}")
+
+
+def run_prune(path: Path, todo: list, worker, jobs: int, status) -> None:
+    """Compile `todo` for sm_120a in `jobs` spawned processes (worker(item) -> row with a "key"), appending
+    one JSON row per compile to `path` as it lands (an interrupted prune resumes); status(row) is printed."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_120a")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool, open(path, "a") as f:
-        for i, row in enumerate(pool.map(_prune_one, todo)):
+        for i, row in enumerate(pool.map(worker, todo)):
             f.write(json.dumps(row) + "\n")
             f.flush()
-            if "error" in row:
-                status = row["error"][:80]
-            else:
-                status = f"regs={row['regs']} spill={row['spill_bytes']} ctas/SM={row['ctas_per_sm']}"
-            print(f"[{i + 1}/{len(todo)}] {row['key']}: {status}", flush=True)
+            print(f"[{i + 1}/{len(todo)}] {row['key']}: {row['error'][:80] if 'error' in row else status(row)}", flush=True)
 
 
 def survivors(out: Path, min_warps_per_sm: int = 4) -> dict:
     """(bucket, mask) -> list of FwdConfig that passed pruning (upstream's config always kept)."""
     res: dict = {}
-    for row in _read_rows(out / "prune_sm120a.jsonl"):
+    for row in read_rows(out / "prune_sm120a.jsonl"):
         if "error" in row:
             continue
         cfg = FwdConfig(**row["config"])
@@ -296,7 +299,7 @@ def stage_time(out: Path, buckets, masks, gpus: list[int], reps: int, compile_wo
               for (b, m), group in groups.items() for c in group if f"screen/{_key(c, b, m)}" not in done]
     print(f"screen: {len(screen)} candidates on GPUs {gpus}", flush=True)
     _run_jobs(out, screen, gpus, screen_reps, "screen", compile_workers)
-    rows = [r for r in _read_rows(out.glob("times*.jsonl")) if r.get("round") == "screen" and "geomean_tflops" in r]
+    rows = [r for r in read_rows(out.glob("times*.jsonl")) if r.get("round") == "screen" and "geomean_tflops" in r]
     final = []
     for (b, m), group in groups.items():
         ranked = sorted((r for r in rows if (r["bucket"], r["mask"]) == (b, m)), key=lambda r: -r["geomean_tflops"])
@@ -340,7 +343,7 @@ def pick_winners(rows: list[dict], shippable=None) -> dict:
 def shippable_from_prune(out: Path):
     """No spills on sm_120a (stack, local loads/stores) according to the prune file."""
     clean = set()
-    for row in _read_rows(out / "prune_sm120a.jsonl"):
+    for row in read_rows(out / "prune_sm120a.jsonl"):
         if "error" not in row and row["spill_bytes"] == 0 and row["local_loads"] == 0 and row["local_stores"] == 0:
             clean.add((row["bucket"], row["mask"], json.dumps(row["config"], sort_keys=True)))
     return lambda b, m, cfg: (b, m, json.dumps(cfg, sort_keys=True)) in clean
@@ -385,7 +388,7 @@ def merge_table(text: str, entries: dict) -> str:
 
 
 def stage_write(out: Path, toml_path: Path, command: str) -> None:
-    rows = [r for f in sorted(out.glob("times*.jsonl")) for r in _read_rows(f)]
+    rows = [r for f in sorted(out.glob("times*.jsonl")) for r in read_rows(f)]
     shippable = shippable_from_prune(out)
     winners = pick_winners(rows, shippable)
     # a group won by another family also lists its best cp.async config, which the dispatcher uses
@@ -409,7 +412,7 @@ def stage_write(out: Path, toml_path: Path, command: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- helpers
-def _read_rows(path):
+def read_rows(path):
     paths = [path] if isinstance(path, Path) else list(path)
     rows = []
     for p in paths:
@@ -424,7 +427,7 @@ def _read_rows(path):
 
 
 def _read_keys(path) -> set:
-    return {r["key"] for r in _read_rows(path) if "key" in r}
+    return {r["key"] for r in read_rows(path) if "key" in r}
 
 
 def main(argv=None) -> None:

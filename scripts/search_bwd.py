@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from config_search import read_rows, run_prune
 
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config
 
@@ -97,15 +97,9 @@ def stage_prune(out: Path, head_dims, masks, jobs: int, grid: dict | None) -> No
     done = {r["key"] for r in read_rows(path)}
     todo = prune_todo(head_dims, masks, grid, done)
     print(f"bwd prune: {len(todo)} compiles for sm_120a ({len(done)} already done)", flush=True)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_120a")
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool, open(path, "a") as f:
-        for i, row in enumerate(pool.map(_prune_one, todo)):
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            status = row["error"][:80] if "error" in row else (
-                f"regs={row['regs']} spill={row['spill_bytes']} smem={row['smem_bytes']} ctas/SM={row['ctas_per_sm']}")
-            print(f"[{i + 1}/{len(todo)}] {row['key']}: {status}", flush=True)
+    run_prune(path, todo, _prune_one, jobs,
+              lambda row: f"regs={row['regs']} spill={row['spill_bytes']} smem={row['smem_bytes']} "
+                          f"ctas/SM={row['ctas_per_sm']}")
 
 
 def survivors(out: Path) -> dict:
@@ -118,12 +112,6 @@ def survivors(out: Path) -> dict:
         if keep_after_prune(row) or cfg == upstream_bwd_config(row["head_dim"]):
             res.setdefault((row["head_dim"], row["mask"]), []).append(cfg)
     return res
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ------------------------------------------------------------------------- candidates and write

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The wheel works from anywhere: build it, install it non-editable into a fresh venv, use it from /tmp.
 
-  1. `pip wheel --no-deps` builds the package's wheel; it must hold every config table
+  1. `pip wheel --no-deps` builds the package's wheel from a copy of the tracked files; it must hold every config table
      (flash_attn_sm120/configs/*.toml, package data);
   2. a fresh venv gets that wheel, non-editable and without dependencies; the dependencies come from
      the current environment's site directories, appended after the venv's own (an editable install
@@ -16,6 +16,7 @@ Exit status 0 on success; any failure names the step. `.ci/run` runs it after th
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -45,10 +46,22 @@ def run(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
+def _tracked_copy(tmp: Path) -> Path:
+    """The repository's tracked files in a fresh directory: an in-tree build (setuptools' build/) keeps
+    files from earlier builds, which could hide a file the wheel no longer gets."""
+    src = tmp / "src"
+    files = subprocess.check_output(["git", "ls-files", "-z"], cwd=ROOT).decode().split("\0")
+    for rel in filter(None, files):
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
+    return src
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="wheel-check-") as tmp:
         tmp = Path(tmp)
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(ROOT)])
+        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(_tracked_copy(tmp))])
         wheel = next((tmp / "dist").glob("flash_attn_sm120-*.whl"))
         names = zipfile.ZipFile(wheel).namelist()
         missing = [t for t in TABLES if f"flash_attn_sm120/configs/{t}" not in names]
