@@ -10,10 +10,11 @@ family and config, split count, shared memory and CTAs per SM) without a GPU.
 """
 
 from flash_attn_sm120.device import EMULATE_ENV, device_info, execution_mode
+from flash_attn_sm120.compile_ops import register_mod
 from flash_attn_sm120.interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "execution_mode", "device_info", "EMULATE_ENV"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "register_mod", "explain", "execution_mode", "device_info", "EMULATE_ENV"]
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ import flash_attn.cute.interface as upstream
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
 
-from flash_attn_sm120 import driver, driver_bwd, driver_splitkv, validation, validation_paged
+from flash_attn_sm120 import compile_ops, driver, driver_bwd, driver_splitkv, validation, validation_paged
 from flash_attn_sm120.device import device_info
 
 
@@ -141,6 +141,8 @@ def flash_attn_func(
     An n larger than useful is clamped silently to the number of key blocks of the chosen tile
     (more would only add empty splits) and to splitkv.MAX_SPLITS (128).
     """
+    if torch.compiler.is_compiling():  # a torch.compile trace: custom ops (compile_ops.py)
+        return compile_ops.traced_call(dict(locals()), varlen=False)
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
@@ -214,6 +216,8 @@ def flash_attn_varlen_func(
     refused; seqused_k values and page indices are device data and are not checked (no sync).
     num_splits: as in flash_attn_func (1 off, n clamped to the useful maximum, <= 0 automatic).
     """
+    if torch.compiler.is_compiling():
+        return compile_ops.traced_call(dict(locals()), varlen=True)
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))

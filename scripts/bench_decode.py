@@ -301,7 +301,7 @@ def main(argv=None):
         args.out.write_text(json.dumps(dict(
             device=info.name, mode=info.mode, label=label, num_sms=info.num_sms,
             copy_bandwidth_GBps=copy_bw / 1e9, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-            command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
+            command="python " + " ".join(sys.argv), commit=prepare.git_commit(),
             occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
             unchecked_kernels=occupancy.unchecked(),
             rows=rows,

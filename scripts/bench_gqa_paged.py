@@ -175,7 +175,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(dict(
             gpu=torch.cuda.get_device_name(), mode=mode, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-            command="python " + " ".join(sys.argv), commit=prepare._git_commit(),
+            command="python " + " ".join(sys.argv), commit=prepare.git_commit(),
             occupancy_verified=occupancy.all_verified(), occupancy=[r.to_dict() for r in occupancy.records()],
             unchecked_kernels=occupancy.unchecked(),
             rows=rows), indent=1))

@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flash_attn_sm120 import progress  # noqa: E402
 from flash_attn_sm120.bench import Problem, geomean  # noqa: E402
 from flash_attn_sm120.config import HEAD_DIM_BUCKETS, FwdConfig, upstream_fwd_config  # noqa: E402
 
@@ -123,10 +124,11 @@ def run_prune(path: Path, todo: list, worker, jobs: int, status) -> None:
     one JSON row per compile to `path` as it lands (an interrupted prune resumes); status(row) is printed."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_120a")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool, open(path, "a") as f:
-        for i, row in enumerate(pool.map(worker, todo)):
+        for i, row in enumerate(progress.bar(pool.map(worker, todo), desc="sm_120a prune", total=len(todo),
+                                             unit="kernel")):
             f.write(json.dumps(row) + "\n")
             f.flush()
-            print(f"[{i + 1}/{len(todo)}] {row['key']}: {row['error'][:80] if 'error' in row else status(row)}", flush=True)
+            progress.write(f"[{i + 1}/{len(todo)}] {row['key']}: {row['error'][:80] if 'error' in row else status(row)}")
 
 
 def survivors(out: Path, min_warps_per_sm: int = 4) -> dict:
@@ -159,7 +161,7 @@ def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str, rnd
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time SM120 kernels on this GPU")
     path = out / f"times{label}.jsonl"
     inputs: dict = {}
-    for bucket, mask, cfg, role in jobs:
+    for bucket, mask, cfg, role in progress.bar(jobs, desc=f"timing ({rnd}{label})", unit="config"):
         row = dict(key=f"{rnd}/{_key(cfg, bucket, mask)}", round=rnd, bucket=bucket, mask=mask, config=cfg.to_dict(),
                    role=role, gpu=info.name, mode=info.mode, date=_dt.date.today().isoformat(), timing="queued")
         try:
@@ -182,8 +184,8 @@ def _time_candidates(out: Path, jobs: list, gpu: int, reps: int, label: str, rnd
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         status = "" if row.get("correct", True) else "INCORRECT"
-        print(f"{row['key']:56s} {row.get('geomean_tflops', float('nan')):8.1f} TFLOPS {status} "
-              f"{row.get('error', '')[:80]}", flush=True)
+        progress.write(f"{row['key']:56s} {row.get('geomean_tflops', float('nan')):8.1f} TFLOPS {status} "
+                       f"{row.get('error', '')[:80]}")
 
 
 def gate(cfg: FwdConfig, head_dim: int, causal: bool, info) -> tuple[bool, float, float]:

@@ -7,7 +7,8 @@
 #      fit in a 560 s budget).
 # One GPU is enough: compiles are CPU-bound, so concurrent processes overlap them. Everything stays
 # within $BUDGET seconds (default 560) and lands in $OUT (default ./gpu_correctness_out) with
-# $OUT/res.tgz holding it all (for tools that bring back only a few files).
+# $OUT/res.tgz holding it all (for tools that bring back only a few files). A progress bar over all
+# collected tests (scripts/gate_progress.py) goes to stderr and $OUT/r/progress.txt.
 #
 #   source .gpu/b/env.sh && OUT=$OUT bash scripts/gpu_correctness.sh
 #   PROFILE=fast SHARDS=4 BUDGET=300 bash scripts/gpu_correctness.sh
@@ -45,13 +46,19 @@ for i in $(seq 0 $last); do
     tests/test_fuzz_gpu.py > "$R/fuzz_$i.log" 2>&1 &
 done
 python3 -m pytest --collect-only -q -m gpu tests --ignore=tests/test_fuzz_gpu.py 2>/dev/null | grep '::' > "$R/gpu_test_ids.txt"
+fuzz_total=$(python3 -m pytest --collect-only -q tests/test_fuzz_gpu.py 2>/dev/null | grep -c '::')
+python3 scripts/gate_progress.py --logs "$R" --total $(( fuzz_total + $(wc -l < "$R/gpu_test_ids.txt") )) \
+  --done "$R/done" 2> >(tee "$R/progress.txt" >&2) &
+progress_pid=$!
 rm -f /tmp/fa_sm120_ids_*
 split -n r/$SHARDS -d "$R/gpu_test_ids.txt" /tmp/fa_sm120_ids_
 for f in /tmp/fa_sm120_ids_*; do
   FLASH_ATTN_SM120_CACHE_DIR=/tmp/fa_sm120_cache_$(basename "$f") timeout $tests_budget \
     python3 -m pytest -q -p no:cacheprovider $(cat "$f") > "$R/tests_$(basename "$f").log" 2>&1 &
 done
-wait
+wait_tests() { for p in $(jobs -p); do [ "$p" = "$progress_pid" ] || wait "$p"; done; }
+wait_tests
+touch "$R/done"; wait "$progress_pid"
 echo "tests and sanitizer done after $(elapsed) s" >> "$R/times.txt"
 { for f in "$R"/fuzz_*.log "$R"/tests_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
   grep -h "^FAILED" "$R"/*.log; for f in "$R"/sanitize_*.log; do tail -n 12 "$f"; done; } > "$R/summary.txt"

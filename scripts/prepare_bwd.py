@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from flash_attn_sm120 import bench
+from flash_attn_sm120 import bench, progress
 from flash_attn_sm120.bench import Problem
 
 GRAD_ATOL = 1e-3
@@ -154,16 +154,18 @@ def check_grads(actual, ref, pt) -> tuple[bool, float, str]:
     return True, worst, detail
 
 
-def evaluate_bwd(impls: list[BwdImpl], problems: list[Problem], info, reps: int = 20, log=print,
+def evaluate_bwd(impls: list[BwdImpl], problems: list[Problem], info, reps: int = 20, log=progress.write,
                  row_cls=None) -> list:
     """One row per (impl, problem): correctness, then the backward's median time and TFLOPS."""
     import torch
 
     rows = []
+    tick = progress.bar(total=len(problems) * len(impls), desc="backward benchmark", unit="run")
     for p in problems:
         xs = [forward_state(p, info, seed=s) for s in range(2)]
         ref, pt = reference_grads(p, xs[0])
         for impl in impls:
+            tick.update()
             row = row_cls(impl.name, impl.kind, p.name, info.mode, "ok")
             if not impl.supports(p):
                 row.status = "unsupported"
@@ -188,6 +190,7 @@ def evaluate_bwd(impls: list[BwdImpl], problems: list[Problem], info, reps: int 
             log(_fmt(row))
         del ref, pt, xs
         torch.cuda.empty_cache()
+    tick.close()
     return rows
 
 

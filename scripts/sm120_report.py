@@ -29,16 +29,21 @@ def rows(table_path: Path | None = None, include_upstream: bool = True) -> list[
     from flash_attn_sm120.codegen import report_row
     from flash_attn_sm120.config import load_fwd_table, upstream_fwd_config
 
-    out = []
+    jobs = []
     if include_upstream:
-        r = report_row(upstream_fwd_config(128), 128, name="upstream-sm120-default-d128", upstream_class=True,
-                       note="upstream FlashAttentionForwardSm120, its own default tiles")
-        out.append(r.to_dict())
+        jobs.append(lambda: report_row(upstream_fwd_config(128), 128, name="upstream-sm120-default-d128",
+                                       upstream_class=True, note="upstream FlashAttentionForwardSm120, its own default tiles"))
     for e in load_fwd_table(table_path):
-        name = f"{e.head_dim}/{e.mask}/{e.config.name}"
-        r = report_row(e.config, e.head_dim, name=name, shipped=True, causal=e.mask != "none")
-        out.append(r.to_dict())
-    return out
+        jobs.append(lambda e=e: report_row(e.config, e.head_dim, name=f"{e.head_dim}/{e.mask}/{e.config.name}",
+                                           shipped=True, causal=e.mask != "none"))
+    return _run(jobs, "sm_120a forward configs")
+
+
+def _run(jobs: list, desc: str) -> list[dict]:
+    """Each job compiles one config (a few seconds on a CPU): run them under a progress bar."""
+    from flash_attn_sm120 import progress
+
+    return [job().to_dict() for job in progress.bar(jobs, desc=desc, unit="kernel")]
 
 
 def bwd_rows(include_upstream: bool = True) -> list[dict]:
@@ -48,17 +53,18 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
     from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table
     from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error, upstream_bwd_config
 
-    out = []
+    jobs = []
     if include_upstream:
-        out.append(bwd_report_row(upstream_bwd_config(128), 128, name="bwd/upstream-sm120-default-d128",
-                                  note="upstream FlashAttentionBackwardSm120, its own config").to_dict())
+        jobs.append(lambda: bwd_report_row(upstream_bwd_config(128), 128, name="bwd/upstream-sm120-default-d128",
+                                           note="upstream FlashAttentionBackwardSm120, its own config"))
     for e in load_bwd_table():
-        out.append(bwd_report_row(e.config, e.head_dim, name=f"bwd/{e.head_dim}/{e.mask}/{e.config.name}",
-                                  shipped=True, causal=e.mask == "causal", local=e.mask == "local").to_dict())
+        jobs.append(lambda e=e: bwd_report_row(e.config, e.head_dim, name=f"bwd/{e.head_dim}/{e.mask}/{e.config.name}",
+                                               shipped=True, causal=e.mask == "causal", local=e.mask == "local"))
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
-        out.append(bwd_report_row(cfg, d, name=f"bwd/fallback{i}/d{d}/{cfg.name}", shipped=True).to_dict())
-    return out
+        jobs.append(lambda i=i, cfg=cfg, d=d: bwd_report_row(cfg, d, name=f"bwd/fallback{i}/d{d}/{cfg.name}",
+                                                             shipped=True))
+    return _run(jobs, "sm_120a backward configs")
 
 
 def format_table(rs: list[dict]) -> str:

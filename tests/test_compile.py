@@ -1,0 +1,219 @@
+"""torch.compile on a CPU: the custom ops' fake shapes, and full-graph traces through autograd.
+
+The fake implementations are checked under FakeTensorMode with CUDA-placed fake tensors (no GPU
+needed). The traces run on CPU tensors with a test-scoped CPU kernel for the two ops (an fp32
+reference attention and its autograd VJP), so a compiled forward and backward are compared with
+eager autograd of the same reference, and the graphs are checked to hold the ops and no break.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attn_sm120
+from flash_attn_sm120 import compile_ops
+from flash_attn_sm120.testing import attention_ref
+
+FWD = torch.ops.flash_attn_sm120.fwd
+BWD = torch.ops.flash_attn_sm120.bwd
+
+
+def _fwd_args(q, k, v, *, cu_q=None, cu_k=None, page_table=None, return_lse=True, needs_grad=False, varlen=False):
+    return (q, k, v, cu_q, cu_k, None, None, page_table, [], [], None, False, None, None, 0.0, 1, None, False,
+            None, None, "", "", return_lse, needs_grad, varlen)
+
+
+@pytest.mark.parametrize("hk,dv", [(4, 64), (1, 64), (2, 32)])
+def test_fake_fwd_dense_shapes(hk, dv):
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(2, 300, hk, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.empty(2, 300, hk, dv, device="cuda", dtype=torch.bfloat16)
+        out, lse = FWD(*_fwd_args(q, k, v))
+        assert out.shape == (2, 100, 4, dv) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert lse.shape == (2, 4, 100) and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert out.device.type == "cuda"
+        _, no_lse = FWD(*_fwd_args(q, k, v, return_lse=False))
+        assert no_lse.numel() == 0
+        _, lse_for_grad = FWD(*_fwd_args(q, k, v, return_lse=False, needs_grad=True))
+        assert lse_for_grad.shape == (2, 4, 100)
+
+
+def test_fake_fwd_varlen_and_paged_shapes():
+    with FakeTensorMode():
+        q = torch.empty(70, 8, 128, device="cuda", dtype=torch.float16)
+        k = torch.empty(90, 2, 128, device="cuda", dtype=torch.float16)
+        cu = torch.empty(4, device="cuda", dtype=torch.int32)
+        out, lse = FWD(*_fwd_args(q, k, k, cu_q=cu, cu_k=cu, varlen=True))
+        assert out.shape == (70, 8, 128) and out.dtype == torch.float16
+        assert lse.shape == (8, 70) and lse.is_contiguous()
+        # paged decode: dense q rows (b, 1, h, d), a page pool for k/v
+        qd = torch.empty(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        pool = torch.empty(40, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+        pages = torch.empty(3, 10, device="cuda", dtype=torch.int32)
+        out, lse = FWD(*_fwd_args(qd, pool, pool, page_table=pages, varlen=True))
+        assert out.shape == (3, 1, 8, 128) and lse.shape == (3, 8, 1)
+
+
+def test_fake_bwd_matches_input_layouts():
+    """dq/dk/dv laid out like the inputs: a transposed (b, h, s, d) view keeps its strides (as the eager
+    backward's empty_like does), a last-dim-strided input gets a contiguous gradient."""
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.empty(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.empty_strided((2, 300, 2, 64), (300 * 2 * 128, 2 * 128, 128, 2), device="cuda",
+                                dtype=torch.bfloat16)  # last dim strided
+        out = torch.empty(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(2, 4, 100, device="cuda", dtype=torch.float32)
+        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, None, None, None, None, False, None, None, 0.0,
+                         False, None, None)
+        assert dq.shape == q.shape and dq.stride() == q.stride()
+        assert dk.stride() == k.stride()
+        assert dv.shape == v.shape and dv.is_contiguous()
+
+
+# ---- full-graph traces on CPU, with a test-scoped reference kernel for the two ops -------------
+
+
+def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, aux, aux_scalars, scale, causal, wl, wr, softcap, num_splits, pack_gqa,
+             deterministic, mq, mk, score_mod, mask_mod, return_lse, needs_grad, varlen):
+    out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap)
+    lse = lse.contiguous() if (return_lse or needs_grad) else q.new_empty((0,), dtype=torch.float32)
+    return out.to(q.dtype).contiguous(), lse
+
+
+def _ref_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, sq, sk, scale, causal, wl, wr, softcap, deterministic,
+             mq, mk):
+    def f(q_, k_, v_):
+        return attention_ref(q_, k_, v_, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap)
+
+    _, vjp = torch.func.vjp(f, q, k, v)
+    dq, dk, dv = vjp((dout.float(), torch.zeros_like(lse) if dlse is None else dlse))
+    return tuple(g.to(x.dtype).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+@pytest.fixture
+def cpu_reference_ops():
+    lib = torch.library.Library(compile_ops.OP_NAMESPACE, "IMPL")
+    lib.impl("fwd", _ref_fwd, "CPU")
+    lib.impl("bwd", _ref_bwd, "CPU")
+    yield
+    lib._destroy()
+
+
+class _Capture:
+    """An aot_eager backend that keeps the forward and backward graphs it compiles."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(g, _inputs):
+            self.graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    def ops(self) -> list[str]:
+        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=32, heads=4, heads_kv=2, causal=True, window=(None, None), return_lse=False):
+        super().__init__()
+        self.heads, self.heads_kv, self.d = heads, heads_kv, d
+        self.qkv = torch.nn.Linear(64, (heads + 2 * heads_kv) * d, dtype=torch.float32)
+        self.causal, self.window, self.return_lse = causal, window, return_lse
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads + 2 * self.heads_kv, self.d)
+        q, k, v = qkv.split([self.heads, self.heads_kv, self.heads_kv], dim=2)
+        out, lse = flash_attn_sm120.flash_attn_func(q, k, v, causal=self.causal, window_size=self.window,
+                                                    return_lse=self.return_lse)
+        loss = out.float().square().mean()
+        return loss + (lse.mean() if self.return_lse else 0.0)
+
+
+@pytest.mark.parametrize("causal,window,return_lse", [(True, (None, None), False), (False, (7, -1), True)])
+def test_fullgraph_forward_backward_matches_eager_reference(cpu_reference_ops, causal, window, return_lse):
+    torch.manual_seed(0)
+    model = _Block(causal=causal, window=window, return_lse=return_lse)
+    x = torch.randn(2, 40, 64)
+    capture = _Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    loss_c = compiled(x)
+    loss_c.backward()
+    grads_c = [p.grad.clone() for p in model.parameters()]
+    ops = capture.ops()
+    assert "flash_attn_sm120.fwd.default" in ops and "flash_attn_sm120.bwd.default" in ops, ops
+
+    # eager, through the same reference (the ops are what the graph replaced)
+    for p in model.parameters():
+        p.grad = None
+    b, s, _ = x.shape
+    qkv = model.qkv(x).view(b, s, model.heads + 2 * model.heads_kv, model.d)
+    q, k, v = qkv.split([model.heads, model.heads_kv, model.heads_kv], dim=2)
+    out, lse = attention_ref(q, k, v, causal=causal, window=window)
+    loss_e = out.square().mean() + (lse.mean() if return_lse else 0.0)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for gc, p in zip(grads_c, model.parameters()):
+        torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_inference_trace_has_no_backward_and_no_lse(cpu_reference_ops):
+    capture = _Capture()
+    q = torch.randn(1, 16, 4, 32)
+
+    @torch.compile(backend=capture, fullgraph=True)
+    def f(q):
+        out, lse = flash_attn_sm120.flash_attn_func(q, q, q)
+        assert lse is None
+        return out
+
+    with torch.no_grad():
+        f(q)
+    fwd = [n for g in capture.graphs for n in g.graph.nodes if str(n.target) == "flash_attn_sm120.fwd.default"]
+    assert len(fwd) == 1 and fwd[0].args[-2] is False  # needs_grad False: no LSE computed for autograd
+
+
+def test_registered_mod_travels_by_name_and_unregistered_breaks_the_graph(cpu_reference_ops):
+    def plus_zero(score, b, h, q_idx, kv_idx, aux_tensors):
+        return score
+
+    q = torch.randn(1, 16, 2, 32)
+    with pytest.raises(Exception, match="(?i)graph break|skip|disable"):
+        torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q, score_mod=plus_zero)[0],
+                      backend="eager", fullgraph=True)(q)
+    flash_attn_sm120.register_mod(plus_zero, "test_plus_zero")
+    capture = _Capture()
+    with torch.no_grad():
+        torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q, score_mod=plus_zero)[0],
+                      backend=capture, fullgraph=True)(q)
+    node = next(n for g in capture.graphs for n in g.graph.nodes if str(n.target) == "flash_attn_sm120.fwd.default")
+    assert "test_plus_zero" in node.args
+    assert compile_ops.registered_mod("test_plus_zero") is plus_zero
+
+
+def test_register_mod_refuses_bad_input():
+    with pytest.raises(TypeError, match="callable"):
+        flash_attn_sm120.register_mod(3, "x")
+    flash_attn_sm120.register_mod(abs, "test_abs")
+    with pytest.raises(ValueError, match="already registered"):
+        flash_attn_sm120.register_mod(round, "test_abs")
+    with pytest.raises(ValueError, match="no score_mod"):
+        compile_ops.registered_mod("never_registered")
+
+
+def test_compiled_call_on_cpu_raises_the_eager_validation_error():
+    """No test kernel: the op's real implementation is the eager function, which names the problem."""
+    q = torch.randn(1, 16, 2, 32, dtype=torch.bfloat16)
+    f = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q)[0], backend="eager", fullgraph=True)
+    with pytest.raises((TypeError, ValueError), match="(?i)cuda"):
+        f(q)
