@@ -19,9 +19,8 @@ Python callables cannot be custom-op arguments. A `score_mod` / `mask_mod` regis
 Eager calls never come here: the per-call host path is unchanged.
 """
 
-from __future__ import annotations
-
-from typing import Callable, List, Optional, Union
+# no `from __future__ import annotations`: torch.library reads the ops' annotations as real types
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -100,14 +99,35 @@ def traced_call(args: dict, varlen: bool):
     k, v = args["k"], args["v"]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return_lse = bool(args["return_lse"])
-    aux, scalars = args.get("aux_tensors"), args.get("aux_scalars")
+    aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(
-        q, k, v, *(args.get(n) for n in _INDEX), list(aux or ()), list(scalars or ()),
+        q, k, v, *(args.get(n) for n in _INDEX), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),
         args["softmax_scale"], bool(args["causal"]), left, right, float(args["softcap"] or 0.0),
         int(args["num_splits"]), args["pack_gqa"], bool(args["deterministic"]), args.get("max_seqlen_q"),
         args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, needs_grad, varlen,
     )
     return out, (lse if return_lse else None)
+
+
+# aux_scalars as two plain lists (values as float, kinds), which every torch with custom ops accepts; a
+# Python int stays an int and a bool a bool, as the kernels specialize on the type
+_KINDS = {bool: 2, int: 1, float: 0}
+
+
+def _encode_scalars(scalars: Optional[Sequence]) -> tuple[list[float], list[int]]:
+    values, kinds = [], []
+    for x in scalars or ():
+        kind = _KINDS.get(type(x))
+        if kind is None:
+            raise TypeError(f"aux_scalars must hold int, float or bool values, got {type(x).__name__}")
+        values.append(float(x))
+        kinds.append(kind)
+    return values, kinds
+
+
+def _decode_scalars(values: Sequence[float], kinds: Sequence[int]) -> Optional[tuple]:
+    cast = {2: bool, 1: int, 0: float}
+    return tuple(cast[k](v) for v, k in zip(values, kinds)) or None
 
 
 def _name(mod: Optional[Callable]) -> str:
@@ -118,8 +138,8 @@ def _name(mod: Optional[Callable]) -> str:
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-    page_table: Optional[torch.Tensor], aux_tensors: List[torch.Tensor], aux_scalars: List[Union[int, float, bool]],
-    softmax_scale: Optional[float],
+    page_table: Optional[torch.Tensor], aux_tensors: List[torch.Tensor], aux_scalar_values: List[float],
+    aux_scalar_kinds: List[int], softmax_scale: Optional[float],
     causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float, num_splits: int,
     pack_gqa: Optional[bool], deterministic: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
     score_mod: str, mask_mod: str, return_lse: bool, needs_grad: bool, varlen: bool,
@@ -130,7 +150,7 @@ def attention_fwd(
     args = dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
                 score_mod=registered_mod(score_mod), mask_mod=registered_mod(mask_mod),
-                aux_tensors=list(aux_tensors) or None, aux_scalars=tuple(aux_scalars) or None,
+                aux_tensors=list(aux_tensors) or None, aux_scalars=_decode_scalars(aux_scalar_values, aux_scalar_kinds),
                 return_lse=return_lse or needs_grad)
     if varlen:
         args.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
@@ -149,7 +169,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, aux_tensors,
-                        aux_scalars, softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
+                        aux_scalar_values, aux_scalar_kinds, softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
                         deterministic, max_seqlen_q, max_seqlen_k, score_mod, mask_mod, return_lse, needs_grad,
                         varlen):
     num_heads, head_dim_v = q.shape[-2], v.shape[-1]
@@ -206,7 +226,7 @@ def _grad_buffer(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-_FWD_ARGS = ("q", "k", "v", *_INDEX, "aux_tensors", "aux_scalars", "softmax_scale", "causal", "window_left", "window_right",
+_FWD_ARGS = ("q", "k", "v", *_INDEX, "aux_tensors", "aux_scalar_values", "aux_scalar_kinds", "softmax_scale", "causal", "window_left", "window_right",
              "softcap", "num_splits", "pack_gqa", "deterministic", "max_seqlen_q", "max_seqlen_k", "score_mod",
              "mask_mod", "return_lse", "needs_grad", "varlen")
 

@@ -21,7 +21,7 @@ BWD = torch.ops.flash_attn_sm120.bwd
 
 
 def _fwd_args(q, k, v, *, cu_q=None, cu_k=None, page_table=None, return_lse=True, needs_grad=False, varlen=False):
-    return (q, k, v, cu_q, cu_k, None, None, page_table, [], [], None, False, None, None, 0.0, 1, None, False,
+    return (q, k, v, cu_q, cu_k, None, None, page_table, [], [], [], None, False, None, None, 0.0, 1, None, False,
             None, None, "", "", return_lse, needs_grad, varlen)
 
 
@@ -77,7 +77,7 @@ def test_fake_bwd_matches_input_layouts():
 # ---- full-graph traces on CPU, with a test-scoped reference kernel for the two ops -------------
 
 
-def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, aux, aux_scalars, scale, causal, wl, wr, softcap, num_splits, pack_gqa,
+def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, aux, aux_values, aux_kinds, scale, causal, wl, wr, softcap, num_splits, pack_gqa,
              deterministic, mq, mk, score_mod, mask_mod, return_lse, needs_grad, varlen):
     out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap)
     lse = lse.contiguous() if (return_lse or needs_grad) else q.new_empty((0,), dtype=torch.float32)
@@ -199,6 +199,15 @@ def test_registered_mod_travels_by_name_and_unregistered_breaks_the_graph(cpu_re
     node = next(n for g in capture.graphs for n in g.graph.nodes if str(n.target) == "flash_attn_sm120.fwd.default")
     assert "test_plus_zero" in node.args
     assert compile_ops.registered_mod("test_plus_zero") is plus_zero
+
+
+def test_aux_scalars_keep_their_python_types():
+    values, kinds = compile_ops._encode_scalars((3, 0.5, True))
+    assert compile_ops._decode_scalars(values, kinds) == (3, 0.5, True)
+    assert [type(x) for x in compile_ops._decode_scalars(values, kinds)] == [int, float, bool]
+    assert compile_ops._decode_scalars([], []) is None
+    with pytest.raises(TypeError, match="aux_scalars"):
+        compile_ops._encode_scalars(("x",))
 
 
 def test_register_mod_refuses_bad_input():
