@@ -141,8 +141,17 @@ def flash_attn_func(
     An n larger than useful is clamped silently to the number of key blocks of the chosen tile
     (more would only add empty splits) and to splitkv.MAX_SPLITS (128).
     """
-    if torch.compiler.is_compiling():  # a torch.compile trace: custom ops (compile_ops.py)
-        return compile_ops.traced_call(dict(locals()), varlen=False)
+    if torch.compiler.is_compiling():  # a torch.compile trace: custom ops (compile_ops.py); no locals() in Dynamo
+        args = dict(
+            q=q, k=k, v=v, qv=qv, gather_kv_indices=gather_kv_indices, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits,
+            pack_gqa=pack_gqa, deterministic=deterministic, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+            mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars,
+            block_sparse_tensors=block_sparse_tensors, block_sparse_tensors_bwd=block_sparse_tensors_bwd,
+            return_lse=return_lse, gather_bwd_recompute_p=gather_bwd_recompute_p,
+            gather_bwd_token_chunk=gather_bwd_token_chunk,
+        )
+        return compile_ops.traced_call(args, varlen=False)
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
@@ -217,7 +226,18 @@ def flash_attn_varlen_func(
     num_splits: as in flash_attn_func (1 off, n clamped to the useful maximum, <= 0 automatic).
     """
     if torch.compiler.is_compiling():
-        return compile_ops.traced_call(dict(locals()), varlen=True)
+        args = dict(
+            q=q, k=k, v=v, qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, min_seqlen_k=min_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            gather_kv_indices=gather_kv_indices, page_table=page_table, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits,
+            pack_gqa=pack_gqa, deterministic=deterministic, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+            mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
+            aux_scalars=aux_scalars, return_lse=return_lse, scheduler_metadata=scheduler_metadata,
+            seqlen_k_per_split=seqlen_k_per_split, disable_scheduler_metadata=disable_scheduler_metadata,
+            gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk,
+        )
+        return compile_ops.traced_call(args, varlen=True)
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))

@@ -226,3 +226,16 @@ def test_compiled_call_on_cpu_raises_the_eager_validation_error():
     f = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q)[0], backend="eager", fullgraph=True)
     with pytest.raises((TypeError, ValueError), match="(?i)cuda"):
         f(q)
+
+
+@pytest.mark.parametrize("fn", [flash_attn_sm120.flash_attn_func, flash_attn_sm120.flash_attn_varlen_func])
+def test_traced_branch_passes_every_parameter(fn):
+    """Dynamo cannot trace locals(): the traced branch spells the arguments out, so it must name each one."""
+    import inspect
+    import re
+
+    src = inspect.getsource(fn)
+    branch = src[src.index("torch.compiler.is_compiling()"):src.index("compile_ops.traced_call")]
+    passed = re.findall(r"(\w+)=(\w+)", branch)
+    assert all(a == b for a, b in passed)
+    assert [a for a, _ in passed] == list(inspect.signature(fn).parameters)

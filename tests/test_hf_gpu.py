@@ -48,7 +48,10 @@ def _close(a, b, name, rel=0.03):
 
 def _loss_and_grads(model, ids, mask):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    # padded positions carry no label (-100), as in any padded training batch: their outputs are
+    # implementation-defined (zeros here, attention over the real keys in SDPA)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     return out.logits, {n: p.grad for n, p in model.named_parameters()}
 
