@@ -106,7 +106,8 @@ def traced_call(args: dict, varlen: bool):
         int(args["num_splits"]), args["pack_gqa"], bool(args["deterministic"]), args.get("max_seqlen_q"),
         args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, needs_grad, varlen,
     )
-    return out, (lse if return_lse else None)
+    # as upstream (and the eager path): the LSE is returned whenever it was computed for autograd
+    return out, (lse if return_lse or needs_grad else None)
 
 
 # aux_scalars as two plain lists (values as float, kinds), which every torch with custom ops accepts; a

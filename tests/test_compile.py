@@ -147,7 +147,7 @@ def test_fullgraph_forward_backward_matches_eager_reference(cpu_reference_ops, c
     x = torch.randn(2, 40, 64)
     capture = _Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
-    loss_c = compiled(x)
+    loss_c = compiled(x)  # (the block ignores an LSE it did not ask for)
     loss_c.backward()
     grads_c = [p.grad.clone() for p in model.parameters()]
     ops = capture.ops()
@@ -174,7 +174,7 @@ def test_inference_trace_has_no_backward_and_no_lse(cpu_reference_ops):
     @torch.compile(backend=capture, fullgraph=True)
     def f(q):
         out, lse = flash_attn_sm120.flash_attn_func(q, q, q)
-        assert lse is None
+        assert lse is None  # no gradient to come and no return_lse: no LSE, as upstream
         return out
 
     with torch.no_grad():
@@ -239,3 +239,11 @@ def test_traced_branch_passes_every_parameter(fn):
     passed = re.findall(r"(\w+)=(\w+)", branch)
     assert all(a == b for a, b in passed)
     assert [a for a, _ in passed] == list(inspect.signature(fn).parameters)
+
+
+def test_lse_comes_back_for_autograd_like_upstream(cpu_reference_ops):
+    """Upstream returns the LSE whenever a gradient will be needed, return_lse or not; so do both paths here."""
+    q = torch.randn(1, 16, 2, 32, requires_grad=True)
+    out, lse = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q), backend="aot_eager",
+                             fullgraph=True)(q)
+    assert lse is not None and lse.shape == (1, 2, 16)

@@ -19,7 +19,11 @@ pytestmark = pytest.mark.gpu
 
 def _attn(q, k, v, **kw):
     out, lse = flash_attn_sm120.flash_attn_func(q, k, v, **kw)
-    return out if lse is None else (out, lse)
+    return (out, lse) if kw.get("return_lse") else out
+
+
+def _with_lse(q, k, v, **kw):
+    return flash_attn_sm120.flash_attn_func(q, k, v, **kw)
 
 
 def _leaves(*shapes, seed, dtype=torch.bfloat16):
@@ -41,6 +45,9 @@ def test_compiled_matches_eager_deterministic(causal, window, d):
     out_e = _attn(q, k, v, **kw)
     grads_e = torch.autograd.grad(out_e, (q, k, v), g)
     assert torch.equal(out_c, out_e)
+    # as upstream: with a gradient to come, the LSE comes back even without return_lse, in both paths
+    (_, lse_c), (_, lse_e) = torch.compile(_with_lse, fullgraph=True)(q, k, v, **kw), _with_lse(q, k, v, **kw)
+    assert lse_c is not None and lse_e is not None and torch.equal(lse_c, lse_e)
     for name, a, b in zip(("dq", "dk", "dv"), grads_c, grads_e):
         assert a.stride() == b.stride(), name
         if det:
