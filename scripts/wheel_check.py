@@ -7,8 +7,9 @@
      the current environment's site directories, appended after the venv's own (an editable install
      of the repository there cannot take precedence: the probe checks where the package came from);
   3. from a temporary directory outside the repository, that venv's python imports the package (it
-     must come from the venv), loads the forward, backward and decode tables, and runs
-     `python -m flash_attn_sm120.explain`.
+     must come from the venv), loads the forward, backward and decode tables, imports the torch.compile
+     ops and the transformers integration, and runs `python -m flash_attn_sm120.explain` and the
+     self-test's `--help`.
 
 Exit status 0 on success; any failure names the step. `.ci/run` runs it after the test suite.
 """
@@ -36,8 +37,18 @@ from flash_attn_sm120.config_bwd import load_bwd_table
 from flash_attn_sm120.decode import load_decode_table
 where = flash_attn_sm120.__file__
 assert where.startswith(sys.argv[1]), f"imported {where}, not the wheel installed in {sys.argv[1]}"
+import torch
+from flash_attn_sm120 import compile_ops  # noqa: F401  (registers the custom ops)
+assert hasattr(torch.ops.flash_attn_sm120, "fwd") and hasattr(torch.ops.flash_attn_sm120, "bwd")
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    pass
+else:
+    from flash_attn_sm120.integrations import transformers as hf
+    assert hf.NAME in transformers.AttentionInterface().valid_keys()
 print(f"wheel package at {where}: {len(load_fwd_table())} forward, {len(load_bwd_table())} backward, "
-      f"{len(load_decode_table())} decode entries")
+      f"{len(load_decode_table())} decode entries; torch.compile ops registered")
 """
 
 
@@ -85,6 +96,7 @@ def main() -> int:
         run([py, "-c", PROBE, str(env_dir)], cwd=outside, env=env)
         run([py, "-m", "flash_attn_sm120.explain", "--seqlen-q", "1", "--seqlen-k", "32768", "--num-splits", "0"],
             cwd=outside, env=env, stdout=subprocess.DEVNULL)
+        run([py, "-m", "flash_attn_sm120.selftest", "--help"], cwd=outside, env=env, stdout=subprocess.DEVNULL)
     print("wheel check: ok")
     return 0
 
