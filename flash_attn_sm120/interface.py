@@ -20,7 +20,7 @@ import flash_attn.cute.interface as upstream
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
 
-from flash_attn_sm120 import compile_ops, driver, driver_bwd, driver_splitkv, validation, validation_paged
+from flash_attn_sm120 import compile_ops, driver, driver_bwd, driver_splitkv, sinks, validation, validation_paged
 from flash_attn_sm120.device import device_info
 
 
@@ -41,7 +41,7 @@ def _check_common_features(
 ):
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise TypeError(f"num_splits must be an int, got {num_splits!r}")
-    if (qv is None and gather_kv_indices is None and learnable_sink is None and block_sparse_tensors is None
+    if (qv is None and gather_kv_indices is None and block_sparse_tensors is None
             and scheduler_metadata is None and not requires_grad and not gather_bwd_recompute_p
             and gather_bwd_token_chunk is None):
         return  # the common case, decided without building the feature tables below (per-call host time)
@@ -49,7 +49,6 @@ def _check_common_features(
         qv_MLA_absorbed_attention=qv is not None,
         gather_kv_indices_sparse_MLA=gather_kv_indices is not None,
         gather_bwd_options=gather_bwd_recompute_p or gather_bwd_token_chunk is not None,
-        learnable_sink=learnable_sink is not None,
         block_sparsity=block_sparse_tensors is not None,
         scheduler_metadata=scheduler_metadata is not None,
     )
@@ -73,23 +72,29 @@ def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
     return driver.forward(q, k, v, need_lse=need_lse, **fwd_kwargs)
 
 
-def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requires_grad: bool):
+def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requires_grad: bool,
+             learnable_sink: Optional[torch.Tensor] = None):
     """Through autograd when a backward may follow; otherwise straight to the driver (no graph to
     record: autograd.Function's per-call cost matters to small decode calls)."""
     if not requires_grad:
-        return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
-    return _Sm120AttnFunc.apply(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+        if learnable_sink is None:
+            return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
+        out, lse = sinks.apply_sink(*_run_forward(q, k, v, fwd_kwargs, need_lse=True), learnable_sink)
+        return out, (lse if return_lse else None)
+    return _Sm120AttnFunc.apply(q, k, v, learnable_sink, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
 class _Sm120AttnFunc(torch.autograd.Function):
     """Forward and backward on this package's SM120 kernels (driver*.py, driver_bwd.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
+    def forward(ctx, q, k, v, learnable_sink, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
         # needs_grad comes from the caller: grad mode is always off inside Function.forward, and the
         # backward needs the LSE even when the caller did not ask for it
         out, lse = _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse or needs_grad)
-        ctx.save_for_backward(q, k, v, out, lse, *bwd_kwargs.pop("_tensors"))
+        if learnable_sink is not None:  # (O', LSE'): what the backward differentiates (sinks.py)
+            out, lse = sinks.apply_sink(out, lse, learnable_sink)
+        ctx.save_for_backward(q, k, v, out, lse, learnable_sink, *bwd_kwargs.pop("_tensors"))
         ctx.bwd_kwargs = bwd_kwargs
         ctx.return_lse = return_lse
         ctx.set_materialize_grads(False)
@@ -99,14 +104,19 @@ class _Sm120AttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *index = ctx.saved_tensors
+        q, k, v, out, lse, learnable_sink, *index = ctx.saved_tensors
         kw = dict(ctx.bwd_kwargs)
         names = kw.pop("_tensor_names")
         kw.update(zip(names, index))
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = driver_bwd.backward(q, k, v, out, dout, lse, dlse=dlse if ctx.return_lse else None, **kw)
-        return dq, dk, dv, None, None, None, None
+        dlse = dlse if ctx.return_lse else None
+        dq, dk, dv = driver_bwd.backward(q, k, v, out, dout, lse, dlse=dlse, **kw)
+        dsink = None
+        if learnable_sink is not None and ctx.needs_input_grad[3]:
+            rows = sinks.valid_rows(lse, kw.get("cu_seqlens_q"), kw.get("seqused_q"))
+            dsink = sinks.sink_grad(out, dout, lse, dlse, learnable_sink, rows)
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 def flash_attn_func(
@@ -159,7 +169,10 @@ def flash_attn_func(
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if learnable_sink is not None:
+        sinks.check_sink(learnable_sink, q.shape[-2], q.device)
+    requires_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors or block_sparse_tensors_bwd, requires_grad=requires_grad,
@@ -178,7 +191,7 @@ def flash_attn_func(
     )
     if requires_grad and deterministic:
         driver_bwd.check_deterministic(causal, left, right)
-    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink)
 
 
 def flash_attn_varlen_func(
@@ -251,7 +264,10 @@ def flash_attn_varlen_func(
     left, right = validation.normalize_window(window_size)
     validation.check_scalars(softmax_scale, softcap)
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if learnable_sink is not None:
+        sinks.check_sink(learnable_sink, q.shape[-2], q.device)
+    requires_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, page_table=page_table, scheduler_metadata=scheduler_metadata,
@@ -274,7 +290,7 @@ def flash_attn_varlen_func(
     )
     if requires_grad and deterministic:
         driver_bwd.check_deterministic(causal, left, right)
-    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink)
 
 
 def _locals_without_target(scope: dict) -> dict:

@@ -82,6 +82,7 @@ class Supports:
     backward_head_dims: tuple[int, ...] = BACKWARD_HEAD_DIMS
     paged: bool = False
     splits: bool = False
+    sinks: bool = True  # learnable_sink (through the public API: the interface applies it, sinks.py)
 
 
 @dataclass(frozen=True)

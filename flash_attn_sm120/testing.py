@@ -65,6 +65,7 @@ class AttnCase:
     q_layout: str = "dense"
     k_layout: str = "dense"
     backward: bool = False
+    sink: bool = False  # a learnable_sink (h,) (public API only: the interface applies it)
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -98,6 +99,7 @@ class AttnCase:
         d = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         g = f"g{self.qhead_per_kvhead}" + {None: "", True: "p", False: "u"}[self.pack_gqa]
         extra = (f"-sc{self.softcap:g}" if self.softcap else "") + ("-lse" if self.return_lse else "")
+        extra += "-sink" if self.sink else ""
         return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}" + ("-bwd" if self.backward else "")
 
 
@@ -182,6 +184,7 @@ class Inputs:
     v_ref: Optional[torch.Tensor] = None
     out_pad_rows: int = 0  # dense q with padding: the driver's out buffer gets the same gap
     out_gap: Optional[torch.Tensor] = None  # that gap (NaN; must stay NaN), set by forward_via_driver
+    sink: Optional[torch.Tensor] = None  # learnable_sink (h,) fp32, for sink cases
 
     def k_seq(self, i: int) -> torch.Tensor:
         return self.k_layout.seq(self.k if self.k_ref is None else self.k_ref, i)
@@ -273,9 +276,12 @@ def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_gr
         inputs.k_ref, inputs.v_ref = k, v
         inputs.k, inputs.v = k_cache, v_cache
         index["page_table"] = table
+    if case.sink:  # logits around the scores' scale, so the sink matters
+        inputs.sink = torch.randn(h, generator=gen, device=device, dtype=torch.float32) * 2
     if requires_grad:
-        for t in (inputs.q, inputs.k, inputs.v):
-            t.requires_grad_(True)
+        for t in (inputs.q, inputs.k, inputs.v, inputs.sink):
+            if t is not None:
+                t.requires_grad_(True)
     return inputs
 
 
@@ -375,6 +381,8 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
     )
     if problem.num_splits != 1:
         kw["num_splits"] = problem.num_splits
+    if case.sink:
+        kw["learnable_sink"] = inputs.sink
     if not case.is_dense:
         kw.update(inputs.index)
     return kw
@@ -402,12 +410,14 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -
 
 
 def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,
-                  upcast=True, reorder_ops=False):
+                  upcast=True, reorder_ops=False, learnable_sink=None):
     """Differentiable attention on (b, sq, h, d) / (b, sk, hk, d): returns (out, lse (b, h, sq)).
 
     upcast: fp32 math and fp32 out (the reference); else the input precision throughout (PyTorch's
     own low-precision result; reorder_ops scales K instead of Q, as upstream's reference does).
-    Empty rows give out 0 and lse -inf with zero (not NaN) gradients.
+    Empty rows give out 0 and lse -inf with zero (not NaN) gradients. learnable_sink (h,): one more
+    softmax column per head with that logit (natural-log units, unscaled) and no value, as upstream;
+    an empty row then gives out 0 and lse = sink.
     """
     dtype = q.dtype
     wide = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for gradcheck
@@ -425,6 +435,15 @@ def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=N
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     mask = attention_mask(sq, sk, causal, window, q.device)
+    if learnable_sink is not None:
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        sink = learnable_sink.to(scores.dtype if upcast else torch.float32)[None, :, None, None].expand(b, h, sq, 1)
+        full = torch.cat([scores.to(sink.dtype), sink], dim=-1)
+        lse = torch.logsumexp(full.to(wide), dim=-1)
+        probs = torch.softmax(full, dim=-1)[..., :sk]
+        out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
+        return (out if upcast else out.to(dtype)), lse
     if mask is not None:
         empty = mask.all(dim=-1)  # (sq,)
         # empty rows: softmax over zeros, then zeroed, so gradients stay finite
@@ -452,7 +471,11 @@ def reference_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, upca
     with torch.no_grad():
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
-            if q_i.shape[1] == 0 or k_i.shape[1] == 0:
+            if case.sink and q_i.shape[1] > 0:  # the sink as a softmax column (no keys: out 0, lse = sink)
+                o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window,
+                                     softmax_scale=problem.softmax_scale, softcap=case.softcap, upcast=upcast,
+                                     reorder_ops=not upcast, learnable_sink=inputs.sink)
+            elif q_i.shape[1] == 0 or k_i.shape[1] == 0:
                 o, l = _empty_result(q_i, v_i, upcast)
             else:
                 o, l = bench.reference_attention(
@@ -592,21 +615,22 @@ def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int
         g_lse = [torch.randn(inputs.q_layout.lse_seq(lse, i).shape, generator=gen, device=out.device) for i in nq]
     outs = [inputs.q_layout.seq(out, i) for i in nq]
     lses = [inputs.q_layout.lse_seq(lse, i) for i in nq] if case.return_lse else None
+    wrt = (inputs.q, inputs.k, inputs.v) + ((inputs.sink,) if case.sink else ())
     with poisoned_outputs():  # the backward driver's dq/dk/dv start as NaN
-        grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), (inputs.q, inputs.k, inputs.v))
+        grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), wrt)
 
     results = {"actual": grads, "out": out.detach(), "lse": None if lse is None else lse.detach()}
     window = problem.window(case)
     for name, upcast in (("ref", True), ("pt", False)):
         # fp32 leaves for the reference (fp32 gradients), input-precision leaves for PyTorch's own
-        leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True)
-                  for t in (inputs.q, inputs.k, inputs.v)]
-        ref_inputs = Inputs(*leaves, inputs.q_layout, inputs.k_layout)
+        leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in wrt]
+        ref_inputs = Inputs(*leaves[:3], inputs.q_layout, inputs.k_layout)
+        sink = leaves[3] if case.sink else None
         r_outs, r_lses = [], []
         for i in nq:
             q_i, k_i, v_i = (ref_inputs.q_layout.seq(leaves[0], i), ref_inputs.k_seq(i), ref_inputs.v_seq(i))
             o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
-                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast)
+                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast, learnable_sink=sink)
             r_outs.append(o)
             r_lses.append(l)
         loss = _loss(r_outs, r_lses if case.return_lse else None, g_out, g_lse)
@@ -631,6 +655,12 @@ def check_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict
         ref, pt = (g if g is not None else torch.zeros_like(leaf) for g in (res["ref"][j], res["pt"][j]))
         stats[name] = assert_close_to_ref(name, layout.rows(actual), layout.rows(ref).float(), layout.rows(pt),
                                           case.torch_dtype, _rtol(case), extra)
+    if case.sink:  # a sum over every row: the rule with the input precision's atol, plus 1e-2
+        actual, ref, pt = res["actual"][3], res["ref"][3], res["pt"][3]
+        if actual is None or actual.shape != inputs.sink.shape or actual.dtype != inputs.sink.dtype:
+            raise CheckFailure(f"dsink: gradient {None if actual is None else tuple(actual.shape)}, expected "
+                               f"{tuple(inputs.sink.shape)} {inputs.sink.dtype}")
+        stats["dsink"] = assert_close_to_ref("dsink", actual, ref.float(), pt, case.torch_dtype, _rtol(case), 1e-2)
     return stats
 
 
@@ -644,7 +674,7 @@ def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda"
 
     path: a paths.KernelPath or its name; api: "driver" (driver.forward with NaN out/lse and the
     path's config) or "public" (flash_attn_func / varlen under the path's force()). Backward cases
-    (case.backward) always use the public API. A failing fuzz example prints this call for replay:
+    (case.backward) and sink cases (case.sink) always use the public API. A failing fuzz example prints this call for replay:
 
         FLASH_ATTN_SM120_EMULATE=1 python -c "from flash_attn_sm120.testing import *; print(run_case(...))"
     """
@@ -658,6 +688,8 @@ def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda"
         with path.force(d, dv):
             return check_backward(inputs, case, problem)
     inputs = make_inputs(case, problem, device)
+    if case.sink and api == "driver":
+        api = "public"  # the interface applies a sink (sinks.py); the driver has none
     if api == "driver":
         emulate = device_info(inputs.q.device).emulate_host_smem
         out, lse = forward_via_driver(inputs, case, problem, path.config_for(d, dv), emulate)

@@ -99,6 +99,7 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         "softcap": _cycle(rng, SOFTCAPS, n),
         "lse": _cycle(rng, (True, False), n),
         "layout": _cycle(rng, LAYOUTS, n),
+        "sink": _cycle(rng, (False, False, True), n),
     }
     fwd = []
     for i in range(n):
@@ -114,12 +115,13 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         layout = cols["layout"][i] if cols["layout"][i] in layouts else rng.choice(layouts)
         if s.paged and rng.random() < 0.2:
             layout = rng.choice(PAGED_LAYOUTS)
-        api = "public" if layout[1] == "paged" or s.splits else cols["api"][i]
+        sink = cols["sink"][i] and s.sinks
+        api = "public" if layout[1] == "paged" or s.splits or sink else cols["api"][i]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=dv, qhead_per_kvhead=ratio, pack_gqa=pack, mask=mask,
             softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
-            q_layout=layout[0], k_layout=layout[1],
+            q_layout=layout[0], k_layout=layout[1], sink=sink,
         )
         fwd.append(FuzzCase(i, path, api, case))
     return fwd, _backward_cases(rng, runnable, plan.bwd_cases, mode)
@@ -141,6 +143,7 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         "softcap": _cycle(rng, (0.0, 0.0, 5.0), n),
         "lse": _cycle(rng, (False, True), n),
         "layout": _cycle(rng, LAYOUTS, n),
+        "sink": _cycle(rng, (False, True), n),
     }
     out = []
     for i in range(n):
@@ -155,7 +158,7 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,
             softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
-            q_layout=layout[0], k_layout=layout[1], backward=True,
+            q_layout=layout[0], k_layout=layout[1], backward=True, sink=cols["sink"][i] and s.sinks,
         )
         out.append(FuzzCase(i, path, "public", case))
     return out

@@ -133,15 +133,55 @@ def test_forward_computes_lse_for_autograd(monkeypatch, grad, return_lse, want):
     monkeypatch.setattr(interface.driver_bwd, "backward", fake_bwd)
     q, k, v = (torch.zeros(1, 32, 2, 64, requires_grad=grad) for _ in range(3))
     bwd_kwargs = dict(_tensors=(), _tensor_names=())
-    out, lse = interface._Sm120AttnFunc.apply(q, k, v, {}, bwd_kwargs, return_lse, grad)
+    out, lse = interface._Sm120AttnFunc.apply(q, k, v, None, {}, bwd_kwargs, return_lse, grad)
     assert seen["need_lse"] is want
     if grad:
         out.sum().backward()
         assert seen["bwd_lse"] is not None and q.grad is not None
 
 
+@pytest.mark.parametrize("sink_kw,match", [
+    (dict(shape=(3,)), r"shape \(num_heads,\) = \(4,\)"),
+    (dict(shape=(1, 4)), "shape"),
+    (dict(dtype=torch.int32), "float16, bfloat16 or float32"),
+    (dict(device="cpu"), "is on cpu"),
+])
+def test_learnable_sink_is_validated(fake_device, sink_kw, match):
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    sink = torch.zeros(sink_kw.get("shape", (4,)), dtype=sink_kw.get("dtype", torch.float32),
+                       device=sink_kw.get("device", "cuda"))
+    with pytest.raises(ValueError, match=match):
+        flash_attn_sm120.flash_attn_func(q, k, v, learnable_sink=sink)
+    assert "driver" not in calls
+
+
+def test_learnable_sink_runs_and_asks_the_driver_for_the_lse(fake_device, monkeypatch):
+    """A sink needs the sink-free LSE from the kernel, then sinks.apply_sink (its math: test_sinks.py)."""
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    seen = {}
+
+    def forward_with_lse(q, k, v, need_lse, **kw):
+        seen["need_lse"] = need_lse
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        return out, torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+
+    def apply_sink(out, lse, sink):
+        seen["sink"] = sink
+        return out, lse
+
+    monkeypatch.setattr(interface.driver, "forward", forward_with_lse)
+    monkeypatch.setattr(interface.sinks, "apply_sink", apply_sink)
+    sink = torch.zeros(4, device="cuda")
+    out, lse = flash_attn_sm120.flash_attn_func(q, k, v, learnable_sink=sink)
+    assert seen["need_lse"] is True and seen["sink"] is sink
+    assert lse is None and out.shape == q.shape  # no return_lse, no grad: no LSE, as upstream
+
+
 @pytest.mark.parametrize("feature,kwargs,match", [
-    ("learnable_sink", dict(learnable_sink=torch.zeros(4)), "learnable sink"),
     ("qv", dict(qv=torch.zeros(1)), "qv"),
     ("block_sparse", dict(block_sparse_tensors=object()), "block sparsity"),
     ("gather", dict(gather_kv_indices=torch.zeros(1)), "gather"),

@@ -232,15 +232,19 @@ def test_rule_matches_upstream_formula():
 # ------------------------------------------------------------------------------------------------
 
 
-def _stand_in(grad_scale: float = 1.0):
+def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0):
     """forward_via_api replacement: the fp32 reference, differentiable, assembled in q's layout."""
 
     def forward_via_api(inputs, case, problem):
         outs, lses = [], []
+        sink = None
+        if case.sink:  # same value, the sink's gradient scaled
+            sink = inputs.sink * sink_grad_scale - inputs.sink.detach() * (sink_grad_scale - 1.0)
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
             o, l = testing.attention_ref(q_i, k_i, v_i, causal=case.causal, window=problem.window(case),
-                                         softmax_scale=problem.softmax_scale, softcap=case.softcap)
+                                         softmax_scale=problem.softmax_scale, softcap=case.softcap,
+                                         learnable_sink=sink)
             outs.append(o[0] + (grad_scale - 1.0) * (o[0] - o[0].detach()))  # same value, scaled gradient
             lses.append(l[0])
         if inputs.q_layout.kind == "packed":
@@ -266,6 +270,26 @@ def test_check_backward_passes_correct_gradients_and_catches_wrong_ones(monkeypa
     monkeypatch.setattr(testing, "forward_via_api", _stand_in(grad_scale=1.1))
     with pytest.raises(CheckFailure, match="dq|dk|dv"):
         testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+@pytest.mark.parametrize("layout", [("dense", "dense"), ("packed", "packed")])
+def test_check_backward_with_a_sink_checks_dsink(monkeypatch, layout):
+    case = AttnCase("bfloat16", 16, 16, 2, None, "causal_l", 0.0, True, *layout, backward=True, sink=True)
+    problem = AttnProblem((12, 12) if layout[0] == "dense" else (12, 5), (12, 12) if layout[0] == "dense" else (12, 5),
+                          nheads_kv=1, window_left=3, seed=5)
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in())
+    stats = testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+    assert set(stats) >= {"out", "lse", "dq", "dk", "dv", "dsink"}
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in(sink_grad_scale=1.2))
+    with pytest.raises(CheckFailure, match="dsink"):
+        testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+def test_sink_cases_are_drawn_through_the_public_api():
+    fwd, bwd = static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["deep"], seed=1, mode="emulated")
+    sinked = [c for c in fwd if c.case.sink]
+    assert sinked and all(c.api == "public" for c in sinked)
+    assert any(c.case.sink for c in bwd)
 
 
 # ------------------------------------------------------------------------------------------------
