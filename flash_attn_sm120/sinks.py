@@ -57,7 +57,7 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tenso
     the kernels' fp32 LSE)."""
     lse_sink = torch.logaddexp(lse, _lse_rows_last(learnable_sink, lse))
     factor = torch.exp(lse - lse_sink)  # 0 for an empty row (lse = -inf)
-    out.copy_(out.to(factor.dtype) * _per_token(factor))
+    out.mul_(_per_token(factor))  # one pass over O, the product in fp32, rounded once to O's dtype
     return out, lse_sink
 
 
