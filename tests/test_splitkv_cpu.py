@@ -374,11 +374,13 @@ def test_host_overhead_script_runs_the_real_dispatch_path():
 
     root = Path(__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, str(root / "scripts" / "host_overhead.py"), "--calls", "50",
-                          "--profile", "3"], capture_output=True, text=True, timeout=300, cwd=root)
+                          "--profile", "30"], capture_output=True, text=True, timeout=300, cwd=root)  # every row: the
+    # order of rows this close in time changes from run to run (3 rows made the check flaky)
     assert res.returncode == 0, res.stderr[-2000:]
     line = next(l for l in res.stdout.splitlines() if l.startswith("host time per call"))
     assert float(line.split(":")[1].split()[0]) > 0
-    assert "_plan_key" in res.stdout  # after the first call only the memo key is built
+    assert "_plan_key" in res.stdout  # after the first call only the memo key is built,
+    assert "make_call_plan" not in res.stdout  # never the plan itself
 
 
 def test_driver_call_helpers_shared_by_both_drivers():
