@@ -14,8 +14,10 @@ Dynamo cannot trace into a CuTe DSL launch, so under `torch.compile` the public 
 
 Python callables cannot be custom-op arguments. A `score_mod` / `mask_mod` registered with
 `register_mod` travels by name and compiles with no graph break (its `aux_tensors` and
-`aux_scalars` as op arguments; an empty list means none); an unregistered callable, a tensor
-`max_seqlen_*` or an unsupported feature (`qv`, sinks, block sparsity, ...) takes a documented graph break: the eager function runs outside the graph (`fullgraph=True` raises).
+`aux_scalars` as op arguments; an empty list means none); a `learnable_sink` is an op argument too
+(its gradient comes back from the backward op). An unregistered callable, a tensor `max_seqlen_*` or
+an unsupported feature (`qv`, block sparsity, ...) takes a documented graph break: the eager function
+runs outside the graph (`fullgraph=True` raises).
 Eager calls never come here: the per-call host path is unchanged.
 """
 
@@ -32,9 +34,10 @@ _MODS: dict[str, Callable] = {}  # name -> score_mod / mask_mod
 _NAME_OF: dict[Callable, str] = {}  # the reverse map, read at trace time
 
 # arguments that only the eager path takes (each makes a graph break when set)
-_EAGER_ONLY = ("qv", "gather_kv_indices", "learnable_sink", "block_sparse_tensors", "block_sparse_tensors_bwd",
+_EAGER_ONLY = ("qv", "gather_kv_indices", "block_sparse_tensors", "block_sparse_tensors_bwd",
                "scheduler_metadata", "gather_bwd_token_chunk", "score_mod_bwd")
 _INDEX = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table")
+_TENSORS = (*_INDEX, "learnable_sink")  # the optional tensor arguments of the forward op, in its order
 
 
 def register_mod(fn: Callable, name: Optional[str] = None) -> Callable:
@@ -97,11 +100,13 @@ def traced_call(args: dict, varlen: bool):
         return _eager_graph_break(args, varlen)
     left, right = validation.normalize_window(args["window_size"])
     k, v = args["k"], args["v"]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    sink = args.get("learnable_sink")
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (sink is not None and sink.requires_grad))
     return_lse = bool(args["return_lse"])
     aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(
-        q, k, v, *(args.get(n) for n in _INDEX), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),
+        q, k, v, *(args.get(n) for n in _TENSORS), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),
         args["softmax_scale"], bool(args["causal"]), left, right, float(args["softcap"] or 0.0),
         int(args["num_splits"]), args["pack_gqa"], bool(args["deterministic"]), args.get("max_seqlen_q"),
         args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, needs_grad, varlen,
@@ -139,8 +144,8 @@ def _name(mod: Optional[Callable]) -> str:
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-    page_table: Optional[torch.Tensor], aux_tensors: List[torch.Tensor], aux_scalar_values: List[float],
-    aux_scalar_kinds: List[int], softmax_scale: Optional[float],
+    page_table: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], aux_tensors: List[torch.Tensor],
+    aux_scalar_values: List[float], aux_scalar_kinds: List[int], softmax_scale: Optional[float],
     causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float, num_splits: int,
     pack_gqa: Optional[bool], deterministic: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
     score_mod: str, mask_mod: str, return_lse: bool, needs_grad: bool, varlen: bool,
@@ -152,7 +157,7 @@ def attention_fwd(
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
                 score_mod=registered_mod(score_mod), mask_mod=registered_mod(mask_mod),
                 aux_tensors=list(aux_tensors) or None, aux_scalars=_decode_scalars(aux_scalar_values, aux_scalar_kinds),
-                return_lse=return_lse or needs_grad)
+                learnable_sink=learnable_sink, return_lse=return_lse or needs_grad)
     if varlen:
         args.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
                     page_table=page_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -169,10 +174,10 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, aux_tensors,
-                        aux_scalar_values, aux_scalar_kinds, softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
-                        deterministic, max_seqlen_q, max_seqlen_k, score_mod, mask_mod, return_lse, needs_grad,
-                        varlen):
+def _attention_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+                        aux_tensors, aux_scalar_values, aux_scalar_kinds, softmax_scale, causal, window_left,
+                        window_right, softcap, num_splits, pack_gqa, deterministic, max_seqlen_q, max_seqlen_k,
+                        score_mod, mask_mod, return_lse, needs_grad, varlen):
     num_heads, head_dim_v = q.shape[-2], v.shape[-1]
     varlen_q = cu_seqlens_q is not None
     rows = (q.shape[0],) if varlen_q else (q.shape[0], q.shape[1])
@@ -191,31 +196,37 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-    seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], softmax_scale: Optional[float],
-    causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float, deterministic: bool,
-    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) on this package's SM120 backward (driver_bwd.py)."""
-    from flash_attn_sm120 import driver_bwd, interface
+    seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+    softmax_scale: Optional[float], causal: bool, window_left: Optional[int], window_right: Optional[int],
+    softcap: float, deterministic: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) on this package's SM120 backward (driver_bwd.py; dsink from sinks.py, an empty
+    tensor without a sink). out and lse are the sink's (O', LSE') when there is one."""
+    from flash_attn_sm120 import driver_bwd, interface, sinks
 
     target = interface._sm120_target(q)
     if target is None or target == ("validate-only",):
         raise RuntimeError(f"flash_attn_sm120::bwd: the graph was traced for SM120 kernels, but {q.device} runs "
                            "upstream FA4 now (FLASH_ATTN_SM120_EMULATE changed?); trace it again")
     dq, dk, dv = (_grad_buffer(x) for x in (q, k, v))
-    return driver_bwd.backward(
+    dq, dk, dv = driver_bwd.backward(
         q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, window_size_left=window_left,
         window_size_right=window_right, softcap=softcap, emulate_host_smem=target[0], cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dlse=dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
     )
+    if learnable_sink is None:
+        return dq, dk, dv, _no_lse(q)
+    rows = sinks.valid_rows(lse, cu_seqlens_q, seqused_q)
+    return dq, dk, dv, sinks.sink_grad(out, dout, lse, dlse, learnable_sink, rows)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                        softmax_scale, causal, window_left, window_right, softcap, deterministic, max_seqlen_q,
-                        max_seqlen_k):
-    return tuple(_grad_buffer(x) for x in (q, k, v))
+                        learnable_sink, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                        max_seqlen_q, max_seqlen_k):
+    dsink = _no_lse(q) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return (*(_grad_buffer(x) for x in (q, k, v)), dsink)
 
 
 def _grad_buffer(x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +238,7 @@ def _grad_buffer(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-_FWD_ARGS = ("q", "k", "v", *_INDEX, "aux_tensors", "aux_scalar_values", "aux_scalar_kinds", "softmax_scale", "causal", "window_left", "window_right",
+_FWD_ARGS = ("q", "k", "v", *_TENSORS, "aux_tensors", "aux_scalar_values", "aux_scalar_kinds", "softmax_scale", "causal", "window_left", "window_right",
              "softcap", "num_splits", "pack_gqa", "deterministic", "max_seqlen_q", "max_seqlen_k", "score_mod",
              "mask_mod", "return_lse", "needs_grad", "varlen")
 
@@ -235,22 +246,27 @@ _FWD_ARGS = ("q", "k", "v", *_INDEX, "aux_tensors", "aux_scalar_values", "aux_sc
 def _setup_context(ctx, inputs, output) -> None:
     a = dict(zip(_FWD_ARGS, inputs))
     out, lse = output
-    ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, *(a[n] for n in _INDEX[:4]))
+    ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, *(a[n] for n in _INDEX[:4]), a["learnable_sink"])
     ctx.scalars = tuple(a[n] for n in ("softmax_scale", "causal", "window_left", "window_right", "softcap",
                                        "deterministic", "max_seqlen_q", "max_seqlen_k"))  # bwd's order
     ctx.return_lse = a["return_lse"]
     # the backward returns one gradient per input, in the inputs' structure (a list for a list input)
-    ctx.no_grads = tuple([None] * len(x) if isinstance(x, (list, tuple)) else None for x in inputs[3:])
+    ctx.no_grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+    ctx.sink_index = _FWD_ARGS.index("learnable_sink")
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, *index = ctx.saved_tensors
+    q, k, v, out, lse, *index, sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flash_attn_sm120.bwd(
-        dout, q, k, v, out, lse, dlse if ctx.return_lse else None, *index, *ctx.scalars,
+    dq, dk, dv, dsink = torch.ops.flash_attn_sm120.bwd(
+        dout, q, k, v, out, lse, dlse if ctx.return_lse else None, *index, sink, *ctx.scalars,
     )
-    return (dq, dk, dv, *ctx.no_grads)
+    grads = list(ctx.no_grads)
+    grads[:3] = dq, dk, dv
+    if sink is not None:
+        grads[ctx.sink_index] = dsink
+    return tuple(grads)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -21,7 +21,7 @@ BWD = torch.ops.flash_attn_sm120.bwd
 
 
 def _fwd_args(q, k, v, *, cu_q=None, cu_k=None, page_table=None, return_lse=True, needs_grad=False, varlen=False):
-    return (q, k, v, cu_q, cu_k, None, None, page_table, [], [], [], None, False, None, None, 0.0, 1, None, False,
+    return (q, k, v, cu_q, cu_k, None, None, page_table, None, [], [], [], None, False, None, None, 0.0, 1, None, False,
             None, None, "", "", return_lse, needs_grad, varlen)
 
 
@@ -67,9 +67,14 @@ def test_fake_bwd_matches_input_layouts():
                                 dtype=torch.bfloat16)  # last dim strided
         out = torch.empty(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(2, 4, 100, device="cuda", dtype=torch.float32)
-        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, None, None, None, None, False, None, None, 0.0,
-                         False, None, None)
+        dq, dk, dv, dsink = BWD(out, q, k, v, out, lse, None, None, None, None, None, None, None, False, None, None,
+                                0.0, False, None, None)
         assert dq.shape == q.shape and dq.stride() == q.stride()
+        assert dsink.numel() == 0  # no sink
+        sink = torch.empty(4, device="cuda", dtype=torch.bfloat16)
+        *_, dsink = BWD(out, q, k, v, out, lse, None, None, None, None, None, sink, None, False, None, None,
+                        0.0, False, None, None)
+        assert dsink.shape == (4,) and dsink.dtype == torch.bfloat16
         assert dk.stride() == k.stride()
         assert dv.shape == v.shape and dv.is_contiguous()
 
@@ -77,21 +82,28 @@ def test_fake_bwd_matches_input_layouts():
 # ---- full-graph traces on CPU, with a test-scoped reference kernel for the two ops -------------
 
 
-def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, aux, aux_values, aux_kinds, scale, causal, wl, wr, softcap, num_splits, pack_gqa,
-             deterministic, mq, mk, score_mod, mask_mod, return_lse, needs_grad, varlen):
-    out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap)
+def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, sink, aux, aux_values, aux_kinds, scale, causal, wl, wr, softcap,
+             num_splits, pack_gqa, deterministic, mq, mk, score_mod, mask_mod, return_lse, needs_grad, varlen):
+    out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap,
+                             learnable_sink=sink)
     lse = lse.contiguous() if (return_lse or needs_grad) else q.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype).contiguous(), lse
 
 
-def _ref_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, sq, sk, scale, causal, wl, wr, softcap, deterministic,
+def _ref_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, sq, sk, sink, scale, causal, wl, wr, softcap, deterministic,
              mq, mk):
-    def f(q_, k_, v_):
-        return attention_ref(q_, k_, v_, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap)
+    def f(q_, k_, v_, s_):
+        return attention_ref(q_, k_, v_, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap,
+                             learnable_sink=s_)
 
-    _, vjp = torch.func.vjp(f, q, k, v)
-    dq, dk, dv = vjp((dout.float(), torch.zeros_like(lse) if dlse is None else dlse))
-    return tuple(g.to(x.dtype).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
+    if sink is None:  # no sink: the same reference without one
+        _, vjp = torch.func.vjp(lambda q_, k_, v_: f(q_, k_, v_, None), q, k, v)
+    else:
+        _, vjp = torch.func.vjp(f, q, k, v, sink)
+    grads = vjp((dout.float(), torch.zeros_like(lse) if dlse is None else dlse))
+    dq, dk, dv = (g.to(x.dtype).contiguous() for g, x in zip(grads[:3], (q, k, v)))
+    dsink = grads[3].to(sink.dtype) if sink is not None else q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsink
 
 
 @pytest.fixture
@@ -124,26 +136,29 @@ class _Capture:
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, d=32, heads=4, heads_kv=2, causal=True, window=(None, None), return_lse=False):
+    def __init__(self, d=32, heads=4, heads_kv=2, causal=True, window=(None, None), return_lse=False, sink=False):
         super().__init__()
         self.heads, self.heads_kv, self.d = heads, heads_kv, d
         self.qkv = torch.nn.Linear(64, (heads + 2 * heads_kv) * d, dtype=torch.float32)
         self.causal, self.window, self.return_lse = causal, window, return_lse
+        self.sink = torch.nn.Parameter(torch.randn(heads)) if sink else None
 
     def forward(self, x):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads + 2 * self.heads_kv, self.d)
         q, k, v = qkv.split([self.heads, self.heads_kv, self.heads_kv], dim=2)
         out, lse = flash_attn_sm120.flash_attn_func(q, k, v, causal=self.causal, window_size=self.window,
-                                                    return_lse=self.return_lse)
+                                                    return_lse=self.return_lse, learnable_sink=self.sink)
         loss = out.float().square().mean()
         return loss + (lse.mean() if self.return_lse else 0.0)
 
 
-@pytest.mark.parametrize("causal,window,return_lse", [(True, (None, None), False), (False, (7, -1), True)])
-def test_fullgraph_forward_backward_matches_eager_reference(cpu_reference_ops, causal, window, return_lse):
+@pytest.mark.parametrize("causal,window,return_lse,sink", [(True, (None, None), False, False),
+                                                          (False, (7, -1), True, False),
+                                                          (True, (5, None), True, True)])
+def test_fullgraph_forward_backward_matches_eager_reference(cpu_reference_ops, causal, window, return_lse, sink):
     torch.manual_seed(0)
-    model = _Block(causal=causal, window=window, return_lse=return_lse)
+    model = _Block(causal=causal, window=window, return_lse=return_lse, sink=sink)
     x = torch.randn(2, 40, 64)
     capture = _Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
@@ -159,7 +174,7 @@ def test_fullgraph_forward_backward_matches_eager_reference(cpu_reference_ops, c
     b, s, _ = x.shape
     qkv = model.qkv(x).view(b, s, model.heads + 2 * model.heads_kv, model.d)
     q, k, v = qkv.split([model.heads, model.heads_kv, model.heads_kv], dim=2)
-    out, lse = attention_ref(q, k, v, causal=causal, window=window)
+    out, lse = attention_ref(q, k, v, causal=causal, window=window, learnable_sink=model.sink)
     loss_e = out.square().mean() + (lse.mean() if return_lse else 0.0)
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)

@@ -119,3 +119,22 @@ def test_compiled_decode_step_runs_from_a_cuda_graph():
         ref = step(q, k, v)
     assert counters["inductor"].get("cudagraph_skips", 0) == 0, dict(counters["inductor"])
     assert torch.equal(out, ref)
+
+
+def test_compiled_sink_matches_eager():
+    """learnable_sink as an op argument: compiled == eager bit for bit (forward and, deterministic, backward)."""
+    torch._dynamo.reset()
+    q, k, v = _leaves((2, 300, 8, 128), (2, 300, 2, 128), (2, 300, 2, 128), seed=21)
+    sink = torch.randn(8, device="cuda").requires_grad_(True)
+    g = torch.randn_like(q)
+
+    def f(q, k, v, sink):
+        return flash_attn_sm120.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=True)[0]
+
+    out_c = torch.compile(f, fullgraph=True)(q, k, v, sink)
+    grads_c = torch.autograd.grad(out_c, (q, k, v, sink), g)
+    out_e = f(q, k, v, sink)
+    grads_e = torch.autograd.grad(out_e, (q, k, v, sink), g)
+    assert torch.equal(out_c, out_e)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.equal(a, b)
