@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Nsight Compute, side by side: this package's kernel and a reference on one problem (GPU, ncu on PATH).
+
+Profile first, then change what differs. For one seed-style problem, each implementation runs in a
+child process under `ncu --csv --page raw --profile-from-start off`: the child compiles and warms up
+outside the profiled range, then runs the call once between cudaProfilerStart/Stop, so only that
+call's kernels are measured. The longest kernel of each run (the attention kernel; not the
+pre/post-processing or combine kernels) is compared on:
+
+  achieved occupancy and its shared-memory limit, issue-slot and tensor-pipe utilization, the top
+  warp stall reasons (per issued instruction), shared-memory bank conflicts, L2 and DRAM throughput,
+  registers, shared memory and local-memory traffic, duration.
+
+Implementations: `table` (the shipped config table, what flash_attn_func runs), `upstream` (upstream's
+SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
+for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1).
+
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/ncu_compare.py --problem b4s2048h32d64 [--causal]
+  python scripts/ncu_compare.py --problem b2s4096h16d96 --candidate table --reference config:upstream-config
+  python scripts/ncu_compare.py --parse saved.csv       # print the table of an existing ncu --csv file
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (label, ncu metric); the stall reasons are listed apart and ranked by the candidate's values
+METRICS = (
+    ("duration (us)", "gpu__time_duration.sum"),
+    ("achieved occupancy (%)", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("occupancy limit: smem (CTAs)", "launch__occupancy_limit_shared_mem"),
+    ("occupancy limit: registers (CTAs)", "launch__occupancy_limit_registers"),
+    ("issue slots busy (%)", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
+    ("tensor pipe busy (%)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("smem bank conflicts, loads", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"),
+    ("smem bank conflicts, stores", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"),
+    ("L2 throughput (%)", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM throughput (%)", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("registers / thread", "launch__registers_per_thread"),
+    ("smem / block, static (B)", "launch__shared_mem_per_block_static"),
+    ("smem / block, dynamic (B)", "launch__shared_mem_per_block_dynamic"),
+    ("local memory loads (B)", "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum"),
+    ("local memory stores (B)", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"),
+)
+STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "math_pipe_throttle", "mio_throttle", "wait",
+          "not_selected", "selected", "lg_throttle", "dispatch_stall", "no_instruction", "membar", "sleeping",
+          "tex_throttle", "drain", "branch_resolving", "misc")
+STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+DURATION = METRICS[0][1]
+
+
+def all_metrics() -> list[str]:
+    return [m for _, m in METRICS] + [STALL_METRIC.format(s) for s in STALLS]
+
+
+# ----------------------------------------------------------------------------------- parsing
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Rows of `ncu --csv --page raw` output: one dict per profiled kernel, metric name -> value
+    (float when numeric, else the string). Lines before the header (the application's own output,
+    ncu's ==PROF== lines) and the units row are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, body = rows[0], rows[1:]
+    if body and (not body[0] or body[0][0] == ""):  # the units row
+        body = body[1:]
+    out = []
+    for r in body:
+        if len(r) != len(header):
+            continue
+        out.append({k: _number(v) for k, v in zip(header, r)})
+    return out
+
+
+def _number(v: str):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return v
+
+
+def main_kernel(rows: list[dict]) -> Optional[dict]:
+    """The longest kernel of a run (the attention kernel)."""
+    timed = [r for r in rows if isinstance(r.get(DURATION), float)]
+    return max(timed, key=lambda r: r[DURATION]) if timed else None
+
+
+def format_comparison(names: tuple[str, str], kernels: tuple[dict, dict], top_stalls: int = 6) -> str:
+    """A side-by-side table of two kernels' metrics; stall reasons ranked by the first kernel."""
+    a, b = kernels
+    width = 36
+    lines = [f"{'':{width}s} {names[0][:24]:>24s} {names[1][:24]:>24s}",
+             f"{'kernel':{width}s} {str(a.get('Kernel Name', '?'))[:24]:>24s} {str(b.get('Kernel Name', '?'))[:24]:>24s}"]
+    for label, metric in METRICS:
+        va, vb = a.get(metric), b.get(metric)
+        if metric == DURATION:  # ncu reports nanoseconds (usecond/msecond when told; raw page: ns)
+            va, vb = (v / 1e3 if isinstance(v, float) else v for v in (va, vb))
+        lines.append(f"{label:{width}s} {_cell(va):>24s} {_cell(vb):>24s}")
+    def weight(stall: str) -> float:
+        v = a.get(STALL_METRIC.format(stall))
+        return v if isinstance(v, float) else 0.0
+
+    stalls = sorted(STALLS, key=weight, reverse=True)
+    lines.append(f"{'top warp stalls (cycles / issue)':{width}s}")
+    for s in stalls[:top_stalls]:
+        m = STALL_METRIC.format(s)
+        lines.append(f"{'  ' + s:{width}s} {_cell(a.get(m)):>24s} {_cell(b.get(m)):>24s}")
+    return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 1e6 else f"{v:,.0f}"
+    return "n/a" if v is None else str(v)[:24]
+
+
+# ------------------------------------------------------------------------------------ running
+def run_child(impl: str, problem: str, causal: bool) -> int:
+    """Compile and warm up, then one call inside the profiled range."""
+    import torch
+
+    from flash_attn_sm120 import bench, driver
+    from flash_attn_sm120.config import upstream_fwd_config
+    from flash_attn_sm120.device import device_info
+    from flash_attn_sm120.paths import get_path
+
+    info = device_info()
+    p = next(p for p in bench.problem_set("seed") + bench.problem_set("real") if p.name.split("-")[0] == problem
+             and p.causal == causal)
+    x = bench.make_inputs(p)
+    if impl == "table":
+        config = None
+    elif impl == "upstream":
+        config = upstream_fwd_config(max(p.head_dim, p.dv))
+    elif impl.startswith("config:"):
+        config = get_path(impl.split(":", 1)[1]).config_for(p.head_dim, p.dv)
+    else:
+        raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>)")
+
+    def call():
+        return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
+                              window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                              emulate_host_smem=info.emulate_host_smem, config=config)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+def profile(impl: str, problem: str, causal: bool, ncu: str) -> tuple[Optional[dict], str]:
+    cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--metrics", ",".join(all_metrics()),
+           sys.executable, str(Path(__file__).resolve()), "--child", impl, "--problem", problem]
+    if causal:
+        cmd.append("--causal")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    kernel = main_kernel(parse_ncu_csv(proc.stdout))
+    return kernel, (proc.stderr or "")[-2000:] if kernel is None else ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problem", default="b4s2048h32d64", help="a seed/real problem name without '-causal'")
+    ap.add_argument("--causal", action="store_true", help="the causal variant of the problem")
+    ap.add_argument("--candidate", default="table", help="table | upstream | config:<registry path> (default table)")
+    ap.add_argument("--reference", default="upstream", help="the same choices (default upstream)")
+    ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="the ncu executable")
+    ap.add_argument("--parse", type=Path, default=None, help="print the main kernel of an existing ncu --csv file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return run_child(args.child, args.problem, args.causal)
+    if args.parse:
+        k = main_kernel(parse_ncu_csv(args.parse.read_text()))
+        if k is None:
+            raise SystemExit(f"{args.parse}: no profiled kernel with {DURATION}")
+        print(format_comparison((args.parse.name, ""), (k, {})))
+        return 0
+    found = {}
+    for role, impl in (("candidate", args.candidate), ("reference", args.reference)):
+        kernel, err = profile(impl, args.problem, args.causal, args.ncu)
+        if kernel is None:
+            print(f"{role} {impl}: ncu gave no kernel row\n{err}", file=sys.stderr)
+            return 1
+        found[role] = kernel
+    title = f"{args.problem}{'-causal' if args.causal else ''}"
+    print(f"Nsight Compute, {title} (the longest kernel of each run)")
+    print(format_comparison((args.candidate, args.reference), (found["candidate"], found["reference"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
