@@ -65,6 +65,12 @@ from patchgen.core import (  # noqa: E402,F401 (re-exported: tests and CONTRIBUT
 )
 from patchgen.step_fwd_table import _INTERFACE_EDITS, CODEGEN_CASES, step_sm120_fwd_table  # noqa: E402,F401
 from patchgen.step_tma import _TMA_INTERFACE_EDITS, render_tma_module, step_sm120_tma  # noqa: E402,F401
+from patchgen.step_bwd import (  # noqa: E402,F401
+    _BWD_INTERFACE_EDITS,
+    render_bwd_configs_module,
+    render_tuned_module,
+    step_sm120_bwd,
+)
 from patchgen.step_splitkv import (  # noqa: E402,F401
     _SPLITKV_INTERFACE_EDITS,
     render_splits_module,
@@ -87,6 +93,7 @@ STEPS: tuple[Step, ...] = (
     Step("sm120-fwd-8warp-tiles-table", step_sm120_fwd_table),
     Step("sm120-splitkv-paged-decode", step_sm120_splitkv_paged),
     Step("sm120-tma-forward", step_sm120_tma),
+    Step("sm120-bwd-table-deterministic", step_sm120_bwd),
 )
 
 

@@ -657,3 +657,175 @@ def test_patched_upstream_tma_forward_matches_reference(tmp_path):
         assert bf16_none["built"][-1] == "FlashAttentionForwardSm120Tma", bf16_none
         fp16_tma = fp16_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
         assert fp16_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if fp16_tma else "FlashAttentionForwardSm120"), fp16_none
+
+
+# ------------------------------------------------------------------------------- backward patch 0004
+_BWD_PROBE = r"""
+import json, sys, tempfile
+site, cases = sys.argv[1], json.loads(sys.argv[2])
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+import cutlass
+import cutlass.cute as cute
+from quack.compile_utils import make_fake_tensor
+from flash_attn.cute import interface  # the patched interface imports the new modules
+from flash_attn.cute import flash_bwd_sm120_configs as configs
+from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned, Sm120BwdConfig
+from flash_attn_sm120.codegen import TARGET_ARCH, inspect_cubin
+from flash_attn_sm120.driver_bwd import compile_kernel
+from flash_attn_sm120.occupancy import cubin_of
+
+out = {"table": [dict(d=e.head_dim, mask=e.mask, config=e.config.__dict__) for e in configs.SM120_BWD_TABLE],
+       "select": {}, "cases": [], "refusals": {}}
+for d in (64, 96, 128, 160, 192, 256):
+    for causal, local in ((False, False), (True, False), (False, True)):
+        cfg = configs.sm120_bwd_config(d, d, causal, local)
+        out["select"][f"{d}/{causal}/{local}"] = None if cfg is None else cfg.__dict__
+try:
+    FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(), is_local=True, deterministic=True)
+except NotImplementedError as e:
+    out["refusals"]["deterministic local"] = str(e)
+try:
+    FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(v_in_regs=True))
+except ValueError as e:
+    out["refusals"]["v_in_regs"] = str(e)
+for c in cases:
+    cfg = Sm120BwdConfig(**c["config"])
+    gqa, det = c["qhead_per_kvhead"] > 1, c["deterministic"]
+    kernel = FlashAttentionBackwardSm120Tuned(
+        cutlass.BFloat16, c["d"], c["d"], c["qhead_per_kvhead"], cfg, is_causal=c["causal"],
+        deterministic=det, dq_descending=det and c["causal"])
+    (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
+     _scale) = interface.make_fake_bwd_tensors(cutlass.BFloat16, has_gqa=gqa, varlen_q=False, varlen_k=False)
+    sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
+    sems = (sem(), sem() if gqa else None) if det else (None, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk,
+                                  dv_accum if gqa else dv, None, None, None, None, None, None, *sems,
+                                  options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={TARGET_ARCH}")
+        cubin = cubin_of(compiled)
+    res, hist, _ = inspect_cubin(cubin)
+    out["cases"].append(dict(c, regs=res["regs"], stack=res["stack"], ldl=hist.get("LDL", 0),
+                             stl=hist.get("STL", 0), hmma=hist.get("HMMA", 0)))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
+    """Patch 0004: the patched upstream's tuned backward compiles for sm_120a on the CPU for every
+    shipped backward table entry (and a deterministic GQA causal case) without register spills; its
+    table and selection are the package's; deterministic + local and V in registers are refused."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    table = load_bwd_table()
+    cases = [dict(d=e.head_dim, causal=e.mask == "causal", config=e.config.to_dict(), qhead_per_kvhead=1,
+                  deterministic=False) for e in table]
+    det = next((e for e in table if e.head_dim == 128 and e.mask == "causal"), table[0])
+    cases.append(dict(d=det.head_dim, causal=True, config=det.config.to_dict(), qhead_per_kvhead=4, deterministic=True))
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), cases, script=_BWD_PROBE)
+
+    assert [(r["d"], r["mask"], r["config"]) for r in result["table"]] == [
+        (e.head_dim, e.mask, e.config.to_dict()) for e in table]
+    for key, cfg in result["select"].items():
+        d, causal, local = int(key.split("/")[0]), key.split("/")[1] == "True", key.split("/")[2] == "True"
+        assert cfg == select_bwd_config(tuple(table), d, d, causal, local).to_dict(), key
+    assert "sliding window" in result["refusals"].get("deterministic local", ""), result["refusals"]
+    assert "v_in_regs" in result["refusals"].get("v_in_regs", ""), result["refusals"]
+    assert len(result["cases"]) == len(cases)
+    for c in result["cases"]:
+        where = f"d={c['d']} causal={c['causal']} gqa={c['qhead_per_kvhead']} det={c['deterministic']} {c['config']}"
+        assert c["hmma"] > 0, where
+        assert c["stack"] == 0 and c["ldl"] == 0 and c["stl"] == 0, f"{where}: spills {c}"
+
+
+def test_bwd_modules_are_lifted_without_package_parts():
+    tuned = mp.render_tuned_module()
+    mp.check_no_package_refs(tuned, "flash_bwd_sm120_tuned.py")
+    for gone in ("emulation_storage", "emulate_host_smem", "smem_bytes_launched", "upstream_bwd_config",
+                 "bwd_mask.", "bwd_deterministic.", "hardware."):
+        assert gone not in tuned, gone
+    for there in ("class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120)", "def apply_mask_any_layout",
+                  "def dq_turn", "def bwd_config_error", "class Sm120BwdConfig"):
+        assert there in tuned, there
+    from patchgen.step_bwd import load_bwd_table
+
+    configs = mp.render_bwd_configs_module(load_bwd_table())
+    assert "flash_attn_sm120" not in configs and "SM120_BWD_TABLE" in configs
+    compile(configs, "flash_bwd_sm120_configs.py", "exec")
+
+
+def test_bwd_patch_needs_every_anchor(tmp_path):
+    """The backward step's interface edits apply on top of 0001-0003 and name a moved anchor."""
+    repo = _pristine_repo(tmp_path)
+    for patch in sorted(PATCH_DIR.glob("*.patch"))[:3]:
+        mp.git(repo, "apply", str(patch))
+    interface = (repo / "flash_attn" / "cute" / "interface.py").read_text()
+    mp.apply_edits(interface, mp._BWD_INTERFACE_EDITS, "interface.py")  # applies as is
+    moved = interface.replace('        assert deterministic is False, "deterministic backward not supported on SM 12.0"\n', "")
+    with pytest.raises(mp.AnchorError, match="SM120 backward config from the table"):
+        mp.apply_edits(moved, mp._BWD_INTERFACE_EDITS, "interface.py")
+
+
+def test_bwd_patch_commit_message_quotes_the_measurements():
+    text = sorted(PATCH_DIR.glob("0004-*.patch"))[0].read_text()
+    bench = json.loads((ROOT / "configs" / "measurements" / "2026-12-01_bwd_table_emulated.json").read_text())
+    assert f"{bench['summary']['vs_upstream_sm120']['geomean']:.2f}x" in text
+    assert f"mode {bench['mode']}" in text and "has not run on a GPU yet" in text
+
+
+_GPU_BWD_PROBE = r"""
+import json, math, os, sys
+site = sys.argv[1]
+import torch
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import interface
+
+built = []
+base = interface.FlashAttentionBackwardSm120Tuned
+
+
+class Recording(base):  # test-only: see what the dispatch builds
+    def __init__(self, *a, **k):
+        built.append(a[4].__dict__)
+        super().__init__(*a, **k)
+
+
+interface.FlashAttentionBackwardSm120Tuned = Recording
+out = []
+for d, causal, h, hkv, det in ((128, True, 4, 4, False), (64, False, 8, 2, False), (128, True, 8, 2, True)):
+    torch.manual_seed(0)
+    b, s = 2, 777
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    t = lambda x: x.transpose(1, 2)
+    kr, vr = (x.repeat_interleave(h // hkv, dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kr.float()) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vr.float())
+    dout = torch.randn_like(q)
+    o.backward(dout.float())
+    ref = [x.grad.float() for x in (q, k, v)]
+    res = [interface._flash_attn_bwd(q.detach(), k.detach(), v.detach(), o.to(q.dtype).detach(), dout, lse.detach(),
+                                     softmax_scale=scale, causal=causal, deterministic=det) for _ in range(2 if det else 1)]
+    torch.cuda.synchronize()
+    errs = [(g.float() - r).abs().max().item() for g, r in zip(res[0], ref)]
+    same = all(torch.equal(a, b) for a, b in zip(res[0], res[-1]))
+    out.append(dict(d=d, causal=causal, gqa=h // hkv, det=det, errs=errs, same=same, built=bool(built)))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_patched_upstream_bwd_matches_reference(tmp_path, monkeypatch):
+    """Patch 0004 on a GPU (SM120 dispatch forced with FLASH_ATTENTION_ARCH): the tuned class runs,
+    dq/dk/dv match fp32 autograd, and deterministic=True is bitwise repeatable (GQA causal)."""
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_120")  # for the probe subprocess's environment
+    results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_BWD_PROBE, gpu=True)
+    for r in results:
+        assert r["built"], r
+        assert max(r["errs"]) < 0.05, r
+        assert r["same"], r

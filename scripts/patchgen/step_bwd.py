@@ -1,0 +1,601 @@
+"""Patch 0004: the SM120 backward from a measured table, and its deterministic path.
+
+Lifts the package's backward (`flash_attn_sm120/kernels/bwd_sm120.py` with the layout-free mask of
+`bwd_mask.py` and the semaphore ordering of `bwd_deterministic.py`) as upstream's
+`flash_bwd_sm120_tuned.py`, without what only the package needs (SM120 emulation padding, the
+driver's occupancy bookkeeping); renders the backward table (`flash_attn_sm120/configs/sm120_bwd.toml`)
+with its fallbacks and selection rule (`config_bwd.py`) as `flash_bwd_sm120_configs.py`; and edits
+`interface.py` so that `_flash_attn_bwd` on SM120 builds the tuned class with the table's config,
+gives the postprocess the same thread layout, and runs `deterministic=True` with the semaphores and
+dQ order the package's driver uses (`driver_bwd.py`). Where no config runs the head dims, the
+interface keeps SM120's earlier default and class.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+
+from flash_attn_sm120 import config_bwd as pkg_config_bwd
+from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
+from flash_attn_sm120.kernels import bwd_deterministic as pkg_bwd_det
+from flash_attn_sm120.kernels import bwd_mask as pkg_bwd_mask
+from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
+
+from patchgen.core import (
+    CUTE,
+    ROOT,
+    UPSTREAM_DISTRIBUTION,
+    AnchorError,
+    Context,
+    _join_defs,
+    apply_edits,
+    check_no_package_refs,
+    commit_message,
+    rename,
+    substitute,
+    top_level_source,
+    upstream_wording,
+)
+
+WHERE = "flash_attn_sm120/kernels/bwd_sm120.py"
+DEFAULT_BWD_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_bwd.toml"
+# the benchmark of the shipped backward table that the message quotes (prepare.py --set bwd --json)
+DEFAULT_BWD_BENCH = ROOT / "configs" / "measurements" / "2026-12-01_bwd_table_emulated.json"
+# the same problems with deterministic=True (summary.deterministic_vs_table)
+DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-01_bwd_deterministic_emulated.json"
+TUNED_REL = f"{CUTE}/flash_bwd_sm120_tuned.py"
+CONFIGS_REL = f"{CUTE}/flash_bwd_sm120_configs.py"
+
+_TUNED_DOC = '''"""SM120 backward with 4 or 8 warps, any feasible tile, stage count and warp atom layout, and a
+deterministic mode; FlashAttentionBackwardSm120 with its configuration as data.
+
+{algorithm}
+
+FlashAttentionBackwardSm120Tuned adds, by subclassing FlashAttentionBackwardSm120:
+  * Sm120BwdConfig, the tile/warp/stage/layout choice as data (flash_bwd_sm120_configs.py holds
+    the measured table);
+  * the exact shared-memory footprint of the SharedStorage (sm120_bwd_smem_bytes): the SM120
+    `can_implement` counts Q, dO, K and V only, not sP, sdS, sLSE and sdPsum;
+  * SM120 feasibility rules with a reason for each refusal (bwd_config_error), V in registers
+    among them: it gives wrong dQ in the SM80/SM120 mainloop;
+  * a causal/local mask that is right for any S/dP warp layout (layout_free): the R2P mask of
+    AttentionMask.apply_mask assumes one warp along N, which only the earlier 4-warp config had;
+  * varlen GQA dK/dV accumulated at the offsets the postprocess reads (epilogue);
+  * deterministic: semaphore-ordered dQ and GQA dK/dV accumulation (dq_turn, acquire, release).
+Everything else (mainloop, atomics, GQA accumulation, varlen) is FlashAttentionBackwardSm120's.
+"""
+'''
+_DOC_EDITS = (  # on the algorithm part of the package's module docstring
+    ("SM120 backward, FA2 family: upstream's SM120 backward opened up to 4 or 8 warps, any tile, stage and atom layout.\n\n",
+     ""),
+    ("Upstream's\npreprocess kernel", "The\npreprocess kernel"),
+)
+_BODY_EDITS = (  # on the package module's code after its imports
+    ("        # Upstream's SM80/SM120 mainloop takes no semaphores;", "        # The SM80/SM120 mainloop takes no semaphores;"),
+    ("(upstream's FlashAttentionBackwardSm80 parameters)", "(FlashAttentionBackwardSm80's parameters)"),
+    ("_HDIM_MULTIPLE = 32  # upstream pads", "_HDIM_MULTIPLE = 32  # the SM80/SM120 backward pads"),
+    ("    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives\n",
+     "    # measured: V in registers gives\n"),
+    ("    \"\"\"Upstream's SM120 backward with a BwdConfig, SM120 limits and emulation padding.\n"
+     "\n"
+     "    `emulate_host_smem`: a hardware.EmulationHost when the kernel runs in SM120 emulation on another\n"
+     "    GPU (shared memory padded so that the host fits no more CTAs per SM than SM120); None on SM120.\n"
+     "    \"\"\"\n"
+     "\n"
+     "    family = \"bwd\"\n",
+     "    \"\"\"FlashAttentionBackwardSm120 with a Sm120BwdConfig, SM120 limits, a mask for any warp layout\n"
+     "    and a deterministic mode (dq_descending: the dQ turn order, see dq_turn).\"\"\"\n"),
+    ("        emulate_host_smem: Optional[hardware.EmulationHost] = None,\n", ""),
+    ("        self.emulate_host_smem = emulate_host_smem\n", ""),
+    ("        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order\n"
+     "        # filled in at trace time, read by the occupancy check, the codegen report and the tests\n"
+     "        self.smem_bytes_unpadded: Optional[int] = None\n"
+     "        self.smem_bytes_launched: Optional[int] = None\n"
+     "        self.launch_threads: Optional[int] = None\n"
+     "\n"
+     "    def _get_shared_storage_cls(self):\n"
+     "        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)\n",
+     "        self.dq_descending = dq_descending and is_causal  # the dQ turn order (dq_turn)\n"),
+    ("one warp along N of the S tile (bwd_mask.py)\n", "one warp along N of the S tile (layout_free)\n"),
+)
+_DROP = ("upstream_bwd_config",)  # package-only: the benchmark's "before" config
+_RENAMES = (
+    ("BwdConfig", "Sm120BwdConfig"),  # the interface has an SM90 BwdConfig
+    ("smem_bytes", "sm120_bwd_smem_bytes"),
+    ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
+    ("hardware.SMEM_PER_BLOCK_MAX", "SM120_SMEM_PER_BLOCK_MAX"),
+    ("bwd_mask.layout_free", "layout_free"),
+    ("bwd_deterministic.dq_turn", "dq_turn"),
+    ("bwd_deterministic.acquire_if", "acquire_if"),
+    ("bwd_deterministic.acquire", "acquire"),
+    ("bwd_deterministic.release", "release"),
+)
+_REPLACED_IMPORTS = {  # package module -> what upstream imports instead (None: lifted into the file)
+    "flash_attn_sm120": None,
+    "flash_attn_sm120.kernels": None,
+    "flash_attn_sm120.kernels.fwd_cpasync": ("flash_attn.cute.flash_fwd_sm120",
+                                             ("SM120_SMEM_PER_BLOCK_MAX", "SM120_STATIC_SMEM", "_round_up")),
+}
+
+
+def _imports_and_body(module) -> tuple[dict, str, str]:
+    """(imports {module or "": [names]}, docstring source, code after the imports) of a package module."""
+    src = inspect.getsource(module)
+    tree = ast.parse(src)
+    lines = src.splitlines(keepends=True)
+    imports: dict = {}
+    last = 0
+    doc = ""
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            doc = node.value.value
+            last = node.end_lineno
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module
+            if mod in _REPLACED_IMPORTS:
+                repl = _REPLACED_IMPORTS[mod]
+                if repl is not None:
+                    imports.setdefault(repl[0], []).extend(repl[1])
+            elif mod.startswith("flash_attn_sm120"):
+                raise AnchorError(f"{module.__name__}: import from {mod} has no upstream counterpart")
+            else:
+                imports.setdefault(mod, []).extend(
+                    f"{a.name} as {a.asname}" if a.asname else a.name for a in node.names)
+            last = node.end_lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                imports.setdefault("", []).append(f"{a.name} as {a.asname}" if a.asname else a.name)
+            last = node.end_lineno
+        else:
+            break
+    return imports, doc, "".join(lines[last:]).lstrip("\n")
+
+
+def _render_imports(parts: list[dict]) -> str:
+    merged: dict = {}
+    for imp in parts:
+        for mod, names in imp.items():
+            merged.setdefault(mod, [])
+            merged[mod] += [n for n in names if n not in merged[mod]]
+    future = ["from __future__ import annotations\n\n"] if "__future__" in merged else []
+    plain = [f"import {n}\n" for n in merged.pop("", [])]
+    merged.pop("__future__", None)
+    std = [m for m in merged if m.split(".")[0] in ("dataclasses", "functools", "typing")]
+    rest = [m for m in merged if m not in std]
+    fmt = lambda m: f"from {m} import {', '.join(sorted(merged[m], key=str.lower))}\n"  # noqa: E731
+    return "".join(future + [fmt(m) for m in std] + ["\n"] + [p for p in plain] + [fmt(m) for m in rest])
+
+
+def _drop_top_level(text: str, names) -> str:
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    spans = [(n.lineno - 1, n.end_lineno) for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names]
+    if len(spans) != len(names):
+        raise AnchorError(f"{WHERE}: expected the package-only definitions {names}, found {len(spans)}")
+    for start, end in sorted(spans, reverse=True):
+        while end < len(lines) and not lines[end].strip():
+            end += 1
+        del lines[start:end]
+    return "".join(lines)
+
+
+def _doc_as_comment(doc: str, title: str) -> str:
+    """A lifted module docstring as a comment block over its section."""
+    body = upstream_wording(doc.replace("Upstream's SM120 backward", "FlashAttentionBackwardSm120")
+                            .replace("upstream's SM90 and\nSM100", "the SM90 and\nSM100")
+                            .replace("(measured on the H200: dQ errors", "(measured: dQ errors"))
+    return f"# {'-' * 20} {title}\n" + "".join(f"# {l}".rstrip() + "\n" for l in body.strip().splitlines())
+
+
+def render_tuned_module() -> str:
+    """flash_bwd_sm120_tuned.py: the package's backward, mask and deterministic modules in upstream's names."""
+    imp_bwd, doc_bwd, body = _imports_and_body(pkg_bwd)
+    imp_mask, doc_mask, _ = _imports_and_body(pkg_bwd_mask)
+    imp_det, doc_det, _ = _imports_and_body(pkg_bwd_det)
+    algorithm = doc_bwd.split("\nThis module adds")[0]
+    for old, new in _DOC_EDITS:
+        algorithm = substitute(algorithm, old, new, where=f"{WHERE} (docstring)")
+    if "\nThis module adds" not in doc_bwd:
+        raise AnchorError(f"{WHERE}: docstring has no 'This module adds' list")
+    for old, new in _BODY_EDITS:
+        body = substitute(body, old, new, where=WHERE)
+    body = _drop_top_level(body, _DROP)
+    for old, new in _RENAMES:
+        body = rename(body, old, new, where=WHERE)
+    body = upstream_wording(body)
+    mask_defs = _join_defs(top_level_source(pkg_bwd_mask, n) for n in ("layout_free", "apply_mask_any_layout"))
+    det_defs = _join_defs(top_level_source(pkg_bwd_det, n) for n in ("dq_turn", "acquire", "acquire_if", "release"))
+    cls_at = body.index("class FlashAttentionBackwardSm120Tuned(")
+    text = (
+        _TUNED_DOC.format(algorithm=upstream_wording(algorithm.strip()))
+        + "\n" + _render_imports([imp_bwd, imp_mask, imp_det]) + "\n"
+        + body[:cls_at].rstrip("\n") + "\n\n\n"
+        + _doc_as_comment(doc_mask, "causal / local mask for any warp layout (layout_free)") + "\n\n"
+        + upstream_wording(mask_defs).rstrip("\n") + "\n\n\n"
+        + _doc_as_comment(doc_det, "deterministic accumulation") + "\n\n"
+        + upstream_wording(det_defs).rstrip("\n") + "\n\n\n"
+        + body[cls_at:]
+    )
+    check_no_package_refs(text, TUNED_REL)
+    compile(text, "flash_bwd_sm120_tuned.py", "exec")
+    return text
+
+
+# ------------------------------------------------------------------------------ configs module
+def load_bwd_table(path: Path = DEFAULT_BWD_TABLE) -> tuple:
+    return tuple(pkg_config_bwd.parse_bwd_table(pkg_config_bwd.tomllib.loads(Path(path).read_text())))
+
+
+def _geomean(xs) -> float:
+    xs = [float(x) for x in (xs if isinstance(xs, (list, tuple)) else [xs])]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _describe(c) -> str:
+    swaps = [n for n, on in (("S/dP", c.sdp_swapab), ("dK/dV", c.dkv_swapab), ("dQ", c.dq_swapab)) if on]
+    return (f"{c.num_warps} warps, {c.m_block}x{c.n_block}, Q/dO stages {c.stages_q}/{c.stages_do}, "
+            f"atoms {c.atom_m_sdp}/{c.atom_n_dkv}/{c.atom_m_dq}" + (f", swapAB {'+'.join(swaps)}" if swaps else ""))
+
+
+def _config_literal(c) -> str:
+    args = ", ".join(f"{f.name}={getattr(c, f.name)!r}" for f in fields(c))
+    return f"Sm120BwdConfig({args})"
+
+
+def _table_literal(table) -> str:
+    lines = ["SM120_BWD_TABLE: tuple[BwdTableEntry, ...] = ("]
+    for e in table:
+        p = e.provenance
+        tf, up = p.get("tflops"), p.get("upstream_tflops")
+        perf = "no TFLOPS recorded"
+        if tf is not None:
+            perf = f"{_geomean(tf):.1f} TFLOPS"
+            if up:
+                perf += f" vs {_geomean(up):.1f} before ({_geomean(tf) / _geomean(up):.2f}x)"
+        lines.append(f"    # {e.head_dim}/{e.mask}: {_describe(e.config)}")
+        lines.append(f"    #   {perf}; {p['gpu']}, {p['mode']}, {p['date']}")
+        lit = _config_literal(e.config)
+        s, a = lit.index("stages_q"), lit.index("atom_m_sdp")
+        lines.append(f'    BwdTableEntry({e.head_dim}, "{e.mask}", {lit[:s].rstrip()}\n'
+                     f'        {lit[s:a].rstrip()}\n        {lit[a:]}),')
+    lines.append(")")
+    commands = sorted({str(e.provenance["command"]) for e in table})
+    head = ["# The measured SM120 backward configs, one per (head-dim bucket, mask kind).", "#"]
+    if table:
+        head += ["# Measured with:"] + [f"#   {c}" for c in commands]
+        head += ["# mode sm120: a real SM120 GPU; mode emulated: SM120 kernels on a bigger GPU with each CTA's",
+                 "# shared memory padded so that no more CTAs are resident per SM than on SM120."]
+    else:
+        lines = [lines[0] + ")"]
+    return "\n".join(head + lines) + "\n"
+
+
+_BWD_CONFIGS_HEADER = '''"""SM120 backward configs: warps, tiles, stages and warp atom layouts per (head dim, mask), and
+the rule that picks one.
+
+The SM120 backward (flash_bwd_sm120_tuned.py) runs any feasible tiling; which is fastest depends on
+the head dim and the mask, so the choice is data: SM120_BWD_TABLE holds one measured entry per
+(head-dim bucket, mask kind). select_bwd_config is a pure function of the table and the problem's
+static properties: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
+entry; then BWD_FALLBACKS. An entry that cannot run the actual head dims (bwd_config_error) is
+skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+from flash_attn.cute.flash_bwd_sm120_tuned import Sm120BwdConfig, bwd_config_error
+from flash_attn.cute.flash_fwd_sm120_configs import head_dim_bucket, mask_kind
+
+'''
+_BWD_CONFIG_EDITS = (
+    ("(config.TableEntry's fields, with a BwdConfig)", "(the forward TableEntry's fields, with a BwdConfig)"),
+    ("# sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,\n"
+     "# 64x64) is not among them",
+     "# sm_120a up to d=192. SM120's earlier default (4 warps,\n# 64x64) is not among them"),
+    ("    # the second serves the rest (d 200-224). tests/test_bwd_codegen.py pins both.\n",
+     "    # the second serves the rest (d 200-224).\n"),
+)
+_BWD_ADAPTER = '''
+
+def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> Optional[Sm120BwdConfig]:
+    """The backward config the interface runs on SM120 (select_bwd_config), or None where no config
+    runs these head dims: the interface then keeps SM120's earlier default (4 warps, 64x64)."""
+    try:
+        return select_bwd_config(SM120_BWD_TABLE, head_dim, head_dim_v, causal, local)
+    except ValueError:
+        return None
+
+
+def sm120_bwd_dq_descending(causal: bool, seqlen_k: int, n_block: int, varlen_k: bool, num_sms: int) -> bool:
+    """The deterministic dQ turn order (flash_bwd_sm120_tuned.dq_turn): descending for dense causal
+    attention when every n_block CTA of one head fits on the GPU at once (1 CTA per SM, the least
+    any table entry runs), which makes the waits vanish without a deadlock; else ascending (the
+    launch order). Varlen keeps the ascending order (its scheduler's launch order differs)."""
+    return causal and not varlen_k and -(-seqlen_k // n_block) <= num_sms
+'''
+
+
+def render_bwd_configs_module(table) -> str:
+    where = "flash_attn_sm120/config_bwd.py"
+    code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
+    for old, new in _BWD_CONFIG_EDITS:
+        code = substitute(code, old, new, where=where)
+    code = rename(code, "BwdConfig", "Sm120BwdConfig", where=where)
+    code = upstream_wording(code)
+    check_no_package_refs(_BWD_CONFIGS_HEADER + code + _BWD_ADAPTER, CONFIGS_REL)
+    text = _BWD_CONFIGS_HEADER + "\n" + code + "\n\n" + _table_literal(table) + _BWD_ADAPTER
+    if "flash_attn_sm120" in text:  # the table's comments quote its provenance (mode, GPU), nothing else
+        raise AnchorError(f"{CONFIGS_REL}: the package is named in the table's comments")
+    compile(text, "flash_bwd_sm120_configs.py", "exec")
+    return text
+
+
+# ------------------------------------------------------------------------------ interface edits
+_BWD_INTERFACE_EDITS = (
+    (
+        "import of the SM120 tuned backward",
+        "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n",
+        "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n"
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n"
+        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n",
+    ),
+    (
+        "SM120 backward config from the table",
+        "        assert deterministic is False, \"deterministic backward not supported on SM 12.0\"\n",
+        "        # SM120: warps, tiles, stages, atom layouts and swaps from the measured backward table\n"
+        "        # (flash_bwd_sm120_configs.py), run by FlashAttentionBackwardSm120Tuned; where no config\n"
+        "        # runs the head dims, the earlier default above and FlashAttentionBackwardSm120\n"
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n"
+        "        if sm120_bwd_cfg is not None:\n"
+        "            m_block_size, n_block_size = sm120_bwd_cfg.m_block, sm120_bwd_cfg.n_block\n"
+        "            num_stages_Q, num_stages_dO = sm120_bwd_cfg.stages_q, sm120_bwd_cfg.stages_do\n"
+        "            SdP_swapAB, dKV_swapAB, dQ_swapAB = (\n"
+        "                sm120_bwd_cfg.sdp_swapab, sm120_bwd_cfg.dkv_swapab, sm120_bwd_cfg.dq_swapab\n"
+        "            )\n"
+        "            AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ = (\n"
+        "                sm120_bwd_cfg.atom_m_sdp, sm120_bwd_cfg.atom_n_dkv, sm120_bwd_cfg.atom_m_dq\n"
+        "            )\n"
+        "            V_in_regs = sm120_bwd_cfg.v_in_regs\n"
+        "            num_threads = sm120_bwd_cfg.num_threads\n"
+        "        if deterministic and local:\n"
+        "            raise NotImplementedError(\n"
+        "                \"deterministic=True with a sliding window (local attention) is not supported by the \"\n"
+        "                \"SM120 backward yet; causal and full attention are\"\n"
+        "            )\n"
+        "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
+        "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
+        "        )\n",
+    ),
+    (
+        "SM120 deterministic semaphores and dQ order",
+        "    # The dedicated hd256 backward is deterministic without semaphores.\n"
+        "    if deterministic and not use_dedicated_hd256_kernel:\n",
+        "    sm120_dq_descending = False\n"
+        "    if deterministic and arch // 10 == 12:\n"
+        "        # SM120 (flash_bwd_sm120_tuned.py): int32 turn counters per (batch, head, m_block) for dQ\n"
+        "        # and per (batch, KV head, n_block) for GQA dK/dV (dK's serves dV too)\n"
+        "        sm120_dq_descending = sm120_bwd_dq_descending(\n"
+        "            causal, seqlen_k, n_block_size, cu_seqlens_k is not None,\n"
+        "            get_num_sms_for_selection(device.index, arch),\n"
+        "        )\n"
+        "        dQ_semaphore = torch.zeros(\n"
+        "            batch_size, num_head, max(seqlen_q_rounded // m_block_size, 1), dtype=torch.int32, device=device\n"
+        "        )\n"
+        "        dK_semaphore = (\n"
+        "            torch.zeros(\n"
+        "                batch_size, num_head_kv, max(seqlen_k_rounded // n_block_size, 1), dtype=torch.int32,\n"
+        "                device=device,\n"
+        "            )\n"
+        "            if qhead_per_kvhead > 1\n"
+        "            else None\n"
+        "        )\n"
+        "        dV_semaphore = None\n"
+        "    # The dedicated hd256 backward is deterministic without semaphores.\n"
+        "    elif deterministic and not use_dedicated_hd256_kernel:\n",
+    ),
+    (
+        "SM120 keeps its dK/dV semaphores",
+        "    if deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
+        "    if arch // 10 == 12:\n"
+        "        pass  # set above\n"
+        "    elif deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
+    ),
+    (
+        "the dQ turn order joins the compile key",
+        "            dQ_single_wg,\n"
+        "            deterministic,\n",
+        "            dQ_single_wg,\n"
+        "            deterministic,\n"
+        "            sm120_dq_descending,\n",
+    ),
+    (
+        "SM120 semaphores are 3-D",
+        "        dQ_semaphore_tensor, dK_semaphore_tensor, dV_semaphore_tensor = [\n"
+        "            utils.convert_from_dlpack_leading_static(t.detach(), leading_dim=3, alignment=4, stride_order=t.dim_order())\n"
+        "            if t is not None else None\n"
+        "            for t in (dQ_semaphore, dK_semaphore, dV_semaphore)\n"
+        "        ]\n",
+        "        dQ_semaphore_tensor, dK_semaphore_tensor, dV_semaphore_tensor = [\n"
+        "            (\n"
+        "                to_cute_tensor(t, assumed_align=4)  # SM120: (batch, head, block), read element-wise\n"
+        "                if arch // 10 == 12\n"
+        "                else utils.convert_from_dlpack_leading_static(\n"
+        "                    t.detach(), leading_dim=3, alignment=4, stride_order=t.dim_order()\n"
+        "                )\n"
+        "            )\n"
+        "            if t is not None else None\n"
+        "            for t in (dQ_semaphore, dK_semaphore, dV_semaphore)\n"
+        "        ]\n",
+    ),
+    (
+        "SM120 builds the tuned class",
+        "        if arch // 10 in [8, 12]:\n"
+        "            flash_bwd_obj_cls = FlashAttentionBackwardSm120 if arch // 10 == 12 else FlashAttentionBackwardSm80\n",
+        "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
+        "            fa_bwd_obj = FlashAttentionBackwardSm120Tuned(\n"
+        "                dtype,\n"
+        "                head_dim,\n"
+        "                head_dim_v,\n"
+        "                qhead_per_kvhead,\n"
+        "                sm120_bwd_cfg,\n"
+        "                pack_gqa=pack_gqa,\n"
+        "                is_causal=causal,\n"
+        "                is_local=local,\n"
+        "                score_mod=score_mod,\n"
+        "                score_mod_bwd=score_mod_bwd,\n"
+        "                deterministic=deterministic,\n"
+        "                dq_descending=sm120_dq_descending,\n"
+        "            )\n"
+        "        elif arch // 10 in [8, 12]:\n"
+        "            flash_bwd_obj_cls = FlashAttentionBackwardSm120 if arch // 10 == 12 else FlashAttentionBackwardSm80\n",
+    ),
+    (
+        "SM120 postprocess in the main kernel's thread layout",
+        "        else:\n"
+        "            num_threads_post_dQ = 128\n"
+        "            num_threads_post_dKV = 128\n",
+        "        elif arch // 10 == 12:\n"
+        "            # SM120: the postprocess reads the accumulators in the main kernel's thread layout\n"
+        "            # (its warps, with the atom layouts and swaps passed below)\n"
+        "            num_threads_post_dQ = num_threads_post_dKV = num_threads\n"
+        "        else:\n"
+        "            num_threads_post_dQ = 128\n"
+        "            num_threads_post_dKV = 128\n",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------ the step
+def _measurement_rows(table) -> str:
+    header = ("d", "mask", "config", "TFLOPS", "before", "speedup", "GPU", "mode", "date")
+    rows = []
+    for e in table:
+        p = e.provenance
+        tf, up = p.get("tflops"), p.get("upstream_tflops")
+        rows.append((
+            str(e.head_dim), e.mask, _describe(e.config),
+            f"{_geomean(tf):.1f}" if tf is not None else "-",
+            f"{_geomean(up):.1f}" if up else "-",
+            f"{_geomean(tf) / _geomean(up):.2f}x" if tf is not None and up else "-",
+            str(p["gpu"]), str(p["mode"]), str(p["date"]),
+        ))
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header)] + [fmt(r) for r in rows])
+
+
+def _bench_block(bench: dict) -> list:
+    vs = bench["summary"]["vs_upstream_sm120"]
+    return [
+        f"The shipped table against SM120's earlier backward on the same problems "
+        f"({len(vs['ratios'])} problems, set {bench['set']}, {bench['gpu']}, mode {bench['mode']}: "
+        f"{bench['mode_label']}, {bench['date'][:10]}): geometric mean {vs['geomean']:.2f}x, "
+        f"lowest {vs['min']:.2f}x; all results checked against the reference "
+        f"(correct: {str(bench['summary']['correct']).lower()}).",
+        f"  {bench['command']}",
+    ]
+
+
+def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_path: Path = DEFAULT_BWD_BENCH) -> str:
+    """Patch 4: the SM120 backward from the measured table, and deterministic=True on SM120."""
+    table = load_bwd_table(table_path)
+    ctx.write(TUNED_REL, render_tuned_module())
+    ctx.write(CONFIGS_REL, render_bwd_configs_module(table))
+    rel = f"{CUTE}/interface.py"
+    ctx.write(rel, apply_edits(ctx.read(rel), _BWD_INTERFACE_EDITS, rel))
+    bench = json.loads(Path(bench_path).read_text()) if bench_path and Path(bench_path).exists() else None
+    det_bench = json.loads(DEFAULT_DET_BENCH.read_text()) if DEFAULT_DET_BENCH.exists() else None
+    modes = sorted({str(e.provenance["mode"]) for e in table} | ({str(bench["mode"])} if bench else set()))
+    before = pkg_bwd.upstream_bwd_config(128)
+    measured = []
+    if table:
+        measured = [
+            "Measured (TFLOPS: geometric mean over the bucket's problems, causal counted as half the work; "
+            f"before: SM120's previous backward, {before.num_warps} warps, {before.m_block}x{before.n_block}, "
+            "on the same problems, GPU and mode):",
+            _measurement_rows(table),
+        ]
+        if bench:
+            measured += _bench_block(bench)
+        if det_bench:
+            dv = det_bench["summary"]["deterministic_vs_table"]
+            measured.append(
+                f"deterministic=True costs time: on the same {len(dv['ratios'])} problems ({det_bench['gpu']}, mode "
+                f"{det_bench['mode']}, {det_bench['date'][:10]}) it runs at {dv['geomean']:.2f}x the table's speed "
+                f"(geometric mean; lowest {dv['min']:.2f}x), the waiting CTA being the whole CTA.")
+        if "emulated" in modes:
+            measured.append(
+                "Mode emulated: an sm_90a GPU with each CTA's shared memory padded so that no more CTAs are "
+                "resident per SM than on SM120. The speedup is the evidence; the absolute numbers are not SM120 "
+                "numbers."
+            )
+        measured += ["Table commands:", "\n".join(f"  {c}" for c in sorted({str(e.provenance['command']) for e in table}))]
+    n_sm_rule = inspect.getsource(pkg_driver_bwd._all_n_blocks_resident)  # the rule the adapter restates
+    if "num_sms" not in n_sm_rule or "varlen_k" not in n_sm_rule:
+        raise AnchorError("flash_attn_sm120/driver_bwd.py: _all_n_blocks_resident changed; revisit sm120_bwd_dq_descending")
+    return commit_message(
+        "[Cute,Sm120] Backward from a measured table (4 or 8 warps, any atom layout), deterministic mode",
+        "SM120's backward ran one configuration for every head dim and mask: 4 warps, 64x64 tiles, all "
+        "warps along M. At d=128 it spills registers, above d=128 it does not fit 99 KB, and "
+        "deterministic=True was refused. This patch makes the configuration data, measured per head dim "
+        "and mask, and adds a deterministic mode.",
+        "What changes:",
+        [
+            "flash_bwd_sm120_tuned.py (new): FlashAttentionBackwardSm120Tuned, a subclass of "
+            "FlashAttentionBackwardSm120 built from a Sm120BwdConfig (4 or 8 warps, m/n tiles, Q/dO "
+            "stages, warp atom layouts of the three products, dQ swapAB), with SM120 rules that give a "
+            "reason for each refusal (bwd_config_error: exact shared memory of the SharedStorage, tile "
+            "multiples of each atom layout, the mainloop's own limits).",
+            "flash_bwd_sm120_configs.py (new): SM120_BWD_TABLE, one measured entry per (head-dim bucket, "
+            "mask), fallbacks that fit 99 KB up to d=256, and select_bwd_config (exact key; local tries "
+            "causal; then the bucket's non-causal entry; then the fallbacks).",
+            "interface.py: _flash_attn_bwd on SM120 builds the tuned class with the table's config; the "
+            "postprocess reads the accumulators with the same warps, atom layout and swap; where no config "
+            "runs the head dims the previous default and class stay. deterministic=True allocates int32 "
+            "turn counters per (batch, head, m_block) for dQ and per (batch, KV head, n_block) for GQA "
+            "dK/dV (3-D, not the 4-D SM90/SM100 ones) and the dQ turn order; with a sliding window it "
+            "raises NotImplementedError.",
+        ],
+        "Why the subclass changes more than the tiles (three problems of the SM80/SM120 mainloop):",
+        [
+            "Causal/local masking is wrong with more than one warp along N of the S tile: the R2P mask "
+            "of AttentionMask.apply_mask assumes the accumulator layout of one warp along N, which only "
+            "the previous 4x1 layout had. With 2 warps along N, dQ errors were of order 1. The tuned "
+            "class masks by each element's own (row, col) (layout_free) whenever the layout has more "
+            "than one warp along N.",
+            "V in registers (V_in_regs) gives wrong dQ at 4 and 8 warps (measured): bwd_config_error "
+            "refuses it, and no table entry uses it.",
+            "Varlen GQA: the epilogue adds dK/dV into the fp32 accumulators from offset_k + batch * "
+            "n_block while the postprocess reads them from that offset rounded down to n_block; they "
+            "differ whenever a sequence starts off a tile boundary (wrong dK/dV). The tuned epilogue "
+            "passes the offset that lands on the rounded one.",
+        ],
+        "Deterministic mode: a semaphore per accumulator tile fixes the order of the fp32 additions, as "
+        "on SM90/SM100. dQ: the CTA of n_block n adds at its turn, ascending (the launch order), or "
+        "descending for dense causal attention when every n_block CTA of a head fits on the GPU at once "
+        "(then the CTA on the diagonal arrives first and the waits vanish). GQA dK/dV: query head j of "
+        "a group adds at turn j. The wait sits inside the dQ product (on the load hooked after its "
+        "first k-slice), so the section held is the dQ product and its atomics, not the m_block.",
+        *measured,
+        "Tested:",
+        [
+            "Correctness (flash_attn_sm120's own backward, the same kernel code, in the mode above): dQ/dK/dV "
+            "against an fp32 reference across table entries, causal, local, varlen and GQA; deterministic "
+            "runs bitwise identical over repeats; compute-sanitizer memcheck/racecheck clean on four cases.",
+            f"This patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version}: the tuned class compiles "
+            "for sm_120a with fake tensors on a CPU for every table entry (and deterministic GQA) without "
+            "local memory.",
+            "The patched upstream's backward has not run on a GPU yet (its GPU test is written, not run), "
+            "and not on a real SM120: do that before merging.",
+        ],
+    )
