@@ -98,21 +98,28 @@ def traced_call(args: dict, varlen: bool):
             or any(m is not None and m not in _NAME_OF for m in mods)
             or any(isinstance(args.get(n), torch.Tensor) for n in ("max_seqlen_q", "max_seqlen_k"))):
         return _eager_graph_break(args, varlen)
+    # the eager checks of the flags, before they become op arguments (a bool() would accept "False")
+    validation.check_scalars(args["softmax_scale"], args["softcap"])
+    validation.check_flags(causal=args["causal"], pack_gqa=args["pack_gqa"], return_lse=args["return_lse"],
+                           deterministic=args["deterministic"])
+    if isinstance(args["num_splits"], bool) or not isinstance(args["num_splits"], int):
+        raise TypeError(f"num_splits must be an int, got {args['num_splits']!r}")
     left, right = validation.normalize_window(args["window_size"])
     k, v = args["k"], args["v"]
     sink = args.get("learnable_sink")
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                              or (sink is not None and sink.requires_grad))
+    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    sink_grad = sink is not None and sink.requires_grad
+    needs_grad = torch.is_grad_enabled() and qkv_grad  # the backward kernels will run: their refusals apply
     return_lse = bool(args["return_lse"])
+    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE (as eager)
     aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(
         q, k, v, *(args.get(n) for n in _TENSORS), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),
         args["softmax_scale"], bool(args["causal"]), left, right, float(args["softcap"] or 0.0),
         int(args["num_splits"]), args["pack_gqa"], bool(args["deterministic"]), args.get("max_seqlen_q"),
-        args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, needs_grad, varlen,
+        args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, want_lse, needs_grad, varlen,
     )
-    # as upstream (and the eager path): the LSE is returned whenever it was computed for autograd
-    return out, (lse if return_lse or needs_grad else None)
+    return out, (lse if want_lse else None)
 
 
 # aux_scalars as two plain lists (values as float, kinds), which every torch with custom ops accepts; a
@@ -148,16 +155,17 @@ def attention_fwd(
     aux_scalar_values: List[float], aux_scalar_kinds: List[int], softmax_scale: Optional[float],
     causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float, num_splits: int,
     pack_gqa: Optional[bool], deterministic: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-    score_mod: str, mask_mod: str, return_lse: bool, needs_grad: bool, varlen: bool,
+    score_mod: str, mask_mod: str, return_lse: bool, want_lse: bool, needs_grad: bool, varlen: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): the eager call; lse is an empty tensor when neither returned nor needed."""
+    """(out, lse): the eager call; lse is an empty tensor unless want_lse (return_lse: the caller's own
+    flag, which decides whether the LSE's gradient counts; needs_grad: the backward will run)."""
     from flash_attn_sm120 import driver_bwd, interface
 
     args = dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
                 score_mod=registered_mod(score_mod), mask_mod=registered_mod(mask_mod),
                 aux_tensors=list(aux_tensors) or None, aux_scalars=_decode_scalars(aux_scalar_values, aux_scalar_kinds),
-                learnable_sink=learnable_sink, return_lse=return_lse or needs_grad)
+                learnable_sink=learnable_sink, return_lse=want_lse)
     if varlen:
         args.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
                     page_table=page_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -170,19 +178,19 @@ def attention_fwd(
             driver_bwd.check_deterministic(causal, *validation.normalize_window((window_left, window_right)))
     with torch.no_grad():  # below autograd: the graph's own backward node does the backward
         out, lse = _call_eager(args, varlen)
-    return out, (lse if lse is not None else _no_lse(q))
+    return out, (lse if want_lse and lse is not None else _no_lse(q))
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
                         aux_tensors, aux_scalar_values, aux_scalar_kinds, softmax_scale, causal, window_left,
                         window_right, softcap, num_splits, pack_gqa, deterministic, max_seqlen_q, max_seqlen_k,
-                        score_mod, mask_mod, return_lse, needs_grad, varlen):
+                        score_mod, mask_mod, return_lse, want_lse, needs_grad, varlen):
     num_heads, head_dim_v = q.shape[-2], v.shape[-1]
     varlen_q = cu_seqlens_q is not None
     rows = (q.shape[0],) if varlen_q else (q.shape[0], q.shape[1])
     out = q.new_empty((*rows, num_heads, head_dim_v))
-    if not (return_lse or needs_grad):
+    if not want_lse:
         return out, _no_lse(q)
     lse_shape = (num_heads, q.shape[0]) if varlen_q else (q.shape[0], num_heads, q.shape[1])
     return out, q.new_empty(lse_shape, dtype=torch.float32)
@@ -240,7 +248,7 @@ def _grad_buffer(x: torch.Tensor) -> torch.Tensor:
 
 _FWD_ARGS = ("q", "k", "v", *_TENSORS, "aux_tensors", "aux_scalar_values", "aux_scalar_kinds", "softmax_scale", "causal", "window_left", "window_right",
              "softcap", "num_splits", "pack_gqa", "deterministic", "max_seqlen_q", "max_seqlen_k", "score_mod",
-             "mask_mod", "return_lse", "needs_grad", "varlen")
+             "mask_mod", "return_lse", "want_lse", "needs_grad", "varlen")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -251,7 +259,9 @@ def _setup_context(ctx, inputs, output) -> None:
                                        "deterministic", "max_seqlen_q", "max_seqlen_k"))  # bwd's order
     ctx.return_lse = a["return_lse"]
     # the backward returns one gradient per input, in the inputs' structure (a list for a list input)
-    ctx.no_grads = [[None] * len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+    # (torch takes a list of tensors as a list of inputs, any other list as one input)
+    ctx.no_grads = [[None] * len(x) if isinstance(x, list) and (not x or isinstance(x[0], torch.Tensor)) else None
+                    for x in inputs]
     ctx.sink_index = _FWD_ARGS.index("learnable_sink")
 
 

@@ -131,11 +131,11 @@ def evaluate(impls: list[Impl], problems: list[Problem], info, reps: int = 30, w
         sets = [bench.make_inputs(p, seed=i) for i in range(n)]
         ref, bound = _reference(p, sets[0])
         for impl in impls:
-            tick.update()
             row = Row(impl.name, impl.kind, p.name, info.mode, "ok")
             if not impl.supports(p):
                 row.status = "unsupported"
                 rows.append(row)
+                tick.update()
                 continue
             try:
                 out = _poisoned_out(p, sets[0]) if impl.writes_out else None
@@ -145,6 +145,7 @@ def evaluate(impls: list[Impl], problems: list[Problem], info, reps: int = 30, w
                 if row.max_err > 2 * bound + 1e-3:
                     row.status = "incorrect"
                     rows.append(row)
+                    tick.update()
                     log(_fmt(row))
                     continue
                 outs = [_poisoned_out(p, s) if impl.writes_out else None for s in sets]
@@ -158,6 +159,7 @@ def evaluate(impls: list[Impl], problems: list[Problem], info, reps: int = 30, w
             except Exception as e:  # a crashing candidate is reported, the run goes on
                 row.status, row.detail = "error", f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
+            tick.update()
             log(_fmt(row))
     tick.close()
     return rows
@@ -234,6 +236,12 @@ def parse_summary(text: str) -> dict:
     return out
 
 
+def _in_this_checkout() -> bool:
+    """Whether this module runs from a checkout of this repository (not from site-packages)."""
+    project = ROOT / "pyproject.toml"
+    return (ROOT / ".git").exists() and project.is_file() and 'name = "flash-attn-sm120"' in project.read_text()
+
+
 def git_commit() -> str:
     """The commit this run measures: FLASH_ATTN_SM120_COMMIT when set (a copied working tree whose .git is
     not the repository's, as on the lent GPU machine), else git's HEAD (+ "-dirty" with local changes)."""
@@ -241,6 +249,10 @@ def git_commit() -> str:
 
     if os.environ.get("FLASH_ATTN_SM120_COMMIT"):
         return os.environ["FLASH_ATTN_SM120_COMMIT"]
+    if not _in_this_checkout():  # an installed wheel: its version, not the commit of whatever repo holds the venv
+        from flash_attn_sm120 import __version__
+
+        return f"flash_attn_sm120 {__version__} (installed)"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

@@ -35,7 +35,7 @@ def _sm120_target(q) -> Optional[tuple]:
 
 
 def _check_common_features(
-    *, qv, gather_kv_indices, learnable_sink, num_splits, block_sparse_tensors, page_table=None,
+    *, qv, gather_kv_indices, num_splits, block_sparse_tensors, page_table=None,
     scheduler_metadata=None, requires_grad=False, deterministic=False, score_mod=None,
     score_mod_bwd=None, mask_mod=None, gather_bwd_recompute_p=False, gather_bwd_token_chunk=None,
 ):
@@ -73,14 +73,16 @@ def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
 
 
 def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requires_grad: bool,
-             learnable_sink: Optional[torch.Tensor] = None):
+             learnable_sink: Optional[torch.Tensor] = None, want_lse: Optional[bool] = None):
     """Through autograd when a backward may follow; otherwise straight to the driver (no graph to
-    record: autograd.Function's per-call cost matters to small decode calls)."""
+    record: autograd.Function's per-call cost matters to small decode calls). want_lse: whether the
+    LSE comes back (upstream: when asked, or when an input requires grad, grad mode or not)."""
+    want_lse = return_lse if want_lse is None else want_lse
     if not requires_grad:
         if learnable_sink is None:
-            return _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse)
+            return _run_forward(q, k, v, fwd_kwargs, need_lse=want_lse)
         out, lse = sinks.apply_sink(*_run_forward(q, k, v, fwd_kwargs, need_lse=True), learnable_sink)
-        return out, (lse if return_lse else None)
+        return out, (lse if want_lse else None)
     return _Sm120AttnFunc.apply(q, k, v, learnable_sink, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
@@ -111,7 +113,9 @@ class _Sm120AttnFunc(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dlse = dlse if ctx.return_lse else None
-        dq, dk, dv = driver_bwd.backward(q, k, v, out, dout, lse, dlse=dlse, **kw)
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):  # (a sink alone needs no dQ/dK/dV)
+            dq, dk, dv = driver_bwd.backward(q, k, v, out, dout, lse, dlse=dlse, **kw)
         dsink = None
         if learnable_sink is not None and ctx.needs_input_grad[3]:
             rows = sinks.valid_rows(lse, kw.get("cu_seqlens_q"), kw.get("seqused_q"))
@@ -171,11 +175,14 @@ def flash_attn_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
+    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE
+    requires_grad = torch.is_grad_enabled() and (qkv_grad or sink_grad)  # autograd records
+    bwd_needed = requires_grad and qkv_grad  # the backward kernels run (their refusals apply)
     _check_common_features(
-        qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
-        block_sparse_tensors=block_sparse_tensors or block_sparse_tensors_bwd, requires_grad=requires_grad,
+        qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
+        block_sparse_tensors=block_sparse_tensors or block_sparse_tensors_bwd, requires_grad=bwd_needed,
         deterministic=deterministic, score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
         gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk,
     )
@@ -189,9 +196,9 @@ def flash_attn_func(
         window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, _tensors=(),
         _tensor_names=(),
     )
-    if requires_grad and deterministic:
+    if bwd_needed and deterministic:
         driver_bwd.check_deterministic(causal, left, right)
-    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
 def flash_attn_varlen_func(
@@ -266,12 +273,15 @@ def flash_attn_varlen_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
+    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE
+    requires_grad = torch.is_grad_enabled() and (qkv_grad or sink_grad)  # autograd records
+    bwd_needed = requires_grad and qkv_grad  # the backward kernels run (their refusals apply)
     _check_common_features(
-        qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink, num_splits=num_splits,
+        qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, page_table=page_table, scheduler_metadata=scheduler_metadata,
-        requires_grad=requires_grad, deterministic=deterministic, score_mod=score_mod,
+        requires_grad=bwd_needed, deterministic=deterministic, score_mod=score_mod,
         score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, gather_bwd_recompute_p=gather_bwd_recompute_p,
         gather_bwd_token_chunk=gather_bwd_token_chunk,
     )
@@ -288,9 +298,9 @@ def flash_attn_varlen_func(
         window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
     )
-    if requires_grad and deterministic:
+    if bwd_needed and deterministic:
         driver_bwd.check_deterministic(causal, left, right)
-    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink)
+    return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
 def _locals_without_target(scope: dict) -> dict:

@@ -16,7 +16,8 @@ D = rowsum(dO * O') already holds its share); the sink's own gradient is
 
 (upstream: -sum exp(sink - lse) * dpsum, with dpsum = D - dLSE). This module is that arithmetic, on the
 layouts the drivers use: O (b, s, h, d) with LSE (b, h, s), or varlen O (total, h, d) with LSE (h, total).
-It costs one extra pass over O in the forward and one over dO and O' in the backward; folding the sink
+It costs one extra pass over O in the forward and one over dO and O' in the backward (in slices, so the
+fp32 temporaries stay small); folding the sink
 into the kernels' final softmax (the SplitKV kernel's first split only) is the faster route, not taken yet.
 """
 
@@ -56,7 +57,8 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tenso
     """(O', LSE') from the sink-free (O, LSE); O is rescaled in place, LSE' is a new tensor (fp32 from
     the kernels' fp32 LSE)."""
     lse_sink = torch.logaddexp(lse, _lse_rows_last(learnable_sink, lse))
-    factor = torch.exp(lse - lse_sink)  # 0 for an empty row (lse = -inf)
+    # 0 for an empty row (lse = -inf); a sink of -inf on an empty row leaves LSE' = -inf, O' = 0, as upstream
+    factor = torch.where(torch.isneginf(lse_sink), 0.0, torch.exp(lse - lse_sink))
     out.mul_(_per_token(factor))  # one pass over O, the product in fp32, rounded once to O's dtype
     return out, lse_sink
 
@@ -85,12 +87,21 @@ def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: Op
     """dsink (shape and dtype of learnable_sink) from the sink's forward result (O', LSE') and its
     gradients; rows (valid_rows) leaves out rows that belong to no sequence."""
     wide = torch.promote_types(lse.dtype, torch.float32)
-    rowsum = (dout.to(wide) * out.to(wide)).sum(-1)  # (b, s, h) or (total, h)
+    rowsum = _rowsum(dout, out, wide)  # (b, s, h) or (total, h)
     rowsum = rowsum.transpose(1, 2) if lse.dim() == 3 else rowsum.transpose(0, 1)  # LSE's layout
-    p_sink = torch.exp(_lse_rows_last(learnable_sink, lse) - lse)
+    sink = _lse_rows_last(learnable_sink, lse)
+    p_sink = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse))  # a -inf sink has no share
     coeff = -rowsum if dlse is None else dlse.to(wide) - rowsum
     per_row = p_sink * coeff
     if rows is not None:
         per_row = torch.where(rows, per_row, 0.0)
     dims = (0, 2) if lse.dim() == 3 else (1,)
     return per_row.sum(dim=dims).to(learnable_sink.dtype)
+
+
+def _rowsum(dout: torch.Tensor, out: torch.Tensor, wide: torch.dtype, chunk_elems: int = 1 << 26) -> torch.Tensor:
+    """rowsum(dO * O') over the head dim in `wide` precision, a slice of the leading dim at a time, so
+    that the widened temporaries stay near chunk_elems elements (not three times O's size in fp32)."""
+    rows = max(1, chunk_elems // max(1, dout[0].numel()))
+    parts = [(dout[i:i + rows].to(wide) * out[i:i + rows].to(wide)).sum(-1) for i in range(0, dout.shape[0], rows)]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]

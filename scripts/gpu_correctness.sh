@@ -46,8 +46,17 @@ for i in $(seq 0 $last); do
     tests/test_fuzz_gpu.py > "$R/fuzz_$i.log" 2>&1 &
 done
 python3 -m pytest --collect-only -q -m gpu tests --ignore=tests/test_fuzz_gpu.py 2>/dev/null | grep '::' > "$R/gpu_test_ids.txt"
-fuzz_total=$(python3 -m pytest --collect-only -q tests/test_fuzz_gpu.py 2>/dev/null | grep -c '::')
-python3 scripts/gate_progress.py --logs "$R" --total $(( fuzz_total + $(wc -l < "$R/gpu_test_ids.txt") )) \
+# the bar's total: the GPU test ids now, plus each fuzz shard's own collection (its profile and shard) when
+# that lands; collected in the background, so the shards start at once
+n_tests=$(wc -l < "$R/gpu_test_ids.txt")
+( total=$n_tests
+  for i in $(seq 0 $last); do
+    n=$(FLASH_ATTN_SM120_FUZZ=$PROFILE FLASH_ATTN_SM120_FUZZ_SHARD=$i/$SHARDS \
+        python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_fuzz_gpu.py 2>/dev/null | grep -c '::')
+    total=$(( total + n ))
+  done
+  echo $total > "$R/total.txt" ) &
+python3 scripts/gate_progress.py --logs "$R" --total "$n_tests" --total-file "$R/total.txt" \
   --done "$R/done" 2> >(tee "$R/progress.txt" >&2) &
 progress_pid=$!
 rm -f /tmp/fa_sm120_ids_*

@@ -165,7 +165,7 @@ def evaluate_bwd(impls: list[BwdImpl], problems: list[Problem], info, reps: int 
         xs = [forward_state(p, info, seed=s) for s in range(2)]
         ref, pt = reference_grads(p, xs[0])
         for impl in impls:
-            tick.update()
+            tick.update()  # (counted as it starts: each run ends in one of several branches below)
             row = row_cls(impl.name, impl.kind, p.name, info.mode, "ok")
             if not impl.supports(p):
                 row.status = "unsupported"

@@ -181,6 +181,29 @@ def test_learnable_sink_runs_and_asks_the_driver_for_the_lse(fake_device, monkey
     assert lse is None and out.shape == q.shape  # no return_lse, no grad: no LSE, as upstream
 
 
+def test_lse_comes_back_when_an_input_requires_grad_even_under_no_grad(fake_device, monkeypatch):
+    """Upstream computes and returns the LSE whenever q/k/v (or the sink) require grad, whatever the grad mode."""
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    q.requires_grad_(True)
+    seen = {}
+
+    def forward_with_lse(q, k, v, need_lse, **kw):
+        seen["need_lse"] = need_lse
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        return out, (torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device) if need_lse else None)
+
+    monkeypatch.setattr(interface.driver, "forward", forward_with_lse)
+    with torch.no_grad():
+        out, lse = flash_attn_sm120.flash_attn_func(q, k, v)
+    assert seen["need_lse"] is True and lse is not None
+    q.requires_grad_(False)
+    with torch.no_grad():
+        out, lse = flash_attn_sm120.flash_attn_func(q, k, v)
+    assert seen["need_lse"] is False and lse is None
+
+
 @pytest.mark.parametrize("feature,kwargs,match", [
     ("qv", dict(qv=torch.zeros(1)), "qv"),
     ("block_sparse", dict(block_sparse_tensors=object()), "block sparsity"),

@@ -22,7 +22,7 @@ BWD = torch.ops.flash_attn_sm120.bwd
 
 def _fwd_args(q, k, v, *, cu_q=None, cu_k=None, page_table=None, return_lse=True, needs_grad=False, varlen=False):
     return (q, k, v, cu_q, cu_k, None, None, page_table, None, [], [], [], None, False, None, None, 0.0, 1, None, False,
-            None, None, "", "", return_lse, needs_grad, varlen)
+            None, None, "", "", return_lse, return_lse or needs_grad, needs_grad, varlen)
 
 
 @pytest.mark.parametrize("hk,dv", [(4, 64), (1, 64), (2, 32)])
@@ -83,10 +83,11 @@ def test_fake_bwd_matches_input_layouts():
 
 
 def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, sink, aux, aux_values, aux_kinds, scale, causal, wl, wr, softcap,
-             num_splits, pack_gqa, deterministic, mq, mk, score_mod, mask_mod, return_lse, needs_grad, varlen):
+             num_splits, pack_gqa, deterministic, mq, mk, score_mod, mask_mod, return_lse, want_lse, needs_grad,
+             varlen):
     out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap,
                              learnable_sink=sink)
-    lse = lse.contiguous() if (return_lse or needs_grad) else q.new_empty((0,), dtype=torch.float32)
+    lse = lse.contiguous() if want_lse else q.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype).contiguous(), lse
 
 
@@ -195,7 +196,7 @@ def test_inference_trace_has_no_backward_and_no_lse(cpu_reference_ops):
     with torch.no_grad():
         f(q)
     fwd = [n for g in capture.graphs for n in g.graph.nodes if str(n.target) == "flash_attn_sm120.fwd.default"]
-    assert len(fwd) == 1 and fwd[0].args[-2] is False  # needs_grad False: no LSE computed for autograd
+    assert len(fwd) == 1 and fwd[0].args[-3:] == (False, False, False)  # want_lse, needs_grad, varlen
 
 
 def test_registered_mod_travels_by_name_and_unregistered_breaks_the_graph(cpu_reference_ops):
@@ -257,8 +258,34 @@ def test_traced_branch_passes_every_parameter(fn):
 
 
 def test_lse_comes_back_for_autograd_like_upstream(cpu_reference_ops):
-    """Upstream returns the LSE whenever a gradient will be needed, return_lse or not; so do both paths here."""
+    """Upstream returns the LSE whenever an input requires grad, return_lse or not, and grad mode or not;
+    so does the traced path (the eager path: test_api.py)."""
     q = torch.randn(1, 16, 2, 32, requires_grad=True)
-    out, lse = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q), backend="aot_eager",
-                             fullgraph=True)(q)
+    f = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q), backend="aot_eager", fullgraph=True)
+    out, lse = f(q)
     assert lse is not None and lse.shape == (1, 2, 16)
+    with torch.no_grad():
+        out, lse = f(q)
+    assert lse is not None and lse.shape == (1, 2, 16)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(causal="False"), "causal"), (dict(num_splits=True), "num_splits"),
+                                       (dict(softcap=True), "softcap"), (dict(return_lse="yes"), "return_lse")])
+def test_traced_call_checks_flags_like_eager(cpu_reference_ops, bad, match):
+    q = torch.randn(1, 16, 2, 32)
+    f = torch.compile(lambda q: flash_attn_sm120.flash_attn_func(q, q, q, **bad)[0], backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=match):
+        f(q)
+
+
+def test_registered_mod_with_aux_scalars_trains(cpu_reference_ops):
+    """aux_scalars travel as plain lists; their gradient slots must match torch's input structure."""
+    def scaled(score, b, h, q_idx, kv_idx, aux_tensors):
+        return score
+
+    flash_attn_sm120.register_mod(scaled, "test_scaled")
+    x = torch.randn(1, 16, 2, 32, requires_grad=True)
+    f = torch.compile(lambda x: flash_attn_sm120.flash_attn_func(x, x, x, score_mod=scaled, aux_scalars=(2, 0.5))[0],
+                      backend="aot_eager", fullgraph=True)
+    f(x).sum().backward()  # the reference kernel ignores the mod; the structure is what is tested
+    assert x.grad is not None and x.grad.isfinite().all()

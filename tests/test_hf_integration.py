@@ -23,20 +23,23 @@ CALLS: list[dict] = []
 
 def _ref_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
               learnable_sink=None, deterministic=False, **_):
-    CALLS.append(dict(kind="dense", causal=causal, window=window_size, shape=tuple(q.shape)))
-    out, lse = attention_ref(q, k, v, causal=causal, window=window_size, softmax_scale=softmax_scale, softcap=softcap)
+    CALLS.append(dict(kind="dense", causal=causal, window=window_size, shape=tuple(q.shape),
+                      sink=learnable_sink is not None))
+    out, lse = attention_ref(q, k, v, causal=causal, window=window_size, softmax_scale=softmax_scale, softcap=softcap,
+                             learnable_sink=learnable_sink)
     return out.to(q.dtype), lse
 
 
 def _ref_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                 causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, deterministic=False, **_):
     assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
-    CALLS.append(dict(kind="varlen", causal=causal, window=window_size, batch=cu_seqlens_q.numel() - 1))
+    CALLS.append(dict(kind="varlen", causal=causal, window=window_size, batch=cu_seqlens_q.numel() - 1,
+                      sink=learnable_sink is not None))
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
     for b in range(cu_seqlens_q.numel() - 1):
         q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
         o, _ = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, window=window_size,
-                             softmax_scale=softmax_scale, softcap=softcap)
+                             softmax_scale=softmax_scale, softcap=softcap, learnable_sink=learnable_sink)
         out[q0:q1] = o[0].to(q.dtype)
     return out, None
 
@@ -146,3 +149,29 @@ def test_refusals_name_the_problem(reference_kernels):
         hf.attention_forward(torch.nn.Linear(4, 4), q.float(), q.float(), q.float(), None)
     out, weights = hf.attention_forward(module, q.float(), q.float(), q.float(), None)  # cast to the layer's bf16
     assert out.dtype == torch.bfloat16 and out.shape == (1, 8, 4, 16) and weights is None
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt_oss_sinks_and_sliding_layers_match_eager(reference_kernels, padded):
+    """gpt-oss passes its per-head sinks as s_aux: they arrive as learnable_sink, on sliding and full layers."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**common),
+                                                         attn_implementation=hf.NAME, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**common),
+                                                        attn_implementation="eager", dtype=torch.float32).eval()
+    ref.load_state_dict(ours.state_dict())
+    for layer in ours.model.layers:  # sinks away from zero, so that they matter
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 96, (2, 15))
+    mask = torch.ones(2, 15, dtype=torch.long)
+    if padded:
+        mask[1, 9:] = 0
+    a, b = _logits(ours, ids, mask), _logits(ref, ids, mask)
+    keep = mask.bool()
+    torch.testing.assert_close(a[keep], b[keep], rtol=0.05, atol=0.05)
+    assert reference_kernels and all(c["sink"] for c in reference_kernels)
+    assert {c["window"] for c in reference_kernels} == {(5, 5), (None, None)}

@@ -46,3 +46,12 @@ def test_gate_counter_reads_pytest_progress_lines(tmp_path):
     (tmp_path / "fuzz_0.log").write_text("....F.s                                   [ 40%]\n..\n")
     (tmp_path / "tests_00.log").write_text("x..E\nFAILED tests/test_x.py::t - boom\n2 passed in 3s\n")
     assert gate_progress.finished_tests(tmp_path) == (13, 2)
+
+
+def test_gate_total_is_read_from_the_file_once_written(tmp_path):
+    path = tmp_path / "total.txt"
+    assert gate_progress.read_total(path) is None and gate_progress.read_total(None) is None
+    path.write_text("412\n")
+    assert gate_progress.read_total(path) == 412
+    path.write_text("")  # being written
+    assert gate_progress.read_total(path) is None

@@ -59,3 +59,22 @@ def test_help_describes_every_public_option():
     for opt in ("--out", "--families", "--timeout", "--no-timing", "--reps", "--subset"):
         assert opt in proc.stdout
     assert "--child" not in proc.stdout
+
+
+def test_a_family_past_its_timeout_is_reported_as_a_hang_with_advice():
+    """The child cannot even import in 0.05 s: the parent kills it and reports a hang, with the switch."""
+    (entry,) = selftest.run_checks(["tma"], timeout_s=0.05, log=lambda *_: None)
+    assert entry["status"] == "hang" and "FLASH_ATTN_SM120_FAMILIES=cpasync" in entry["advice"]
+    assert "stderr_tail" in entry
+
+
+def test_a_failing_family_reports_every_check_and_why():
+    """On a CPU every check fails (the kernels need CUDA): each row says so, and the family is a failure."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (entry,) = selftest.run_checks(["splitkv"], timeout_s=300, log=lambda *_: None)
+    assert entry["status"] == "fail"
+    assert len(entry["checks"]) == len(selftest._checks("splitkv"))
+    assert all(c["status"] == "fail" and c["detail"] for c in entry["checks"])

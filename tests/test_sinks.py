@@ -88,3 +88,25 @@ def test_sink_dtype_is_kept():
     out, dout = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4)
     lse, sink = torch.randn(1, 2, 3), torch.randn(2, dtype=torch.bfloat16)
     assert sinks.sink_grad(out, dout, lse, None, sink).dtype == torch.bfloat16
+
+
+def test_a_minus_inf_sink_is_no_sink_and_keeps_empty_rows_empty():
+    """sink = -inf switches a head's sink off: upstream gives the sink-free result, O = 0 and LSE = -inf on a
+    row with no key; the gradient of that sink is 0, never NaN."""
+    q, k, v = _qkv()
+    sink = torch.tensor([float("-inf"), 0.5, float("-inf"), 1.0], **F64)
+    out, lse = attention_ref(q, k, v, window=(2, -4))
+    got_out, got_lse = sinks.apply_sink(out.clone(), lse, sink)
+    assert got_out.isfinite().all() and not got_lse.isnan().any()
+    off = [0, 2]
+    torch.testing.assert_close(got_out[:, :, off], out[:, :, off])
+    assert torch.equal(got_lse[:, off], lse[:, off])
+    dsink = sinks.sink_grad(got_out, torch.randn_like(got_out), got_lse, None, sink)
+    assert dsink.isfinite().all() and (dsink[off] == 0).all()
+
+
+def test_rowsum_in_slices_equals_the_whole():
+    out, dout = torch.randn(7, 5, 3, 4, **F64), torch.randn(7, 5, 3, 4, **F64)
+    whole = (dout * out).sum(-1)
+    torch.testing.assert_close(sinks._rowsum(dout, out, torch.float64, chunk_elems=24), whole)
+    torch.testing.assert_close(sinks._rowsum(dout, out, torch.float64), whole)

@@ -18,7 +18,9 @@ points (`AttentionInterface.register`, `AttentionMaskInterface.register`):
 One call becomes one `flash_attn_sm120` call, with transformers' flash-attention conventions:
   * nothing padded: `flash_attn_func`, causal as the module says (bottom-right aligned with a KV
     cache), GQA/MQA heads as they are (no repeat_kv), `sliding_window` w as window (w - 1, w - 1),
-    softcap, `s_aux` as `learnable_sink`; under torch.compile this is the custom op (no graph break);
+    softcap, `s_aux` as `learnable_sink`. Under torch.compile this is the custom op, but a batch of one
+    with `position_ids` (Llama passes them) reads the ids to tell packed sequences apart, a
+    data-dependent branch, as transformers' own flash-attention path does: `fullgraph=True` stops there;
   * a padding mask (left or right padded): unpadded into `flash_attn_varlen_func` (cu_seqlens from
     the mask, a longer static-cache KV cut to the mask) and padded back with zeros;
   * packed sequences: precomputed `cu_seq_lens_q/k` + `max_length_q/k` (transformers'
@@ -107,8 +109,13 @@ def _to_attn_dtype(t: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         return t
     if torch.is_autocast_enabled(t.device.type):
         return t.to(torch.get_autocast_dtype(t.device.type))
+    config = getattr(module, "config", None)
+    if getattr(config, "_is_quantized", False):  # the Linear weights are packed integers: the config's dtype
+        dtype = getattr(config, "dtype", None)
+        if dtype in (torch.float16, torch.bfloat16):
+            return t.to(dtype)
     weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
-    if weight is None or weight.dtype == torch.float32:
+    if weight is None or weight.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError("flash_attn_sm120 computes in fp16/bf16: load the model in bfloat16 or float16, or run under autocast")
     return t.to(weight.dtype)
 
