@@ -171,7 +171,7 @@ def attention_fwd(
                     page_table=page_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if needs_grad:  # the eager refusals a backward would meet, at forward time as in eager
         interface._check_common_features(
-            qv=None, gather_kv_indices=None, learnable_sink=None, num_splits=num_splits, block_sparse_tensors=None,
+            qv=None, gather_kv_indices=None, num_splits=num_splits, block_sparse_tensors=None,
             page_table=page_table, requires_grad=True, score_mod=args["score_mod"], mask_mod=args["mask_mod"],
         )
         if deterministic:

@@ -110,8 +110,8 @@ def test_autograd_runs_the_sm120_backward(monkeypatch, mode, pad):
     monkeypatch.setattr(interface, "device_info", lambda dev: info)
     recorded, seen = {}, {}
 
-    def fake_forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad):
-        recorded.update(bwd_kwargs=dict(bwd_kwargs), requires_grad=requires_grad)
+    def fake_forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink=None, want_lse=None):
+        recorded.update(bwd_kwargs=dict(bwd_kwargs), requires_grad=requires_grad, want_lse=want_lse)
         return torch.zeros_like(q), None
 
     def fake_backward(q, k, v, out, dout, lse, **kw):
@@ -125,13 +125,14 @@ def test_autograd_runs_the_sm120_backward(monkeypatch, mode, pad):
         k = torch.empty(2, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.empty(2, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         flash_attn_sm120.flash_attn_func(q, k, v, causal=True, window_size=(None, -3), softcap=5.0)
-        assert recorded["requires_grad"]
+        assert recorded["requires_grad"] and recorded["want_lse"]  # the LSE is returned for autograd, as upstream
         kw = recorded["bwd_kwargs"]
         kw.pop("_tensors")
-        ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.zeros_like(q), torch.zeros(2, 8, 64, device="cuda")),
-                              bwd_kwargs=kw, return_lse=False)
+        ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.zeros_like(q), torch.zeros(2, 8, 64, device="cuda"), None),
+                              bwd_kwargs=kw, return_lse=False, needs_input_grad=(True, True, True, False))
         grads = interface._Sm120AttnFunc.backward(ctx, torch.zeros_like(q), None)
-    assert len(grads) == 7 and grads[0].shape == q.shape and grads[1].shape == k.shape
+    # one gradient per Function input: q, k, v, the sink (None here), and four non-tensor arguments
+    assert len(grads) == 8 and grads[0].shape == q.shape and grads[1].shape == k.shape and grads[3] is None
     assert seen["emulate_host_smem"] == pad and seen["causal"] is True and seen["softcap"] == 5.0
     assert (seen["window_size_left"], seen["window_size_right"]) == (None, -3)
     assert seen["dlse"] is None

@@ -289,3 +289,13 @@ def test_registered_mod_with_aux_scalars_trains(cpu_reference_ops):
                       backend="aot_eager", fullgraph=True)
     f(x).sum().backward()  # the reference kernel ignores the mod; the structure is what is tested
     assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_real_forward_op_applies_the_eager_refusals_first():
+    """The op's real implementation (no test kernel here): the backward's refusals run before the eager call,
+    and the eager call's own validation names the problem."""
+    q = torch.randn(1, 16, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="paged"):
+        FWD(*_fwd_args(q, q, q, page_table=torch.zeros(1, 1, dtype=torch.int32), needs_grad=True, varlen=True))
+    with pytest.raises(ValueError, match="(?i)cuda"):
+        FWD(*_fwd_args(q, q, q, needs_grad=True))
