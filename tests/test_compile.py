@@ -299,3 +299,10 @@ def test_real_forward_op_applies_the_eager_refusals_first():
         FWD(*_fwd_args(q, q, q, page_table=torch.zeros(1, 1, dtype=torch.int32), needs_grad=True, varlen=True))
     with pytest.raises(ValueError, match="(?i)cuda"):
         FWD(*_fwd_args(q, q, q, needs_grad=True))
+    qv = torch.randn(16, 2, 32, dtype=torch.bfloat16)  # the varlen call is assembled and reaches validation too
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="(?i)cuda"):
+        FWD(*_fwd_args(qv, qv, qv, cu_q=cu, cu_k=cu, varlen=True))
+    with pytest.raises(RuntimeError, match="traced for SM120"):
+        BWD(q, q, q, q, q, torch.zeros(1, 2, 16), None, None, None, None, None, None, None, False, None, None, 0.0,
+            False, None, None)
