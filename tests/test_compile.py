@@ -82,20 +82,35 @@ def test_fake_bwd_matches_input_layouts():
 # ---- full-graph traces on CPU, with a test-scoped reference kernel for the two ops -------------
 
 
+def _attn_any_layout(q, k, v, cu_q, cu_k, sink, **kw):
+    """attention_ref on dense (b, s, h, d) tensors, or per sequence on packed (total, h, d) ones with
+    cu_seqlens (then out (total, h, d), lse (h, total)), as the real op lays them out."""
+    if cu_q is None:
+        return attention_ref(q, k, v, learnable_sink=sink, **kw)
+    outs, lses = [], []
+    for i in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        o, l = attention_ref(q[None, a:b], k[None, c:d], v[None, c:d], learnable_sink=sink, **kw)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
 def _ref_fwd(q, k, v, cu_q, cu_k, sq, sk, pages, sink, aux, aux_values, aux_kinds, scale, causal, wl, wr, softcap,
              num_splits, pack_gqa, deterministic, mq, mk, score_mod, mask_mod, return_lse, want_lse, needs_grad,
              varlen):
-    out, lse = attention_ref(q, k, v, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap,
-                             learnable_sink=sink)
+    out, lse = _attn_any_layout(q, k, v, cu_q, cu_k, sink, causal=causal, window=(wl, wr), softmax_scale=scale,
+                                softcap=softcap)
     lse = lse.contiguous() if want_lse else q.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype).contiguous(), lse
 
 
 def _ref_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, sq, sk, sink, scale, causal, wl, wr, softcap, deterministic,
              mq, mk):
+    """The reference's VJP; it reads cu_seqlens_q/k from their own slots, so a swap in the op's wiring shows."""
     def f(q_, k_, v_, s_):
-        return attention_ref(q_, k_, v_, causal=causal, window=(wl, wr), softmax_scale=scale, softcap=softcap,
-                             learnable_sink=s_)
+        return _attn_any_layout(q_, k_, v_, cu_q, cu_k, s_, causal=causal, window=(wl, wr), softmax_scale=scale,
+                                softcap=softcap)
 
     if sink is None:  # no sink: the same reference without one
         _, vjp = torch.func.vjp(lambda q_, k_, v_: f(q_, k_, v_, None), q, k, v)
@@ -306,3 +321,26 @@ def test_real_forward_op_applies_the_eager_refusals_first():
     with pytest.raises(RuntimeError, match="traced for SM120"):
         BWD(q, q, q, q, q, torch.zeros(1, 2, 16), None, None, None, None, None, None, None, False, None, None, 0.0,
             False, None, None)
+
+
+def test_fullgraph_varlen_backward_keeps_the_index_tensors_in_their_slots(cpu_reference_ops):
+    """cu_seqlens_q and cu_seqlens_k differ here: if the op's saved index tensors were swapped or shifted,
+    the reference backward would see other sequences and the gradients would differ from eager's."""
+    torch.manual_seed(3)
+    q = torch.randn(13, 4, 16, requires_grad=True)
+    k = torch.randn(19, 2, 16, requires_grad=True)
+    v = torch.randn(19, 2, 16, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 5, 13], dtype=torch.int32), torch.tensor([0, 11, 19], dtype=torch.int32)
+
+    def f(q, k, v):
+        out, lse = flash_attn_sm120.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                           max_seqlen_q=8, max_seqlen_k=11, causal=True,
+                                                           return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    loss_c = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    out, lse = _attn_any_layout(q, k, v, cu_q, cu_k, None, causal=True)
+    grads_e = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
