@@ -102,16 +102,13 @@ def traced_call(args: dict, varlen: bool):
     validation.check_scalars(args["softmax_scale"], args["softcap"])
     validation.check_flags(causal=args["causal"], pack_gqa=args["pack_gqa"], return_lse=args["return_lse"],
                            deterministic=args["deterministic"])
-    if isinstance(args["num_splits"], bool) or not isinstance(args["num_splits"], int):
-        raise TypeError(f"num_splits must be an int, got {args['num_splits']!r}")
+    validation.check_num_splits(args["num_splits"])
     left, right = validation.normalize_window(args["window_size"])
     k, v = args["k"], args["v"]
     sink = args.get("learnable_sink")
-    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
-    sink_grad = sink is not None and sink.requires_grad
-    needs_grad = torch.is_grad_enabled() and qkv_grad  # the backward kernels will run: their refusals apply
+    # needs_grad: the dQ/dK/dV backward will run, so its refusals apply (the eager rule)
+    want_lse, _, needs_grad = validation.grad_plan(q, k, v, sink, args["return_lse"])
     return_lse = bool(args["return_lse"])
-    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE (as eager)
     aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(
         q, k, v, *(args.get(n) for n in _TENSORS), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),

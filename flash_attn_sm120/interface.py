@@ -39,8 +39,7 @@ def _check_common_features(
     scheduler_metadata=None, requires_grad=False, deterministic=False, score_mod=None,
     score_mod_bwd=None, mask_mod=None, gather_bwd_recompute_p=False, gather_bwd_token_chunk=None,
 ):
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int, got {num_splits!r}")
+    validation.check_num_splits(num_splits)
     if (qv is None and gather_kv_indices is None and block_sparse_tensors is None
             and scheduler_metadata is None and not requires_grad and not gather_bwd_recompute_p
             and gather_bwd_token_chunk is None):
@@ -175,11 +174,7 @@ def flash_attn_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
-    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
-    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
-    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE
-    requires_grad = torch.is_grad_enabled() and (qkv_grad or sink_grad)  # autograd records
-    bwd_needed = requires_grad and qkv_grad  # the backward kernels run (their refusals apply)
+    want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors or block_sparse_tensors_bwd, requires_grad=bwd_needed,
@@ -273,11 +268,7 @@ def flash_attn_varlen_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
-    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
-    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
-    want_lse = return_lse or qkv_grad or sink_grad  # upstream's rule for returning the LSE
-    requires_grad = torch.is_grad_enabled() and (qkv_grad or sink_grad)  # autograd records
-    bwd_needed = requires_grad and qkv_grad  # the backward kernels run (their refusals apply)
+    want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
         block_sparse_tensors=block_sparse_tensors, page_table=page_table, scheduler_metadata=scheduler_metadata,

@@ -154,6 +154,11 @@ def check_flags(**flags) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def check_num_splits(num_splits) -> None:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int, got {num_splits!r}")
+
+
 def check_scalars(softmax_scale, softcap) -> None:
     if softmax_scale is None and type(softcap) is float and softcap == 0.0:
         return  # the defaults (skips the numbers.Real ABC checks: per-call host time)
@@ -269,3 +274,13 @@ def reject_unsupported(**features) -> None:
                 f"{feature.replace('_', ' ')} is not supported by the SM120 kernels yet"
                 " (upstream FA4 does not support it on SM120 either)"
             )
+
+
+def grad_plan(q, k, v, learnable_sink, return_lse) -> tuple[bool, bool, bool]:
+    """(want_lse, records, bwd_needed): the LSE comes back when asked or when an input requires grad, in
+    any grad mode (upstream's rule); autograd records when grad mode is on and an input requires grad; the
+    dQ/dK/dV backward (and its refusals) only when q, k or v does (a sink alone needs none of it)."""
+    qkv_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    sink_grad = learnable_sink is not None and learnable_sink.requires_grad
+    records = torch.is_grad_enabled() and (qkv_grad or sink_grad)
+    return bool(return_lse) or qkv_grad or sink_grad, records, records and qkv_grad

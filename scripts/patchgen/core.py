@@ -42,6 +42,13 @@ DEFAULT_DECODE_BENCH = ROOT / "configs" / "measurements" / "2026-11-29_decode_em
 AUTHOR_NAME = "flash_attn_sm120"
 AUTHOR_EMAIL = "flash-attn-sm120@users.noreply.github.com"
 FIXED_DATE = "2026-01-01T00:00:00+00:00"
+
+# what the modes of a measurement mean, in the generated config tables (comments) and commit messages
+MODE_COMMENT = ["# mode sm120: a real SM120 GPU; mode emulated: SM120 kernels on a bigger GPU with each CTA's",
+                "# shared memory padded so that no more CTAs are resident per SM than on SM120."]
+EMULATED_NOTE = ("Mode emulated: an sm_90a GPU with each CTA's shared memory padded so that no more CTAs are "
+                 "resident per SM than on SM120. The speedup is the evidence; the absolute numbers are not SM120 "
+                 "numbers")  # each message ends the sentence with what else emulation cannot show
 CUTE = "flash_attn/cute"
 
 

@@ -28,6 +28,8 @@ from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
 
 from patchgen.core import (
     CUTE,
+    EMULATED_NOTE,
+    MODE_COMMENT,
     ROOT,
     UPSTREAM_DISTRIBUTION,
     AnchorError,
@@ -269,8 +271,7 @@ def _table_literal(table) -> str:
     head = ["# The measured SM120 backward configs, one per (head-dim bucket, mask kind).", "#"]
     if table:
         head += ["# Measured with:"] + [f"#   {c}" for c in commands]
-        head += ["# mode sm120: a real SM120 GPU; mode emulated: SM120 kernels on a bigger GPU with each CTA's",
-                 "# shared memory padded so that no more CTAs are resident per SM than on SM120."]
+        head += MODE_COMMENT
     else:
         lines = [lines[0] + ")"]
     return "\n".join(head + lines) + "\n"
@@ -534,11 +535,7 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
                 f"{det_bench['mode']}, {det_bench['date'][:10]}) it runs at {dv['geomean']:.2f}x the table's speed "
                 f"(geometric mean; lowest {dv['min']:.2f}x), the waiting CTA being the whole CTA.")
         if "emulated" in modes:
-            measured.append(
-                "Mode emulated: an sm_90a GPU with each CTA's shared memory padded so that no more CTAs are "
-                "resident per SM than on SM120. The speedup is the evidence; the absolute numbers are not SM120 "
-                "numbers."
-            )
+            measured.append(EMULATED_NOTE + ".")
         measured += ["Table commands:", "\n".join(f"  {c}" for c in sorted({str(e.provenance['command']) for e in table}))]
     n_sm_rule = inspect.getsource(pkg_driver_bwd._all_n_blocks_resident)  # the rule the adapter restates
     if "num_sms" not in n_sm_rule or "varlen_k" not in n_sm_rule:

@@ -18,6 +18,7 @@ from flash_attn_sm120.kernels import fwd_cpasync as pkg_fwd_cpasync
 
 from patchgen.core import (
     CUTE,
+    MODE_COMMENT,
     UPSTREAM_DISTRIBUTION,
     AnchorError,
     Context,
@@ -141,8 +142,7 @@ def _table_literal(ctx: Context) -> tuple[str, list]:
     head = ["# The measured SM120 forward configs, one per (head-dim bucket, mask kind).", "#"]
     if kept:
         head += ["# Measured with (from the flash_attn_sm120 project):"] + [f"#   {c}" for c in commands]
-        head += ["# mode sm120: a real SM120 GPU; mode emulated: SM120 kernels on a bigger GPU with each CTA's",
-                 "# shared memory padded so that no more CTAs are resident per SM than on SM120."]
+        head += MODE_COMMENT
     else:
         head += ["# Empty: every problem gets SM120's choice before this table (sm120_default_fwd_config, or",
                  "# the first fallback that fits where that one does not)."]

@@ -18,6 +18,7 @@ from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
 
 from patchgen.core import (
     CUTE,
+    EMULATED_NOTE,
     UPSTREAM_DISTRIBUTION,
     Context,
     _node_lines,
@@ -282,11 +283,7 @@ def step_sm120_tma(ctx: Context) -> str:
             measurement_table(ctx, entries),
         ]
         if "emulated" in modes:
-            measured.append(
-                "Mode emulated: an sm_90a GPU with each CTA's shared memory padded so that no more CTAs are "
-                "resident per SM than on SM120. The speedup is the evidence; the absolute numbers are not SM120 "
-                "numbers, and an SM120-only hang (cutlass #3189) cannot show there."
-            )
+            measured.append(EMULATED_NOTE + ", and an SM120-only hang (cutlass #3189) cannot show there.")
         measured += ["Commands:", "\n".join(f"  {c}" for c in sorted({str(e.provenance['command']) for e in entries}))]
     return commit_message(
         "[Cute,Sm120] TMA forward family: a producer warpgroup feeding 8 mma.sync warps",
