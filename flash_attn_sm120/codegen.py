@@ -417,21 +417,33 @@ def compile_bwd_cubin(
     kernel_out: Optional[list] = None,
     deterministic: bool = False,
     dq_descending: bool = False,
+    mods=None,
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
-    deterministic adds the ordering semaphores (int32, batch x heads x blocks)."""
+    deterministic adds the ordering semaphores (int32, batch x heads x blocks). mods: a driver_bwd.Mods
+    (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step."""
     import cutlass
     from flash_attn.cute.interface import make_fake_bwd_tensors
+    from flash_attn.cute.utils import AuxData
 
     from flash_attn_sm120.driver_bwd import compile_kernel as compile_bwd_kernel
+    from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
     from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
-    kernel = FlashAttentionBackwardSm120Tuned(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config,
-                                              is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem,
-                                              deterministic=deterministic, dq_descending=dq_descending)
+    common = dict(is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem,
+                  deterministic=deterministic, dq_descending=dq_descending)
+    aux = AuxData(None, None)
+    if mods is None:
+        kernel = FlashAttentionBackwardSm120Tuned(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, **common)
+    else:
+        kernel = FlashAttentionBackwardSm120Mods(
+            cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, score_mod=mods.score_mod,
+            score_mod_bwd=mods.score_mod_bwd, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None,
+            **common)
+        aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
@@ -447,7 +459,7 @@ def compile_bwd_cubin(
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
             None, None, None, None, window, window, *sems,
-            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", aux=aux,
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

@@ -17,7 +17,8 @@ Python callables cannot be custom-op arguments. A `score_mod` / `mask_mod` regis
 `aux_scalars` as op arguments; an empty list means none); a `learnable_sink` is an op argument too
 (its gradient comes back from the backward op). An unregistered callable, a tensor `max_seqlen_*` or
 an unsupported feature (`qv`, block sparsity, ...) takes a documented graph break: the eager function
-runs outside the graph (`fullgraph=True` raises).
+runs outside the graph (`fullgraph=True` raises). So does a call with a modifier or aux tensors whose
+backward will run: the backward op carries no modifiers, and the eager backward applies them.
 Eager calls never come here: the per-call host path is unchanged.
 """
 
@@ -108,6 +109,9 @@ def traced_call(args: dict, varlen: bool):
     sink = args.get("learnable_sink")
     # needs_grad: the dQ/dK/dV backward will run, so its refusals apply (the eager rule)
     want_lse, _, needs_grad = validation.grad_plan(q, k, v, sink, args["return_lse"])
+    if needs_grad and (any(m is not None for m in mods) or args.get("aux_tensors")):
+        # the backward op carries no modifiers: a modifier's backward runs eagerly (a graph break)
+        return _eager_graph_break(args, varlen)
     return_lse = bool(args["return_lse"])
     aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(

@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.cache_utils import JITCache
-from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, to_cute_tensor
+from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
 from flash_attn.cute.interface import (
     _bwd_postprocess_convert,
     _bwd_preprocess,
@@ -42,6 +42,7 @@ from flash_attn.cute.utils import AuxData
 from flash_attn_sm120 import driver, occupancy
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.driver import compile_verified, quiet_compile
+from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 
@@ -75,12 +76,23 @@ class BwdStatics:
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
     deterministic: bool = False
     dq_descending: bool = False  # deterministic dQ turn order (kernels/bwd_deterministic.py)
+    # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
+    score_mod_hash: object = False
+    score_mod_bwd_hash: object = False
+    mask_mod_hash: object = False
+    aux_metadata: object = None
+    aux_scalar_kinds: Optional[tuple] = None
+
+    @property
+    def has_mods(self) -> bool:
+        return bool(self.score_mod_hash or self.score_mod_bwd_hash or self.mask_mod_hash)
 
     @property
     def describe(self) -> str:
         flags = [f for f, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap),
                                   ("varlen", self.has_cu_seqlens_q or self.has_cu_seqlens_k),
-                                  ("deterministic", self.deterministic)) if on]
+                                  ("deterministic", self.deterministic), ("score_mod", self.score_mod_hash),
+                                  ("mask_mod", self.mask_mod_hash)) if on]
         return (f"{self.config.name} d={self.head_dim}/{self.head_dim_v} {self.dtype} "
                 f"qhead_per_kvhead={self.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
 
@@ -115,37 +127,80 @@ def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, con
     return config
 
 
-def make_kernel(statics: BwdStatics, host) -> FlashAttentionBackwardSm120Tuned:
-    score_mod = score_mod_bwd = None
-    if statics.softcap:
-        score_mod = fa_utils.create_softcap_scoremod(statics.softcap)
-        score_mod_bwd = fa_utils.create_softcap_scoremod_bwd(statics.softcap)
-    return FlashAttentionBackwardSm120Tuned(
-        _TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
-        statics.qhead_per_kvhead, statics.config, is_causal=statics.causal, is_local=statics.local,
-        score_mod=score_mod, score_mod_bwd=score_mod_bwd, emulate_host_smem=host,
-        deterministic=statics.deterministic, dq_descending=statics.dq_descending,
-    )
+@dataclass(frozen=True)
+class Mods:
+    """A call's FlexAttention-style modifiers (upstream's meanings); softcap is folded into score_mod."""
+
+    score_mod: Optional[object] = None
+    score_mod_bwd: Optional[object] = None
+    mask_mod: Optional[object] = None
+    aux_tensors: Optional[tuple] = None
+    aux_scalars: Optional[tuple] = None
+    from_softcap: bool = False  # score_mod / score_mod_bwd are upstream's softcap pair (index-free)
+
+    @property
+    def user(self) -> bool:
+        """Whether they need the modifier step (kernels/bwd_mods.py): a user's callable or aux data;
+        softcap alone runs upstream's step, which applies it."""
+        user_score = not self.from_softcap and (self.score_mod is not None or self.score_mod_bwd is not None)
+        return user_score or self.mask_mod is not None or self.aux_tensors is not None
+
+
+def resolve_mods(softcap: float, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars) -> Mods:
+    """Upstream's rules: softcap excludes score_mod/score_mod_bwd and becomes its own pair; a score_mod
+    needs its score_mod_bwd (the backward cannot differentiate a CuTe callable)."""
+    if softcap:
+        if score_mod is not None or score_mod_bwd is not None:
+            raise ValueError("softcap and score_mod/score_mod_bwd cannot be used together")
+        score_mod = fa_utils.create_softcap_scoremod(softcap)
+        score_mod_bwd = fa_utils.create_softcap_scoremod_bwd(softcap)
+    elif score_mod is not None and score_mod_bwd is None:
+        raise ValueError("score_mod_bwd is required for the backward of a call with a score_mod (upstream's rule): "
+                         "pass score_mod_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) "
+                         "returning d(loss)/d(score) from d(loss)/d(score_mod(score))")
+    aux_tensors = tuple(aux_tensors) if aux_tensors else None
+    return Mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, tuple(aux_scalars) if aux_scalars else None,
+                from_softcap=bool(softcap))
+
+
+def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> FlashAttentionBackwardSm120Tuned:
+    """The main kernel of `statics`: upstream's step (softcap included) or, with user modifiers or aux
+    data, the modifier step that sees each element's indices (kernels/bwd_mods.py)."""
+    if mods is None:
+        mods = resolve_mods(statics.softcap, None, None, None, None, None)
+    common = dict(is_causal=statics.causal, is_local=statics.local, score_mod=mods.score_mod,
+                  score_mod_bwd=mods.score_mod_bwd, emulate_host_smem=host, deterministic=statics.deterministic,
+                  dq_descending=statics.dq_descending)
+    args = (_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
+            statics.qhead_per_kvhead, statics.config)
+    if mods.user:
+        return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
+                                               has_aux_tensors=mods.aux_tensors is not None, **common)
+    return FlashAttentionBackwardSm120Tuned(*args, **common)
 
 
 def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,
-                   window_left, window_right, dq_sem=None, dkv_sem=None, options: str = ""):
+                   window_left, window_right, dq_sem=None, dkv_sem=None, options: str = "",
+                   aux: AuxData = AuxData(None, None)):
     """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes).
-    dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots)."""
+    dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots); aux: the
+    modifiers' aux tensors (cute tensors) and scalars."""
     return quiet_compile(
         kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
         window_left, window_right,
         dq_sem, dkv_sem, None,  # dQ / dK / dV semaphores (deterministic ordering; dK's serves dV too)
-        AuxData(None, None), None,  # aux data, block sparsity
+        aux, None,  # aux data, block sparsity
         None,  # varlen tile-count hint
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=("--enable-tvm-ffi " + options).strip(),
     )
 
 
-def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int]) -> None:
-    """NotImplementedError for what the deterministic backward does not cover (sliding windows)."""
-    if _resolve_causal_local_window(causal, window_size_left, window_size_right)[1]:
+def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int],
+                        mask_mod=None) -> None:
+    """NotImplementedError for what the deterministic backward does not cover (sliding windows; a
+    mask_mod replaces the window, as upstream resolves it)."""
+    if _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)[1]:
         raise NotImplementedError("deterministic=True with a sliding window (local attention) is not supported by "
                                   "the SM120 backward yet; causal and full attention are")
 
@@ -180,18 +235,25 @@ def backward(
     dq: Optional[torch.Tensor] = None,
     dk: Optional[torch.Tensor] = None,
     dv: Optional[torch.Tensor] = None,
+    score_mod=None,
+    score_mod_bwd=None,
+    mask_mod=None,
+    aux_tensors: Optional[list] = None,
+    aux_scalars: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of validated forward inputs on this package's SM120 backward.
 
     Shapes as upstream: q (b, sq, h, d) or varlen (total_q, h, d) with cu_seqlens_q; lse (b, h, sq) or
     (h, total_q); dlse like lse (the LSE's own gradient, or None). dq/dk/dv: buffers to write (shaped
-    like q/k/v, last dim contiguous), else new ones.
+    like q/k/v, last dim contiguous), else new ones. score_mod / score_mod_bwd / mask_mod / aux_tensors /
+    aux_scalars: the forward's modifiers, upstream's meanings (kernels/bwd_mods.py).
     """
+    mods = resolve_mods(float(softcap or 0.0), score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars)
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
-        causal, window_size_left, window_size_right
+        causal, window_size_left, window_size_right, mask_mod
     )
     if deterministic:
-        check_deterministic(causal, window_size_left, window_size_right)
+        check_deterministic(causal, window_size_left, window_size_right, mask_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
                   for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))
@@ -218,6 +280,9 @@ def backward(
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         dq_descending=bool(deterministic) and causal and _all_n_blocks_resident(q.device, seqlen_k, cfg, varlen_k),
+        score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
+        aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
+        aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
     )
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
@@ -233,9 +298,10 @@ def backward(
     index = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None)
     if statics not in _verified_keys:
-        _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device)
+        _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods)
+    aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
-                            *sems, None, AuxData(None, None), None, None)
+                            *sems, None, aux, None, None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
     _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
                              head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
@@ -244,6 +310,10 @@ def backward(
             _bwd_postprocess_convert(accum, grad, scale, cu_seqlens_k, seqused_k, POSTPROCESS_ARCH, cute_dtype, d,
                                      cfg.n_block, cfg.num_threads, cfg.atom_n_dkv, cfg.dkv_swapab, **post)
     return dq, dk, dv
+
+
+def _hash(fn) -> object:
+    return fa_utils.hash_callable(fn) if fn is not None else False
 
 
 def _checked_grad(name: str, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -306,15 +376,20 @@ def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: 
     return dq_sem, dkv_sem
 
 
-def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device) -> None:
+def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device,
+                     mods: Optional[Mods] = None) -> None:
     """Compile and occupancy-check the main kernel of `statics`, once per process."""
     cute_tensors = [to_cute_tensor(t) for t in tensors]
     cute_index = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in index]
     cute_sems = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in sems]
+    aux = AuxData(None, None)
+    if mods is not None and (mods.aux_tensors or mods.aux_scalars):
+        aux = AuxData([to_cute_aux_tensor(t) for t in mods.aux_tensors] if mods.aux_tensors else None,
+                      mods.aux_scalars)
     _compile_cache[statics] = compile_verified(
-        lambda host: make_kernel(replace(statics, emulate_host_smem=host), host),
+        lambda host: make_kernel(replace(statics, emulate_host_smem=host), host, mods),
         lambda kernel, options: compile_kernel(kernel, *cute_tensors, *cute_index, window_left, window_right,
-                                               *cute_sems, options=options),
+                                               *cute_sems, options=options, aux=aux),
         statics.emulate_host_smem, device, statics.describe,
     )
     compile_count["bwd"] += 1

@@ -52,11 +52,7 @@ def _check_common_features(
         scheduler_metadata=scheduler_metadata is not None,
     )
     if requires_grad:
-        validation.reject_unsupported(
-            score_mod_backward=score_mod is not None or score_mod_bwd is not None,
-            mask_mod_backward=mask_mod is not None,
-            paged_KV_backward=page_table is not None,
-        )
+        validation.reject_unsupported(paged_KV_backward=page_table is not None)
 
 
 def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
@@ -107,8 +103,7 @@ class _Sm120AttnFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, learnable_sink, *index = ctx.saved_tensors
         kw = dict(ctx.bwd_kwargs)
-        names = kw.pop("_tensor_names")
-        kw.update(zip(names, index))
+        kw = _restore_saved(kw, kw.pop("_tensor_names"), index)
         if dout is None:
             dout = torch.zeros_like(out)
         dlse = dlse if ctx.return_lse else None
@@ -186,13 +181,13 @@ def flash_attn_func(
         softcap=softcap, pack_gqa=pack_gqa, emulate_host_smem=target[0], score_mod=score_mod,
         mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, num_splits=num_splits,
     )
-    bwd_kwargs = dict(
-        softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, _tensors=(),
-        _tensor_names=(),
+    bwd_kwargs = _bwd_kwargs(
+        dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
+             window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic),
+        {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     )
     if bwd_needed and deterministic:
-        driver_bwd.check_deterministic(causal, left, right)
+        driver_bwd.check_deterministic(causal, left, right, mask_mod)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
@@ -284,14 +279,40 @@ def flash_attn_varlen_func(
         mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, page_table=page_table,
         num_splits=num_splits, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **index,
     )
-    bwd_kwargs = dict(
-        softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-        window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, _tensors=tuple(present.values()), _tensor_names=tuple(present),
+    bwd_kwargs = _bwd_kwargs(
+        dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
+             window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic,
+             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
+        present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     )
     if bwd_needed and deterministic:
-        driver_bwd.check_deterministic(causal, left, right)
+        driver_bwd.check_deterministic(causal, left, right, mask_mod)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
+
+
+_AUX = "aux_tensors#"  # saved-tensor names of the aux tensors, in order
+
+
+def _bwd_kwargs(scalars: dict, index: dict, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars) -> dict:
+    """driver_bwd.backward's keywords as the autograd Function keeps them: tensors (varlen index, aux)
+    go through save_for_backward (`_tensors`, named by `_tensor_names`), the rest as they are."""
+    tensors = dict(index)
+    tensors.update({f"{_AUX}{i}": t for i, t in enumerate(aux_tensors or ())})
+    mods = dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
+                aux_scalars=tuple(aux_scalars) if aux_scalars else None)
+    return dict(scalars, **mods, _tensors=tuple(tensors.values()), _tensor_names=tuple(tensors))
+
+
+def _restore_saved(kw: dict, names, tensors) -> dict:
+    """The inverse of _bwd_kwargs' split: index tensors by name, aux tensors back into one list."""
+    aux = []
+    for name, t in zip(names, tensors):
+        if name.startswith(_AUX):
+            aux.append(t)
+        else:
+            kw[name] = t
+    kw["aux_tensors"] = aux or None
+    return kw
 
 
 def _locals_without_target(scope: dict) -> dict:

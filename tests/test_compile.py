@@ -293,17 +293,27 @@ def test_traced_call_checks_flags_like_eager(cpu_reference_ops, bad, match):
         f(q)
 
 
-def test_registered_mod_with_aux_scalars_trains(cpu_reference_ops):
+def test_aux_scalars_keep_the_gradient_structure_in_training(cpu_reference_ops):
     """aux_scalars travel as plain lists; their gradient slots must match torch's input structure."""
+    x = torch.randn(1, 16, 2, 32, requires_grad=True)
+    f = torch.compile(lambda x: flash_attn_sm120.flash_attn_func(x, x, x, aux_scalars=(2, 0.5))[0],
+                      backend="aot_eager", fullgraph=True)
+    f(x).sum().backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_training_with_a_registered_mod_breaks_the_graph(cpu_reference_ops):
+    """The backward op carries no modifiers: a call with one whose backward will run goes to the eager
+    function outside the graph (fullgraph=True raises); without grad it stays one op."""
     def scaled(score, b, h, q_idx, kv_idx, aux_tensors):
         return score
 
     flash_attn_sm120.register_mod(scaled, "test_scaled")
-    x = torch.randn(1, 16, 2, 32, requires_grad=True)
-    f = torch.compile(lambda x: flash_attn_sm120.flash_attn_func(x, x, x, score_mod=scaled, aux_scalars=(2, 0.5))[0],
-                      backend="aot_eager", fullgraph=True)
-    f(x).sum().backward()  # the reference kernel ignores the mod; the structure is what is tested
-    assert x.grad is not None and x.grad.isfinite().all()
+    call = lambda x: flash_attn_sm120.flash_attn_func(x, x, x, score_mod=scaled, aux_scalars=(2, 0.5))[0]  # noqa
+    x = torch.randn(1, 16, 2, 32)
+    torch.compile(call, backend="aot_eager", fullgraph=True)(x)  # inference: no graph break
+    with pytest.raises(Exception, match="(?i)skip|disable|graph break|unsupported"):
+        torch.compile(call, backend="aot_eager", fullgraph=True)(x.requires_grad_())
 
 
 def test_real_forward_op_applies_the_eager_refusals_first():

@@ -266,11 +266,9 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
     def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
         ordered = mask_fn  # upstream's partial(AttentionMask.apply_mask, n_block=..., ...): the CTA's indices
-        # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
-        if mask_fn is not None and self.sdp_warps_along_n > 1:
-            mask_fn = bwd_mask.layout_free(mask_fn)
+        mask_fn = self._mask_for_layout(mask_fn)
         if not self.deterministic:
-            return super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+            return self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         sems = kwargs["aux_data"].tensors
         self._dkv_semaphore = sems[-1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
         dq_sem = sems[-2] if self.qhead_per_kvhead > 1 else sems[-1]
@@ -290,8 +288,18 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
         kwargs[name] = load_after_turn
         bwd_deterministic.acquire_if(m_block + ahead >= kwargs["m_block_max"], flag, turn)
-        super().compute_one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         bwd_deterministic.release(flag)
+
+    def _mask_for_layout(self, mask_fn):
+        # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
+        if mask_fn is not None and self.sdp_warps_along_n > 1:
+            return bwd_mask.layout_free(mask_fn)
+        return mask_fn
+
+    def _one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
+        """One m_block's recompute and three products: upstream's step (kernels/bwd_mods.py has its own)."""
+        return FlashAttentionBackwardSm120.compute_one_m_block(self, m_block, *args, mask_fn=mask_fn, **kwargs)
 
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV, tiled_mma,
                  tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v):

@@ -1,0 +1,246 @@
+"""SM120 backward with FlexAttention-style modifiers: score_mod / score_mod_bwd / mask_mod, aux data.
+
+Why this exists: upstream's SM80/SM120 backward step calls `score_mod` and `score_mod_bwd` with
+batch, head, q_idx and kv_idx all 0 and never applies `mask_mod`, so any modifier that depends on
+a position or on aux tensors indexed by one (ALiBi, relative bias, document masks, prefix-LM) gets
+wrong gradients there. Upstream's SM90/SM100 backwards pass the real indices. This module gives the
+SM120 backward the same meaning.
+
+Algorithm, per m_block of one CTA's n_block (FlashAttention-2's backward, as bwd_sm120.py):
+
+    S     = Q K^T                                            (fp32 accumulators, mma.sync)
+    S'    = score_mod(scale * S, b, h, q_idx, kv_idx)        (or scale * S without one)
+    S'    = -inf where mask_mod(b, h, q_idx, kv_idx) is False, or outside the sequences
+            (without a mask_mod: upstream's causal / local / seqlen rule, bwd_mask.py)
+    P     = exp2(S' * log2(e) - LSE_log2)                    (S' * scale * log2(e) without score_mod)
+    dP    = dO V^T
+    dS'   = P * (dP - dPsum)
+    dS    = score_mod_bwd(dS', scale * S, b, h, q_idx, kv_idx)   (dL/d(scale * S); the postprocess
+                                                                  multiplies dQ and dK by scale)
+    dV += P^T dO,  dK += dS^T Q,  dQ += dS K  (atomics into the fp32 accumulator)
+
+Every element's (q_idx, kv_idx) comes from `thr_mma.partition_C` of an identity tensor offset by the
+tile's origin, so it is right for any warp layout of the S/dP product. Indices are sequence-local
+(varlen included), the head is the query head (the backward never packs GQA), and with aux tensors
+the indices a modifier sees are wrapped into the sequence (as upstream's SM90 backward does) so
+that padded rows and columns never read outside an aux tensor; those positions are masked anyway.
+The modifier application is upstream's (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,
+`call_mask_mod`, by import). The rest of the step (loads, products, shared-memory hand-offs) is
+this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits
+(S/dP and dK/dV never swapped, so P and dS always go through shared memory).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute import FastDivmodDivisorV2
+from flash_attn.cute import ampere_helpers as sm80_utils
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.mask import call_mask_mod
+from flash_attn.cute.softmax import apply_score_mod_bwd_inner, apply_score_mod_inner
+from flash_attn.cute.utils import AuxData
+from quack import layout_utils
+
+from flash_attn_sm120.kernels import bwd_mask
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+
+
+def mod_vec_size(score_mod: Optional[Callable], has_aux_tensors: bool) -> int:
+    """Elements per score_mod call: the callable's `__vec_size__`, else upstream's SM80 forward rule
+    (1 with aux tensors, whose reads are per element, else 2)."""
+    if score_mod is None:
+        return 1
+    return getattr(score_mod, "__vec_size__", 1 if has_aux_tensors else 2)
+
+
+class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
+    """FlashAttentionBackwardSm120Tuned whose m_block step applies score_mod, score_mod_bwd and mask_mod
+    at each element's real (batch, head, q_idx, kv_idx). Same configs, padding, deterministic order."""
+
+    def __init__(self, *args, mask_mod=None, has_aux_tensors: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.config.sdp_swapab or self.config.dkv_swapab:  # bwd_config_error refuses these already
+            raise ValueError("the modifier backward needs unswapped S/dP and dK/dV products")
+        self.mask_mod = mask_mod
+        self.has_aux_tensors = has_aux_tensors
+        self.score_vec_size = mod_vec_size(self.score_mod, has_aux_tensors)
+        self.score_bwd_vec_size = mod_vec_size(self.score_mod_bwd, has_aux_tensors)
+        for name, vec in (("score_mod", self.score_vec_size), ("score_mod_bwd", self.score_bwd_vec_size)):
+            if vec not in (1, 2):
+                raise ValueError(f"{name} __vec_size__={vec}: the SM120 backward takes 1 or 2")
+        if getattr(mask_mod, "__vec_size__", 1) != 1:
+            raise ValueError("mask_mod __vec_size__ must be 1 on the SM120 backward")
+
+    def _mask_for_layout(self, mask_fn):
+        return mask_fn  # this step masks per element itself, from the partial's indices
+
+    @cute.jit
+    def _one_m_block(
+        self,
+        m_block: Int32,
+        smem_pipe_read_q: Int32,
+        smem_pipe_read_do: Int32,
+        smem_pipe_write_q: Int32,
+        smem_pipe_write_do: Int32,
+        mma_params,
+        smem_copy_params,
+        gmem_copy_params,
+        load_Q_LSE: Callable,
+        load_dO_dPsum: Callable,
+        m_block_max: Int32,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        aux_data: AuxData = AuxData(),
+        mask_fn: Optional[Callable] = None,
+    ):
+        # upstream's mask partial carries the CTA's indices and the sequence's lengths
+        mask = mask_fn.func.__self__
+        n_block = mask_fn.keywords["n_block"]
+        batch_idx = mask_fn.keywords["batch_idx"]
+        head_idx = mask_fn.keywords["head_idx"]
+        seqlen = mask.seqlen_info
+        thr_mma = mma_params.thr_mma_sdp
+        q_stage = smem_pipe_read_q if const_expr(self.num_stages_Q > 1) else 0
+        do_stage = smem_pipe_read_do if const_expr(self.num_stages_dO > 1) else 0
+
+        def load_Q_next():
+            m_block_next = m_block + (self.num_stages_Q - 1 if const_expr(self.num_stages_Q > 1) else 1)
+            if m_block_next < m_block_max:
+                load_Q_LSE(m_block_next, smem_pipe_write_q)
+            cute.arch.cp_async_commit_group()
+
+        def load_dO_next():
+            if m_block + self.num_stages_dO < m_block_max:
+                load_dO_dPsum(m_block + self.num_stages_dO, smem_pipe_write_do)
+            cute.arch.cp_async_commit_group()
+
+        tile = (self.m_block_size, self.n_block_size)
+        tScS = thr_mma.partition_C(cute.domain_offset((m_block * tile[0], n_block * tile[1]),
+                                                      cute.make_identity_tensor(tile)))
+        fastdiv = None
+        if const_expr(aux_data.tensors is not None):
+            fastdiv = (FastDivmodDivisorV2(seqlen.seqlen_q), FastDivmodDivisorV2(seqlen.seqlen_k))
+
+        # S = Q K^T
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
+        acc_S.fill(0.0)
+        cute.arch.cp_async_wait_group(1 if const_expr(self.num_stages_Q > 1) else 0)
+        cute.arch.barrier()
+        sm80_utils.gemm(
+            thr_mma, acc_S, mma_params.tSrQ, mma_params.tSrK, smem_copy_params.tSsQ[None, None, None, q_stage],
+            smem_copy_params.tSsK, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
+        )
+        acc_S_pre = None
+        if const_expr(self.score_mod_bwd is not None):
+            acc_S_pre = cute.make_fragment_like(acc_S)
+            acc_S_pre.store(acc_S.load())
+        if const_expr(self.score_mod is not None):
+            apply_score_mod_inner(
+                acc_S, tScS, self.score_mod, batch_idx, head_idx, softmax_scale, self.score_vec_size, Float32,
+                aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1,
+            )
+        if const_expr(self.mask_mod is not None):
+            self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv)
+        else:
+            bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
+                                           mask_causal=self.is_causal, mask_local=self.is_local)
+
+        # P = exp2(S' * scale_log2 - LSE_log2)
+        tLSErLSE = cute.make_fragment_like(smem_copy_params.tSsLSEMma[None, 0])
+        cute.autovec_copy(smem_copy_params.tSsLSEMma[None, q_stage], tLSErLSE)
+        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        for r in cutlass.range(cute.size(acc_S_mn, mode=[0]), unroll_full=True):
+            acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * softmax_scale_log2 - tLSErLSE[r],
+                                                   fastmath=True))
+
+        # dP = dO V^T;  dS' = P (dP - dPsum);  dS = score_mod_bwd(dS', scale S)
+        acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
+        acc_dP.fill(0.0)
+        cute.arch.cp_async_wait_group(1 if const_expr(self.num_stages_dO > 1) else 0)
+        cute.arch.barrier()
+        sm80_utils.gemm(
+            thr_mma, acc_dP, mma_params.tdPrdO, mma_params.tdPrV, smem_copy_params.tdPsdO[None, None, None, do_stage],
+            smem_copy_params.tdPsV, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
+            hook_fn=load_Q_next if const_expr(self.num_stages_Q > 1) else None,
+        )
+        tLSErdPsum = cute.make_fragment_like(smem_copy_params.tSsdPsumMma[None, 0])
+        cute.autovec_copy(smem_copy_params.tSsdPsumMma[None, do_stage], tLSErdPsum)
+        acc_dP_mn = layout_utils.reshape_acc_to_mn(acc_dP)
+        for r in cutlass.range(cute.size(acc_dP_mn, mode=[0]), unroll_full=True):
+            acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - tLSErdPsum[r]))
+        if const_expr(self.score_mod_bwd is not None):
+            apply_score_mod_bwd_inner(
+                acc_dP, acc_S_pre, tScS, self.score_mod_bwd, batch_idx, head_idx, softmax_scale,
+                self.score_bwd_vec_size, Float32, aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1,
+            )
+
+        # P and dS to shared memory (the dK/dV and dQ products read them in another operand layout)
+        r2s = smem_copy_params.r2s_thr_copy_PdS
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        cute.copy(r2s, r2s.retile(rP), smem_copy_params.tPsP)
+        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        cute.arch.barrier()  # P is written
+        cute.copy(r2s, r2s.retile(rdS), smem_copy_params.tdSsdS)
+
+        # dV += P^T dO
+        sm80_utils.gemm(
+            mma_params.thr_mma_dkv, mma_params.acc_dV, mma_params.tdVrP, mma_params.tdVrdO, smem_copy_params.tdVsPt,
+            smem_copy_params.tdVsdOt[None, None, None, do_stage], smem_copy_params.smem_thr_copy_PdSt,
+            smem_copy_params.smem_thr_copy_QdOt,
+        )
+        cute.arch.barrier()  # dS is written
+        # with one Q stage, dK goes first so that the next Q load can start under the dQ product
+        if const_expr(self.num_stages_Q > 1):
+            self._dq_product(m_block, mma_params, smem_copy_params, gmem_copy_params, load_dO_next)
+        sm80_utils.gemm(
+            mma_params.thr_mma_dkv, mma_params.acc_dK, mma_params.tdKrdS, mma_params.tdKrQ, smem_copy_params.tdKsdSt,
+            smem_copy_params.tdKsQt[None, None, None, q_stage], smem_copy_params.smem_thr_copy_PdSt,
+            smem_copy_params.smem_thr_copy_QdOt, hook_fn=load_dO_next if const_expr(self.num_stages_Q == 1) else None,
+        )
+        if const_expr(self.num_stages_Q == 1):
+            cute.arch.barrier()
+            self._dq_product(m_block, mma_params, smem_copy_params, gmem_copy_params, load_Q_next)
+
+    @cute.jit
+    def _dq_product(self, m_block: Int32, mma_params, smem_copy_params, gmem_copy_params, hook_fn: Callable):
+        """dQ_accum[m_block] += dS K, added with fp32 atomics (in turn order when deterministic)."""
+        shape = (self.head_dim_padded, self.m_block_size) if const_expr(self.dQ_swapAB) else (
+            self.m_block_size, self.head_dim_padded)
+        acc_dQ = cute.make_rmem_tensor(mma_params.thr_mma_dq.partition_shape_C(shape), Float32)
+        acc_dQ.fill(0.0)
+        sm80_utils.gemm(
+            mma_params.thr_mma_dq, acc_dQ, mma_params.tdQrdS, mma_params.tdQrK, smem_copy_params.tdQsdS,
+            smem_copy_params.tdQsKt, smem_copy_params.smem_thr_copy_dS, smem_copy_params.smem_thr_copy_Kt,
+            swap_AB=self.dQ_swapAB, hook_fn=hook_fn,
+        )
+        acc_dQ_atomic = gmem_copy_params.gmem_thr_copy_dQaccum.retile(acc_dQ)
+        tdQgdQaccum = gmem_copy_params.tdQgdQaccum[None, None, m_block]
+        for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
+            fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))
+
+    @cute.jit
+    def _apply_mask_mod(self, acc_S: cute.Tensor, tScS: cute.Tensor, batch_idx: Int32, head_idx: Int32, seqlen,
+                        aux_data: AuxData, fastdiv):
+        """-inf where mask_mod says False or the element lies outside the sequences (upstream's
+        mask_mod semantics: it replaces causal/local, and the sequence bounds still apply)."""
+        batch_ssa = fa_utils.scalar_to_ssa(batch_idx, Int32)
+        head_ssa = fa_utils.scalar_to_ssa(head_idx, Int32)
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            row = tScS[i][0]
+            col = tScS[i][1]
+            q_for_mod = row
+            kv_for_mod = col
+            if const_expr(fastdiv is not None):
+                _, q_for_mod = divmod(row, fastdiv[0])
+                _, kv_for_mod = divmod(col, fastdiv[1])
+            keep = call_mask_mod(self.mask_mod, batch_ssa, head_ssa, fa_utils.scalar_to_ssa(q_for_mod, Int32),
+                                 fa_utils.scalar_to_ssa(kv_for_mod, Int32), seqlen, aux_data)
+            kept = acc_S[i] if cutlass.Boolean(fa_utils.ssa_to_scalar(keep)) else -Float32.inf
+            outside = row >= seqlen.seqlen_q or col >= seqlen.seqlen_k
+            acc_S[i] = -Float32.inf if outside else kept
