@@ -129,12 +129,18 @@ _KINDS = {bool: 2, int: 1, float: 0}
 
 
 def _encode_scalars(scalars: Optional[Sequence]) -> tuple[list[float], list[int]]:
+    """(values, kinds) of Python or CuTe (Int32, Float32, Boolean) scalars; the eager call turns them
+    back into the same CuTe types (validation.normalize_aux_scalars)."""
+    import cutlass
+
+    cute_kinds = {cutlass.Boolean: 2, cutlass.Int32: 1, cutlass.Float32: 0}
     values, kinds = [], []
     for x in scalars or ():
-        kind = _KINDS.get(type(x))
+        kind = cute_kinds.get(type(x)) if isinstance(x, cutlass.Numeric) else _KINDS.get(type(x))
         if kind is None:
-            raise TypeError(f"aux_scalars must hold int, float or bool values, got {type(x).__name__}")
-        values.append(float(x))
+            raise TypeError(f"aux_scalars under torch.compile must hold int, float or bool values (or cutlass "
+                            f"Int32, Float32, Boolean), got {type(x).__name__}")
+        values.append(float(x.value if isinstance(x, cutlass.Numeric) else x))
         kinds.append(kind)
     return values, kinds
 

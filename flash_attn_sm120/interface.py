@@ -169,6 +169,7 @@ def flash_attn_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
+    aux_scalars = validation.normalize_aux_scalars(aux_scalars)
     want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
@@ -263,6 +264,7 @@ def flash_attn_varlen_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
+    aux_scalars = validation.normalize_aux_scalars(aux_scalars)
     want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,

@@ -174,6 +174,42 @@ def check_scalars(softmax_scale, softcap) -> None:
             raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
 
 
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def normalize_aux_scalars(aux_scalars) -> Optional[tuple]:
+    """aux_scalars as the kernels take them: a tuple of CuTe numerics (None when empty).
+
+    Upstream passes them to the DSL as given, which compiles only CuTe numerics such as
+    `cutlass.Int32(2)` (a Python int fails deep in the DSL); here a Python bool, int or float
+    becomes `cutlass.Boolean`, `cutlass.Int32` or `cutlass.Float32`, the type the kernel is
+    specialized on, so both spellings mean the same. Anything else is a TypeError naming it.
+    """
+    if aux_scalars is None:
+        return None
+    if isinstance(aux_scalars, (str, bytes, torch.Tensor)) or not isinstance(aux_scalars, Sequence):
+        raise TypeError(f"aux_scalars must be a list or tuple of scalars, got {type(aux_scalars).__name__}")
+    if len(aux_scalars) == 0:
+        return None
+    import cutlass
+
+    out = []
+    for i, x in enumerate(aux_scalars):
+        if isinstance(x, cutlass.Numeric):
+            out.append(x)
+        elif isinstance(x, bool):
+            out.append(cutlass.Boolean(x))
+        elif isinstance(x, numbers.Integral):
+            if not _INT32[0] <= int(x) <= _INT32[1]:
+                raise ValueError(f"aux_scalars[{i}] = {x} does not fit in int32 (pass a cutlass numeric of a wider type)")
+            out.append(cutlass.Int32(int(x)))
+        elif isinstance(x, numbers.Real):
+            out.append(cutlass.Float32(float(x)))
+        else:
+            raise TypeError(f"aux_scalars[{i}] must be a bool, int, float or cutlass numeric, got {type(x).__name__}")
+    return tuple(out)
+
+
 def validate_dense(q, k, v) -> ProblemShape:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
     _check_tensor("q", q, 4)

@@ -738,6 +738,42 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
         assert c["stack"] == 0 and c["ldl"] == 0 and c["stl"] == 0, f"{where}: spills {c}"
 
 
+_BWD_FAKE_PROBE = r"""
+import json, sys, warnings
+site = sys.argv[1]
+warnings.filterwarnings("ignore")
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import interface
+out = []
+for det in (False, True):
+    for hk in (4, 1):
+        with FakeTensorMode():
+            q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+            k = torch.empty(2, 300, hk, 128, dtype=torch.bfloat16, device="cuda")
+            o = torch.empty_like(q)
+            lse = torch.empty(2, 4, 300, dtype=torch.float32, device="cuda")
+            dq, dk, dv = interface._flash_attn_bwd(q, k, k, o, o, lse, causal=True, deterministic=det)[:3]
+            out.append(dict(det=det, hk=hk, dq=list(dq.shape), dk=list(dk.shape), dv=list(dv.shape)))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_patched_upstream_bwd_host_path_runs_on_fake_tensors(tmp_path, monkeypatch):
+    """Patch 0004's edits to _flash_attn_bwd, run end to end on the CPU with fake CUDA tensors and SM120
+    selected (FLASH_ATTENTION_ARCH): MHA and GQA, deterministic or not (a branch left dK_semaphore
+    unset when not deterministic; only the GPU probe had run it)."""
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_120")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "188")
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_BWD_FAKE_PROBE)
+    assert [(r["det"], r["hk"]) for r in result] == [(False, 4), (False, 1), (True, 4), (True, 1)]
+    for r in result:
+        assert r["dq"] == [2, 300, 4, 128] and r["dk"] == r["dv"] == [2, 300, r["hk"], 128], r
+
+
 def test_bwd_modules_are_lifted_without_package_parts():
     tuned = mp.render_tuned_module()
     mp.check_no_package_refs(tuned, "flash_bwd_sm120_tuned.py")

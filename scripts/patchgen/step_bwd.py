@@ -407,7 +407,7 @@ _BWD_INTERFACE_EDITS = (
     (
         "SM120 keeps its dK/dV semaphores",
         "    if deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
-        "    if arch // 10 == 12:\n"
+        "    if deterministic and arch // 10 == 12:\n"
         "        pass  # set above\n"
         "    elif deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
     ),
