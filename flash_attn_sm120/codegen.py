@@ -138,8 +138,10 @@ def compile_fwd_cubin(
     emulate_host_smem: Optional[tuple] = None,
     kernel_out: Optional[list] = None,
     kernel_cls: Optional[type] = None,
+    learnable_sink: bool = False,
 ) -> tuple[bytes, int]:
     """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
+    learnable_sink: with an fp32 (h,) sink (folded into the output tile, kernels/sink_fold.py).
 
     upstream_class=True builds upstream's own FlashAttentionForwardSm120 (the reference row);
     kernel_cls builds that class with upstream's constructor arguments instead (e.g. a patched
@@ -180,10 +182,11 @@ def compile_fwd_cubin(
     o = make_fake_tensor(cdtype, (b, sq, h, head_dim_v), divisibility=div)
     lse = make_fake_tensor(cutlass.Float32, (b, h, sq), divisibility=1) if has_lse else None
     window = cutlass.Int32(0) if local else None
+    sink = make_fake_tensor(cutlass.Float32, (h,), divisibility=1) if learnable_sink else None
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
             kernel, q, k, v, o, lse, None, None, None, None, window, window, AuxData(None, None),
-            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink,
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

@@ -63,6 +63,7 @@ class FwdStatics:
     broadcast: tuple
     config: FwdConfig
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
+    sink_dtype: Optional[str] = None  # a learnable_sink's, folded into the output tile (kernels/sink_fold.py)
 
 
 def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False,
@@ -106,7 +107,8 @@ def quiet_compile(*args, **kwargs):
         return cute.compile(*args, **kwargs)
 
 
-def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_left, window_right, aux: AuxData, options: str = ""):
+def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_left, window_right, aux: AuxData,
+                   options: str = "", learnable_sink=None):
     """cute.compile with upstream's SM80/SM120 forward call convention (cute tensors or fakes)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return quiet_compile(
@@ -114,7 +116,7 @@ def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_l
         cu_q, cu_k, used_q, used_k,
         None,  # page table
         window_left, window_right,
-        None,  # learnable sink
+        learnable_sink,
         None,  # block sparsity
         aux,
         None, None,  # varlen tile-count hints (optional)
@@ -127,7 +129,8 @@ def describe(statics: FwdStatics) -> str:
     """A compile key in words, for error messages."""
     flags = [f for f, on in (("causal", statics.causal), ("local", statics.local), ("pack_gqa", statics.pack_gqa),
                               ("varlen", statics.has_cu_seqlens_q or statics.has_cu_seqlens_k),
-                              ("score_mod", statics.score_mod_hash), ("mask_mod", statics.mask_mod_hash)) if on]
+                              ("score_mod", statics.score_mod_hash), ("mask_mod", statics.mask_mod_hash),
+                              ("sink", statics.sink_dtype)) if on]
     return (f"{statics.config.name} d={statics.head_dim}/{statics.head_dim_v} {statics.dtype} "
             f"qhead_per_kvhead={statics.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
 
@@ -228,6 +231,7 @@ def build_statics(
     aux_tensors: Optional[list],
     config: FwdConfig,
     emulate_host_smem: Optional[tuple],
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> FwdStatics:
     """The compile key of a forward call (resolved causal/local flags, resolved config)."""
     return FwdStatics(
@@ -251,7 +255,13 @@ def build_statics(
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)),
         config=config,
         emulate_host_smem=emulate_host_smem,
+        sink_dtype=None if learnable_sink is None else str(learnable_sink.dtype).replace("torch.", ""),
     )
+
+
+def sink_tensor(learnable_sink: Optional[torch.Tensor]):
+    """The cute tensor a kernel compiles a learnable_sink (h,) as (upstream's conversion), or None."""
+    return None if learnable_sink is None else to_cute_tensor(learnable_sink, assumed_align=4, leading_dim=0)
 
 
 def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causal: bool, local: bool) -> FwdStatics:
@@ -285,7 +295,7 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
 def choose_statics(
     q, k, v, *, causal: bool, local: bool, pack_gqa: bool, pack_gqa_chosen: bool, has_lse: bool, cu_seqlens_q,
     cu_seqlens_k, seqused_q, seqused_k, window_size_left, window_size_right, score_mod, mask_mod, aux_tensors,
-    config: Optional[FwdConfig], emulate_host_smem: Optional[tuple],
+    config: Optional[FwdConfig], emulate_host_smem: Optional[tuple], learnable_sink: Optional[torch.Tensor] = None,
 ) -> FwdStatics:
     """The compile key `forward` runs (reads only metadata, so `explain` can ask it too): the given
     or forced config, else the table's; then the family's routing (`_route`)."""
@@ -299,6 +309,7 @@ def choose_statics(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         window_size_left=window_size_left, window_size_right=window_size_right, score_mod=score_mod,
         mask_mod=mask_mod, aux_tensors=aux_tensors, config=config, emulate_host_smem=emulate_host_smem,
+        learnable_sink=learnable_sink,
     )
     return _route(statics, pack_gqa_chosen, config_given, causal, local)
 
@@ -333,11 +344,14 @@ def allocate_outputs(q: torch.Tensor, num_heads: int, head_dim_v: int, varlen_q:
     return out, lse, lse_shape
 
 
-def empty_result(out: torch.Tensor, lse: Optional[torch.Tensor]):
-    """No keys (or no queries): zero output, -inf LSE, no kernel."""
+def empty_result(out: torch.Tensor, lse: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor] = None):
+    """No keys (or no queries): zero output, -inf LSE (the sink's logit with one), no kernel."""
     out.zero_()
     if lse is not None:
         lse.fill_(float("-inf"))
+        if learnable_sink is not None:  # (b, h, s) or varlen (h, total)
+            sink = learnable_sink.to(lse.dtype)
+            lse.copy_((sink[None, :, None] if lse.dim() == 3 else sink[:, None]).expand_as(lse))
     return out, lse
 
 
@@ -365,8 +379,10 @@ def forward(
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
     config: Optional[FwdConfig] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run the SM120 forward on validated inputs; returns (out, lse or None)."""
+    """Run the SM120 forward on validated inputs; returns (out, lse or None). learnable_sink (h,):
+    upstream's sink, folded into the kernel's output (out and lse are the sink's result)."""
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv, head_dim_v = v.shape[-2:]
     qhead_per_kvhead = num_heads // num_heads_kv
@@ -379,7 +395,7 @@ def forward(
     pack_gqa = resolve_pack_gqa(pack_gqa, qhead_per_kvhead)
     out, lse, _ = allocate_outputs(q, num_heads, head_dim_v, cu_seqlens_q is not None, need_lse, out, lse)
     if k.shape[-3] == 0 or out.numel() == 0:
-        return empty_result(out, lse)
+        return empty_result(out, lse, learnable_sink)
 
     score_mod = softcap_score_mod(softcap, score_mod)
     statics = choose_statics(
@@ -387,17 +403,18 @@ def forward(
         has_lse=lse is not None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
         seqused_k=seqused_k, window_size_left=window_size_left, window_size_right=window_size_right,
         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, config=config,
-        emulate_host_smem=emulate_host_smem,
+        emulate_host_smem=emulate_host_smem, learnable_sink=learnable_sink,
     )
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
     if key not in _verified_keys:
         _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars)
+                         window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
+                         learnable_sink)
     _compile_cache[key](
         q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        None, window_size_left, window_size_right, None, None,
+        None, window_size_left, window_size_right, learnable_sink, None,
         AuxData(aux_tensors, aux_scalars),
         None, None,
     )
@@ -405,7 +422,8 @@ def forward(
 
 
 def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                     window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars) -> None:
+                     window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
+                     learnable_sink=None) -> None:
     """Compile and occupancy-check the kernel of `key`, once per process.
 
     A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on a real SM120 (the check there only
@@ -417,12 +435,13 @@ def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
         cute_aux = [to_cute_aux_tensor(t) for t in aux_tensors] if aux_tensors is not None else None
         tensors = [to_cute_tensor(t) for t in (q, k, v, out)]
         cute_lse = to_cute_tensor(lse, assumed_align=4) if lse is not None else None
+        cute_sink = sink_tensor(learnable_sink)
         _compile_cache[key] = compile_verified(
             lambda host: make_kernel(replace(statics, emulate_host_smem=host), score_mod, mask_mod,
                                      aux_tensors is not None),
             lambda kernel, options: compile_kernel(
                 kernel, *tensors, cute_lse, *index, window_size_left, window_size_right,
-                AuxData(cute_aux, aux_scalars), options=options,
+                AuxData(cute_aux, aux_scalars), options=options, learnable_sink=cute_sink,
             ),
             statics.emulate_host_smem, q.device, describe(statics),
         )

@@ -166,7 +166,7 @@ def make_splitkv_kernel(statics: SplitKVStatics, score_mod=None, mask_mod=None, 
 
 def compile_splitkv_kernel(
     kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, page_table, window_left, window_right, aux: AuxData,
-    options: str = "",
+    options: str = "", learnable_sink=None,
 ):
     """cute.compile with upstream's SM80/SM120 forward call convention, page table included."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -174,7 +174,7 @@ def compile_splitkv_kernel(
         kernel, q, k, v, o, lse, 1.0,
         cu_q, cu_k, used_q, used_k, page_table,
         window_left, window_right,
-        None,  # learnable sink
+        learnable_sink,
         None,  # block sparsity
         aux,
         None, None,  # varlen tile-count hints (optional)
@@ -279,20 +279,21 @@ def _meta(t: Optional[torch.Tensor]):
 
 def _plan_key(q, k, v, *, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
               max_seqlen_k, num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
-              pack_gqa, need_lse, emulate_host_smem, out, lse, config, num_sms, info) -> tuple:
+              pack_gqa, need_lse, emulate_host_smem, out, lse, config, num_sms, info, learnable_sink=None) -> tuple:
     return (
         info, _meta(q), _meta(k), _meta(v), q.dtype, q.device, _meta(page_table), _meta(cu_seqlens_q),
         _meta(cu_seqlens_k), seqused_q is not None, seqused_k is not None, _host_int(max_seqlen_q),
         _host_int(max_seqlen_k), num_splits, causal, window_size_left, window_size_right, softcap, softmax_scale,
         pack_gqa, need_lse, emulate_host_smem, _meta(out), _meta(lse), config, num_sms,
         driver._forced_config[-1] if driver._forced_config else None,
+        None if learnable_sink is None else (learnable_sink.dtype, learnable_sink.shape, learnable_sink.device),
     )
 
 
 def make_call_plan(
     q, k, v, *, page_table, num_splits, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k, causal, window_size_left, window_size_right, softcap, softmax_scale, pack_gqa, need_lse, lse,
-    emulate_host_smem, score_mod, mask_mod, aux_tensors, aux_scalars, config, num_sms, info,
+    emulate_host_smem, score_mod, mask_mod, aux_tensors, aux_scalars, config, num_sms, info, learnable_sink=None,
 ) -> CallPlan:
     """The host decisions of one call (see `forward`); reads only metadata, never tensor data.
     info: the device's DeviceInfo (SM count, capability)."""
@@ -337,7 +338,7 @@ def make_call_plan(
             q, k, v, causal=causal_r, local=local, pack_gqa=pack, has_lse=is_split or need_lse or lse is not None,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
             window_size_left=left, window_size_right=right, score_mod=score_mod, mask_mod=mask_mod,
-            aux_tensors=aux_tensors, config=kcfg, emulate_host_smem=emulate_host_smem,
+            aux_tensors=aux_tensors, config=kcfg, emulate_host_smem=emulate_host_smem, learnable_sink=learnable_sink,
         ),
         is_split_kv=is_split,
         paged=page_table is not None,
@@ -377,13 +378,15 @@ def forward(
     lse: Optional[torch.Tensor] = None,
     config: Optional[FwdConfig] = None,
     num_sms: Optional[int] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a (possibly paged, possibly split) SM120 forward on validated inputs; (out, lse or None).
 
     num_splits: 1 = no split, n > 1 = n splits clamped to the useful maximum (the number of key
     blocks of the chosen tile, and splitkv.MAX_SPLITS), <= 0 = chosen by splitkv.choose_num_splits.
     out / lse: optional preallocated outputs, (b, s, h, dv) / (b, h, s) (varlen: (total_q, h, dv) /
-    (h, total_q)); lse is written when given or when need_lse.
+    (h, total_q)); lse is written when given or when need_lse. learnable_sink (h,): upstream's sink, folded
+    into split 0's output tile (the combine counts it once per row).
     Calls without score_mod / mask_mod / aux tensors reuse the CallPlan of earlier calls with the
     same metadata; per call then only the outputs are allocated and the kernels launched.
     """
@@ -394,7 +397,7 @@ def forward(
         cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
         softmax_scale=softmax_scale, pack_gqa=pack_gqa, need_lse=need_lse, lse=lse,
-        emulate_host_smem=emulate_host_smem, config=config, num_sms=num_sms,
+        emulate_host_smem=emulate_host_smem, config=config, num_sms=num_sms, learnable_sink=learnable_sink,
     )
     memo = score_mod is None and mask_mod is None and aux_tensors is None and not aux_scalars
     key = _plan_key(q, k, v, out=out, **args) if memo else None
@@ -413,13 +416,14 @@ def forward(
             pack_gqa=pack_gqa, need_lse=need_lse, emulate_host_smem=emulate_host_smem, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, score_mod=score_mod,
             mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, out=out, lse=lse,
+            learnable_sink=learnable_sink,
         )
 
     num_heads, head_dim_v = q.shape[-2], v.shape[-1]
     varlen_q = cu_seqlens_q is not None
     out, lse, lse_shape = driver.allocate_outputs(q, num_heads, head_dim_v, varlen_q, need_lse, out, lse)
     if cp.kv_capacity == 0 or out.numel() == 0:
-        return driver.empty_result(out, lse)
+        return driver.empty_result(out, lse, learnable_sink)
 
     splits = cp.split.num_splits
     if splits > 1:
@@ -446,7 +450,7 @@ def forward(
                                                   cp.score_mod, mask_mod, aux_tensors is not None),
                     lambda kobj, options: compile_splitkv_kernel(
                         kobj, *tensors, cute_lse, *index, cute_pages, cp.window_left, cp.window_right, cute_aux,
-                        options=options,
+                        options=options, learnable_sink=driver.sink_tensor(learnable_sink),
                     ),
                     host, q.device,
                     f"splitkv {driver.describe(statics.fwd)}{' split' if statics.is_split_kv else ''}"
@@ -460,7 +464,7 @@ def forward(
     kernel(
         q.detach(), k.detach(), v.detach(), o_kernel, lse_kernel, cp.softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-        cp.window_left, cp.window_right, None, None, AuxData(aux_tensors, aux_scalars), None, None,
+        cp.window_left, cp.window_right, learnable_sink, None, AuxData(aux_tensors, aux_scalars), None, None,
     )
     if splits > 1:
         combine = cp.combine

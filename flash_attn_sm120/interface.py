@@ -74,10 +74,9 @@ def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requ
     LSE comes back (upstream: when asked, or when an input requires grad, grad mode or not)."""
     want_lse = return_lse if want_lse is None else want_lse
     if not requires_grad:
-        if learnable_sink is None:
-            return _run_forward(q, k, v, fwd_kwargs, need_lse=want_lse)
-        out, lse = sinks.apply_sink(*_run_forward(q, k, v, fwd_kwargs, need_lse=True), learnable_sink)
-        return out, (lse if want_lse else None)
+        if learnable_sink is not None:  # folded into the kernels' output tile (kernels/sink_fold.py)
+            fwd_kwargs = dict(fwd_kwargs, learnable_sink=learnable_sink)
+        return _run_forward(q, k, v, fwd_kwargs, need_lse=want_lse)
     return _Sm120AttnFunc.apply(q, k, v, learnable_sink, fwd_kwargs, bwd_kwargs, return_lse, requires_grad)
 
 
@@ -88,9 +87,10 @@ class _Sm120AttnFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, learnable_sink, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, needs_grad: bool):
         # needs_grad comes from the caller: grad mode is always off inside Function.forward, and the
         # backward needs the LSE even when the caller did not ask for it
+        # with a sink the kernels return (O', LSE'), what the backward differentiates (sinks.py)
+        if learnable_sink is not None:
+            fwd_kwargs = dict(fwd_kwargs, learnable_sink=learnable_sink.detach())
         out, lse = _run_forward(q, k, v, fwd_kwargs, need_lse=return_lse or needs_grad)
-        if learnable_sink is not None:  # (O', LSE'): what the backward differentiates (sinks.py)
-            out, lse = sinks.apply_sink(out, lse, learnable_sink)
         ctx.save_for_backward(q, k, v, out, lse, learnable_sink, *bwd_kwargs.pop("_tensors"))
         ctx.bwd_kwargs = bwd_kwargs
         ctx.return_lse = return_lse

@@ -14,11 +14,12 @@ D = rowsum(dO * O') already holds its share); the sink's own gradient is
 
     dsink[h] = sum over rows of exp(sink[h] - LSE') * (dLSE' - rowsum(dO * O'))
 
-(upstream: -sum exp(sink - lse) * dpsum, with dpsum = D - dLSE). This module is that arithmetic, on the
-layouts the drivers use: O (b, s, h, d) with LSE (b, h, s), or varlen O (total, h, d) with LSE (h, total).
-It costs one extra pass over O in the forward and one over dO and O' in the backward (in slices, so the
-fp32 temporaries stay small); folding the sink
-into the kernels' final softmax (the SplitKV kernel's first split only) is the faster route, not taken yet.
+(upstream: -sum exp(sink - lse) * dpsum, with dpsum = D - dLSE). The forward folds the sink into each kernel's
+output tile in registers (kernels/sink_fold.py; SplitKV: split 0 only), so the kernels return (O', LSE').
+This module is the same arithmetic on whole tensors (`apply_sink`, the reference the tests hold the
+kernels to), the API's checks, and the backward's dsink, on the layouts the drivers use: O (b, s, h, d)
+with LSE (b, h, s), or varlen O (total, h, d) with LSE (h, total). dsink costs one pass over dO and O'
+(in slices, so the fp32 temporaries stay small).
 """
 
 from __future__ import annotations

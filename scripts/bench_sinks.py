@@ -4,8 +4,8 @@
 Prefill: the 8 seed problems through the public API, CUDA-event medians (bench.time_cuda). Decode
 (seqlen_q 1, GQA 32:8, d128, SplitKV automatic): eager and in a CUDA graph (bench.time_cuda_graph: the
 GPU time with the host removed, how engines run decode). Each row: ms without and with the sink, and
-the overhead (with / without - 1). The issue's bound is 3%. The sink path is the exact post-kernel
-rescale of sinks.py (one extra pass over O), not a fused kernel.
+the overhead (with / without - 1). The issue's bound is 3%. The sink is folded into each kernel's output
+tile before its epilogue (kernels/sink_fold.py; SplitKV: split 0 only).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_sinks.py --json sinks.json
 """

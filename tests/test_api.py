@@ -157,27 +157,27 @@ def test_learnable_sink_is_validated(fake_device, sink_kw, match):
     assert "driver" not in calls
 
 
-def test_learnable_sink_runs_and_asks_the_driver_for_the_lse(fake_device, monkeypatch):
-    """A sink needs the sink-free LSE from the kernel, then sinks.apply_sink (its math: test_sinks.py)."""
+def test_learnable_sink_goes_to_the_kernel_driver(fake_device, monkeypatch):
+    """The sink is folded into the kernels' output (kernels/sink_fold.py): the driver gets the tensor,
+    no LSE is asked for without return_lse or grad, and nothing is applied after the kernel."""
     set_mode, calls = fake_device
     set_mode("sm120")
     q, k, v = _cuda_qkv()
     seen = {}
 
-    def forward_with_lse(q, k, v, need_lse, **kw):
-        seen["need_lse"] = need_lse
+    def forward(q, k, v, need_lse, **kw):
+        seen["need_lse"], seen["sink"] = need_lse, kw.get("learnable_sink")
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        return out, torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+        return out, None
 
     def apply_sink(out, lse, sink):
-        seen["sink"] = sink
-        return out, lse
+        raise AssertionError("the forward must not rescale O after the kernel")
 
-    monkeypatch.setattr(interface.driver, "forward", forward_with_lse)
+    monkeypatch.setattr(interface.driver, "forward", forward)
     monkeypatch.setattr(interface.sinks, "apply_sink", apply_sink)
     sink = torch.zeros(4, device="cuda")
     out, lse = flash_attn_sm120.flash_attn_func(q, k, v, learnable_sink=sink)
-    assert seen["need_lse"] is True and seen["sink"] is sink
+    assert seen["need_lse"] is False and seen["sink"] is sink
     assert lse is None and out.shape == q.shape  # no return_lse, no grad: no LSE, as upstream
 
 

@@ -14,20 +14,27 @@ upstream's register spills on sm_120a (255 registers + 104 B of stack at 4 warps
 This module adds, by subclassing upstream's `FlashAttentionForwardSm120`:
   * SM120 feasibility rules with a reason for each refusal (`sm120_config_error`);
   * the exact shared-memory footprint (`smem_bytes`), checked against the 99 KB per-block limit;
-  * optional shared-memory padding for SM120 emulation on bigger GPUs (see hardware.py).
+  * optional shared-memory padding for SM120 emulation on bigger GPUs (see hardware.py);
+  * learnable sinks, folded into the output tile before upstream's epilogue (sink_fold.py):
+    upstream's SM80/SM120 kernel refuses them.
 Everything else (mainloop, masking, softmax, epilogue, GQA packing, varlen) is upstream's.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from flash_attn.cute.block_sparsity import BlockSparseTensors
 from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120
+from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels import sink_fold
 
 _SMEM_ALIGN = 1024  # upstream aligns each of sQ, sK, sV to 1 KB
 
@@ -159,6 +166,69 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
         self.launch_threads: Optional[int] = None
+        self.fold_sink_in_epilogue = False  # set at trace time by __call__ (a learnable_sink given)
+        self._sink = None
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+        mPageTable: Optional[cute.Tensor] = None,
+        window_size_left: Int32 | int | None = None,
+        window_size_right: Int32 | int | None = None,
+        learnable_sink: Optional[cute.Tensor] = None,
+        blocksparse_tensors: Optional[BlockSparseTensors] = None,
+        aux_data: AuxData = AuxData(),
+        mCuTotalMBlocks: Optional[cute.Tensor] = None,
+        mCuTotalSplitsMBlocks: Optional[cute.Tensor] = None,
+        stream: cuda.CUstream = None,
+    ):
+        # upstream's kernel takes no sink: it travels as the last aux tensor (a kernel argument) to
+        # compute_one_n_block, which takes it off the list, and the epilogue folds it in
+        self.fold_sink_in_epilogue = learnable_sink is not None
+        FlashAttentionForwardSm120.__call__(
+            self, mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable,
+            window_size_left, window_size_right, None, blocksparse_tensors,
+            sink_fold.with_sink(aux_data, learnable_sink), mCuTotalMBlocks, mCuTotalSplitsMBlocks, stream,
+        )
+
+    def compute_one_n_block(self, *args, aux_data: AuxData = AuxData(), **kwargs):
+        aux_data, sink = sink_fold.split_sink(aux_data, self.fold_sink_in_epilogue)
+        if sink is not None:
+            self._sink = sink  # the kernel argument, read by the epilogue (same kernel body)
+        return FlashAttentionForwardSm120.compute_one_n_block(self, *args, aux_data=aux_data, **kwargs)
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        sO: cute.Tensor,
+        seqlen: SeqlenInfoQK,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O: Optional[cute.CopyAtom],
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        if const_expr(self.fold_sink_in_epilogue):
+            sink_fold.fold_sink(acc_O, lse, self._sink, tiled_mma.get_slice(tidx), self.tile_m, self.tile_hdimv,
+                                m_block, head_idx, self.qhead_per_kvhead, self.pack_gqa)
+        FlashAttentionForwardSm120.epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O,
+                                            tiled_mma, tidx, m_block, head_idx, batch_idx)
 
     @staticmethod
     def can_implement(

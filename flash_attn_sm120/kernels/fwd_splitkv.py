@@ -28,6 +28,8 @@ Without splits (num_splits == 1) the output is written by upstream's bf16/fp16 e
 paged path also serves plain paged attention. GQA packing (pack_gqa), causal / local masks,
 varlen Q (cu_seqlens_q / seqused_q), varlen K (cu_seqlens_k, dense only) and seqused_k work as in
 the cp.async family. Shared memory and its SM120-emulation padding are the cp.async family's.
+A learnable sink is folded into the output tile before the epilogue (sink_fold.py), by split 0
+only, so the combine counts it once per row.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import SingleTileScheduler, SingleTileVarlenScheduler, TileSchedulerArguments
 from flash_attn.cute.utils import AuxData
 
+from flash_attn_sm120.kernels import sink_fold
 from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync
 
 # PagedKVManager's layout flag for "V pages laid out like K pages" (see the module docstring)
@@ -108,6 +111,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
     def __init__(self, *args, is_split_kv: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.is_split_kv = is_split_kv
+        self.has_sink = False  # set at trace time by __call__
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, grid, launch
@@ -135,7 +139,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         mCuTotalSplitsMBlocks: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,
     ):
-        assert learnable_sink is None, "learnable sink is not supported by the SM120 splitkv kernel"
+        self.has_sink = learnable_sink is not None
         assert blocksparse_tensors is None, "block sparsity is not supported by the SM120 splitkv kernel"
         if const_expr(mPageTable is not None):
             assert mCuSeqlensK is None, "paged KV cannot be combined with cu_seqlens_k"
@@ -207,6 +211,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         fastdiv_mods = utils.compute_fastdiv_mods(
             mQ, mK, self.qhead_per_kvhead, self.pack_gqa, aux_data.tensors, mPageTable
         )
+        aux_data = sink_fold.with_sink(aux_data, learnable_sink)  # the sink rides with the aux tensors
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, num_splits,
             softmax_scale_log2, softmax_scale, window_size_left, window_size_right,
@@ -256,6 +261,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
         tidx, _, _ = cute.arch.thread_idx()
         tile_scheduler = TileScheduler.create(tile_sched_params)
         work_tile = tile_scheduler.initial_work_tile_info()
+        aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
         if work_tile.is_valid_tile:
             m_block, head_idx, batch_idx, split_idx = work_tile.tile_idx
             packgqa_rows = self.qhead_per_kvhead if const_expr(self.pack_gqa) else 1
@@ -312,6 +318,10 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
             # finalize below gives O = 0 and LSE = -inf for it.
             row_scale = softmax.finalize()
             softmax.rescale_O(acc_O, row_scale)
+            if const_expr(self.has_sink):  # once per row: in split 0 only, the combine adds the splits up
+                sink_fold.fold_sink(acc_O, softmax.row_sum, sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block,
+                                    head_idx, self.qhead_per_kvhead, self.pack_gqa,
+                                    active=split_idx == 0 if const_expr(self.is_split_kv) else True)
             if const_expr(self.is_split_kv):
                 self.epilogue_partial(
                     acc_O, softmax.row_sum, mO, mLSE, seqlen, thr_mma_pv, m_block, head_idx, batch_idx, split_idx

@@ -58,9 +58,10 @@ block ranges and score_mod/mask_mod take packed rows through qhead_per_kvhead_pa
 Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 48 keys, which spill:
 `fp16_register_error`), head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
-`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these
+`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the
+epilogue, sink_fold.py). Refused with NotImplementedError (the driver routes these
 to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of
-qhead_per_kvhead, paged KV, learnable sink, block sparsity. `unsupported_reason(statics)` states
+qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states
 the rule for the driver.
 
 RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe DSL (its author
@@ -102,6 +103,7 @@ from quack import copy_utils, layout_utils
 from quack import sm90_utils as quack_sm90_utils
 
 from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels import sink_fold
 from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -479,6 +481,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # PV with V one ldmatrix ahead where its k-slices are widest (d=128: 32 registers each); at
         # d <= 96 the whole-slice prefetch is spill-free and measured (d96 256x32 local spills otherwise)
         self.pv_by_ldmatrix = head_dim_v > 96
+        self.has_sink = False  # set at trace time by __call__
         self.emulate_host_smem = emulate_host_smem
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
@@ -580,9 +583,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             seqused_q=mSeqUsedQ,
             seqused_k=mSeqUsedK,
             page_table=mPageTable,
-            learnable_sink=learnable_sink,
             block_sparsity=blocksparse_tensors,
         )
+        self.has_sink = learnable_sink is not None
         self._check_type(
             *(t.element_type if t is not None else None for t in (mQ, mK, mV, mO, mLSE, None, None, None, None))
         )
@@ -651,6 +654,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         window_size_left = Int32(window_size_left) if window_size_left is not None else None
         window_size_right = Int32(window_size_right) if window_size_right is not None else None
         fastdiv_mods = utils.compute_fastdiv_mods(mQ, mK, self.qhead_per_kvhead, False, aux_data.tensors)
+        aux_data = sink_fold.with_sink(aux_data, learnable_sink)  # the sink rides with the aux tensors
 
         self.kernel(
             tma_tensor_Q,
@@ -873,6 +877,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         fastdiv_mods,
     ):
         """MMA warps: the FA2 loop over n_blocks, then the epilogue."""
+        aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
         sVt = layout_utils.transpose_view(sV)  # (head_dim_v, tile_n, stage) for the PV B operand
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -955,6 +960,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
 
         row_scale = softmax.finalize()
         softmax.rescale_O(acc_O, row_scale)
+        if const_expr(self.has_sink):
+            sink_fold.fold_sink(acc_O, softmax.row_sum, sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block,
+                                head_idx, self.qhead_per_kvhead, self.pack_gqa)
         self.store_output(
             acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, thr_mma_pv, tiled_mma_pv, tidx, warp_idx,
             seqlen, m_block, head_idx, batch_idx,

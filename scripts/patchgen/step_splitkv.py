@@ -16,6 +16,7 @@ from flash_attn_sm120 import decode as pkg_decode
 from flash_attn_sm120 import hardware
 from flash_attn_sm120 import splitkv as pkg_splitkv
 from flash_attn_sm120.kernels import fwd_splitkv as pkg_fwd_splitkv
+from flash_attn_sm120.kernels import sink_fold as pkg_sink_fold
 
 from patchgen.core import (
     CUTE,
@@ -47,7 +48,11 @@ _SPLITKV_MODULE_EDITS = (
     ("written by upstream's bf16/fp16 epilogue", "written by the SM80 bf16/fp16 epilogue"),
     ("work as in\nthe cp.async family. Shared memory and its SM120-emulation padding are the cp.async family's.\n",
      "work as in\nFlashAttentionForwardSm120, with the same tiles, rules (sm120_config_error) and shared memory.\n"),
-    ("from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync\n",
+    ("folded into the output tile before the epilogue (sink_fold.py)",
+     "folded into the output tile before the epilogue (flash_fwd_sm120_sink.py)"),
+    ("from flash_attn_sm120.kernels import sink_fold\nfrom flash_attn_sm120.kernels.fwd_cpasync import "
+     "FlashAttentionForwardSm120CpAsync\n",
+     "from flash_attn.cute import flash_fwd_sm120_sink as sink_fold\n"
      "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120\n"),
     ('    family = "splitkv"\n\n', ""),
 )
@@ -104,6 +109,14 @@ def render_splitkv_module() -> str:
         text = substitute(text, old, new, where=where)
     text = rename(text, "FlashAttentionForwardSm120CpAsync", "FlashAttentionForwardSm120", where=where)
     text = upstream_wording(text)
+    check_no_package_refs(text, where)
+    return text
+
+
+def render_sink_module() -> str:
+    """flash_fwd_sm120_sink.py: the learnable-sink fold of the SM120 forward kernels, as is."""
+    where = "flash_attn_sm120/kernels/sink_fold.py"
+    text = upstream_wording(inspect.getsource(pkg_sink_fold))
     check_no_package_refs(text, where)
     return text
 
@@ -310,6 +323,7 @@ def decode_measurement_table(bench: dict) -> tuple[str, list[str]]:
 
 def step_sm120_splitkv_paged(ctx: Context) -> str:
     """Patch 2: SplitKV, paged KV and decode configs for the SM120 forward."""
+    ctx.write(f"{CUTE}/flash_fwd_sm120_sink.py", render_sink_module())
     ctx.write(f"{CUTE}/flash_fwd_sm120_splitkv.py", render_splitkv_module())
     ctx.write(f"{CUTE}/flash_fwd_sm120_splits.py", render_splits_module())
     patch_configs_for_decode(ctx)

@@ -35,13 +35,15 @@ from patchgen.step_splitkv import patch_configs_for_decode
 WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
 
 _TMA_DOC_EDITS = (
-    ("`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the driver routes these\n"
+    ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the\n"
+     "epilogue, sink_fold.py). Refused with NotImplementedError (the driver routes these\n"
      "to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of\n"
-     "qhead_per_kvhead, paged KV, learnable sink, block sparsity. `unsupported_reason(statics)` states\n"
+     "qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states\n"
      "the rule for the driver.\n",
-     "`apply_score_mod`), mask_mod, LSE output. Refused with NotImplementedError (the interface gives\n"
+     "`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the\n"
+     "epilogue, flash_fwd_sm120_sink.py). Refused with NotImplementedError (the interface gives\n"
      "these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a\n"
-     "multiple of qhead_per_kvhead, paged KV, learnable sink, block sparsity.\n"),
+     "multiple of qhead_per_kvhead, paged KV, block sparsity.\n"),
     ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
      "show an SM120-only hang, so the first runs on a real SM120 must use a timeout\n"
      "(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128\n"
@@ -65,7 +67,9 @@ _TMA_DOC_EDITS = (
      "        self.launch_threads: Optional[int] = None\n", ""),
     ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
      "        return SharedStorageTma\n"),
-    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
+    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels import sink_fold\n"
+     "from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
+     "from flash_attn.cute import flash_fwd_sm120_sink as sink_fold\n"
      "from flash_attn.cute.flash_fwd_sm120 import SM120_SMEM_PER_BLOCK_MAX, SM120_STATIC_SMEM\n"
      "from flash_attn.cute.flash_fwd_sm120_splits import REGS_PER_SM, sm120_occupancy\n"),
     ("PRODUCER_REGS = 24", f"MAX_REGS_PER_THREAD = {hardware.MAX_REGS_PER_THREAD}\nPRODUCER_REGS = 24"),

@@ -1,0 +1,85 @@
+"""Learnable sinks folded into a forward kernel's output tile, in registers, before its epilogue.
+
+A learnable sink (gpt-oss) is one extra softmax column per query head h with logit sink[h]
+(natural-log units, not scaled) and no value. A kernel that has finished a row's softmax holds the
+row's normalized output O (fp32 accumulators) and its LSE; the sink's result is then exact:
+
+    LSE' = logaddexp(LSE, sink[h])          O' = O * exp(LSE - LSE')
+
+A fully masked row (LSE = -inf) gets LSE' = sink[h] and O' = 0, and a sink of -inf changes
+nothing, as the interface defines sinks. Done here, on the tile in registers, it costs a few
+instructions per row and no pass over O in memory.
+
+With SplitKV, only split 0 folds the sink in (`active`): the combine's logsumexp over the splits
+then counts it once per row. With packed GQA a tile's rows interleave the query heads of one KV
+head, and each row takes its own head's sink (`load_learnable_sink`).
+
+A kernel whose mainloop cannot take the sink as an argument (the SM80 mainloop) gets it as the last
+of the aux tensors (`with_sink`), a kernel argument like any aux tensor; `split_sink` takes it back
+off before a score_mod sees the list.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from flash_attn.cute.softmax import load_learnable_sink
+from flash_attn.cute.utils import AuxData
+from quack import layout_utils
+
+_LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
+
+
+def with_sink(aux_data: AuxData, learnable_sink) -> AuxData:
+    """Plain Python (trace time): aux_data with the sink tensor appended (unchanged without one)."""
+    if learnable_sink is None:
+        return aux_data
+    return AuxData(list(aux_data.tensors or []) + [learnable_sink], aux_data.scalars)
+
+
+def split_sink(aux_data: AuxData, has_sink: bool) -> tuple[AuxData, Optional[object]]:
+    """Plain Python (trace time): (the user's aux_data, the sink tensor) from `with_sink`'s result."""
+    if not has_sink:
+        return aux_data, None
+    tensors = list(aux_data.tensors)
+    sink = tensors.pop()
+    return AuxData(tensors or None, aux_data.scalars), sink
+
+
+@cute.jit
+def fold_sink(
+    acc_O: cute.Tensor,
+    lse: cute.Tensor,
+    mSink: cute.Tensor,
+    thr_mma_pv: cute.ThrMma,
+    tile_m: cutlass.Constexpr[int],
+    tile_hdimv: cutlass.Constexpr[int],
+    m_block: Int32,
+    head_idx: Int32,
+    qhead_per_kvhead: cutlass.Constexpr[int],
+    pack_gqa: cutlass.Constexpr[bool],
+    active: cutlass.Boolean = True,
+):
+    """acc_O (normalized, the PV product's accumulators) and lse (natural log, one per accumulator row)
+    of one tile, in place, with the sink folded in. head_idx: the query head, or the KV head when packed."""
+    acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
+    taccOcO = layout_utils.reshape_acc_to_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, tile_hdimv))))
+    assert cute.size(acc_O_mn, mode=[0]) == cute.size(lse)
+    for r in cutlass.range(cute.size(lse), unroll_full=True):
+        sink = load_learnable_sink(mSink, head_idx, m_block * tile_m + taccOcO[r, 0][0], qhead_per_kvhead, pack_gqa)
+        sink = sink if active else -Float32.inf
+        lse_row = lse[r]
+        hi = lse_row if lse_row > sink else sink
+        if hi != -Float32.inf:  # both -inf: an empty row without a sink stays O = 0, LSE = -inf
+            total = (cute.math.exp2((lse_row - hi) * _LOG2_E, fastmath=True)
+                     + cute.math.exp2((sink - hi) * _LOG2_E, fastmath=True))
+            lse_new = hi + cute.math.log2(total, fastmath=True) * _LN_2
+            scale = cute.math.exp2((lse_row - lse_new) * _LOG2_E, fastmath=True)
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * scale)
+            lse[r] = lse_new
+
