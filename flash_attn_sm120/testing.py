@@ -65,7 +65,7 @@ class AttnCase:
     q_layout: str = "dense"
     k_layout: str = "dense"
     backward: bool = False
-    sink: bool = False  # a learnable_sink (h,) (public API only: the interface applies it)
+    sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
 
     def __post_init__(self):
         if self.mask not in MASKS:

@@ -26,8 +26,13 @@ DECODE = ((1, 32768), (8, 8192), (64, 4096))  # (batch, seqlen_k), GQA 32:8 d128
 
 
 def _pair(call, rot: int, graph: bool, reps: int):
+    """(ms without, ms with the sink), each the mean of two medians timed in A B B A order, so that a
+    drift of the GPU's clocks over the pair cancels (timed A then B, the second ran 5-8% faster)."""
     timer = bench.time_cuda_graph if graph else bench.time_cuda
-    return [timer(lambda i, s=s: call(i, s), rotations=rot, reps=reps).median_ms for s in (False, True)]
+    ms = {False: [], True: []}
+    for s in (False, True, True, False):
+        ms[s].append(timer(lambda i, s=s: call(i, s), rotations=rot, reps=reps).median_ms)
+    return [sum(ms[s]) / 2 for s in (False, True)]
 
 
 def main(argv=None) -> int:

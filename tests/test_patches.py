@@ -848,7 +848,7 @@ for d, causal, h, hkv, det in ((128, True, 4, 4, False), (64, False, 8, 2, False
     res = [interface._flash_attn_bwd(q.detach(), k.detach(), v.detach(), o.to(q.dtype).detach(), dout, lse.detach(),
                                      softmax_scale=scale, causal=causal, deterministic=det) for _ in range(2 if det else 1)]
     torch.cuda.synchronize()
-    errs = [(g.float() - r).abs().max().item() for g, r in zip(res[0], ref)]
+    errs = [((g.float() - r).abs().max() / r.abs().max()).item() for g, r in zip(res[0], ref)]  # relative
     same = all(torch.equal(a, b) for a, b in zip(res[0], res[-1]))
     out.append(dict(d=d, causal=causal, gqa=h // hkv, det=det, errs=errs, same=same, built=bool(built)))
 print("RESULT " + json.dumps(out))
@@ -863,5 +863,7 @@ def test_patched_upstream_bwd_matches_reference(tmp_path, monkeypatch):
     results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_BWD_PROBE, gpu=True)
     for r in results:
         assert r["built"], r
-        assert max(r["errs"]) < 0.05, r
+        # relative to the largest gradient: bf16 dQ/dK/dV (GQA dK/dV sum 4 heads of 777 rows: one bf16 ulp
+        # at their magnitude was 0.0625 absolute, measured)
+        assert max(r["errs"]) < 0.02, r
         assert r["same"], r
