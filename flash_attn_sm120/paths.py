@@ -82,7 +82,8 @@ class Supports:
     backward_head_dims: tuple[int, ...] = BACKWARD_HEAD_DIMS
     paged: bool = False
     splits: bool = False
-    sinks: bool = True  # learnable_sink (through the public API: the interface applies it, sinks.py)
+    sinks: bool = True  # learnable_sink (through the public API; the kernels fold it in, kernels/sink_fold.py)
+    mods: bool = True  # score_mod / mask_mod / aux data (testing_mods.MODS, through the public API)
 
 
 @dataclass(frozen=True)

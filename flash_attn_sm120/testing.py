@@ -66,6 +66,7 @@ class AttnCase:
     k_layout: str = "dense"
     backward: bool = False
     sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
+    mods: str = ""  # a testing_mods.MODS name: score_mod / mask_mod / aux data (public API only)
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -99,7 +100,7 @@ class AttnCase:
         d = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         g = f"g{self.qhead_per_kvhead}" + {None: "", True: "p", False: "u"}[self.pack_gqa]
         extra = (f"-sc{self.softcap:g}" if self.softcap else "") + ("-lse" if self.return_lse else "")
-        extra += "-sink" if self.sink else ""
+        extra += ("-sink" if self.sink else "") + (f"-mod:{self.mods}" if self.mods else "")
         return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}" + ("-bwd" if self.backward else "")
 
 
@@ -185,6 +186,7 @@ class Inputs:
     out_pad_rows: int = 0  # dense q with padding: the driver's out buffer gets the same gap
     out_gap: Optional[torch.Tensor] = None  # that gap (NaN; must stay NaN), set by forward_via_driver
     sink: Optional[torch.Tensor] = None  # learnable_sink (h,) fp32, for sink cases
+    aux: Optional[list] = None  # the modifier's aux tensors (testing_mods.make_aux)
 
     def k_seq(self, i: int) -> torch.Tensor:
         return self.k_layout.seq(self.k if self.k_ref is None else self.k_ref, i)
@@ -278,6 +280,10 @@ def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_gr
         index["page_table"] = table
     if case.sink:  # logits around the scores' scale, so the sink matters
         inputs.sink = torch.randn(h, generator=gen, device=device, dtype=torch.float32) * 2
+    if case.mods:
+        from flash_attn_sm120 import testing_mods
+
+        inputs.aux = testing_mods.make_aux(case.mods, problem.seqlens_q, problem.seqlens_k, h, device, gen)
     if requires_grad:
         for t in (inputs.q, inputs.k, inputs.v, inputs.sink):
             if t is not None:
@@ -383,6 +389,10 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
         kw["num_splits"] = problem.num_splits
     if case.sink:
         kw["learnable_sink"] = inputs.sink
+    if case.mods:
+        from flash_attn_sm120 import testing_mods
+
+        kw.update(testing_mods.api_kwargs(case.mods, inputs.aux))
     if not case.is_dense:
         kw.update(inputs.index)
     return kw
@@ -409,15 +419,27 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -
     return bench.window_mask(seqlen_q, seqlen_k, causal, window, device)
 
 
+def _mod_twins(case: AttnCase, inputs: Inputs, seq: int) -> dict:
+    """attention_ref's score_fn / keep_fn for sequence `seq` of a modifier case (testing_mods)."""
+    if not case.mods:
+        return {}
+    from flash_attn_sm120 import testing_mods
+
+    score_fn, keep_fn = testing_mods.twins(case.mods, inputs.aux, seq)
+    return dict(score_fn=score_fn, keep_fn=keep_fn)
+
+
 def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,
-                  upcast=True, reorder_ops=False, learnable_sink=None):
+                  upcast=True, reorder_ops=False, learnable_sink=None, score_fn=None, keep_fn=None):
     """Differentiable attention on (b, sq, h, d) / (b, sk, hk, d): returns (out, lse (b, h, sq)).
 
     upcast: fp32 math and fp32 out (the reference); else the input precision throughout (PyTorch's
     own low-precision result; reorder_ops scales K instead of Q, as upstream's reference does).
     Empty rows give out 0 and lse -inf with zero (not NaN) gradients. learnable_sink (h,): one more
     softmax column per head with that logit (natural-log units, unscaled) and no value, as upstream;
-    an empty row then gives out 0 and lse = sink.
+    an empty row then gives out 0 and lse = sink. score_fn(scores, h, q_idx, kv_idx) rewrites the scaled
+    scores and keep_fn(h, q_idx, kv_idx) masks (True = attend) with broadcastable index tensors, the
+    twins of a score_mod / mask_mod (testing_mods); a keep_fn replaces causal and window, as upstream.
     """
     dtype = q.dtype
     wide = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for gradcheck
@@ -434,7 +456,15 @@ def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=N
         scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = attention_mask(sq, sk, causal, window, q.device)
+    dev = q.device
+    hi, qi, ki = (torch.arange(n, device=dev).view(*shape) for n, shape in
+                  ((h, (1, h, 1, 1)), (sq, (1, 1, sq, 1)), (sk, (1, 1, 1, sk))))
+    if score_fn is not None:
+        scores = score_fn(scores, hi, qi, ki)
+    if keep_fn is not None:
+        mask = ~keep_fn(hi, qi, ki).expand(1, h, sq, sk)
+    else:
+        mask = attention_mask(sq, sk, causal, window, q.device)
     if learnable_sink is not None:
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
@@ -445,14 +475,14 @@ def attention_ref(q, k, v, *, causal=False, window=(None, None), softmax_scale=N
         out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
         return (out if upcast else out.to(dtype)), lse
     if mask is not None:
-        empty = mask.all(dim=-1)  # (sq,)
+        empty = mask.all(dim=-1, keepdim=True)  # (sq, 1) or (1, h, sq, 1)
         # empty rows: softmax over zeros, then zeroed, so gradients stay finite
-        scores = scores.masked_fill(mask & ~empty[:, None], float("-inf")).masked_fill(empty[:, None], 0.0)
+        scores = scores.masked_fill(mask & ~empty, float("-inf")).masked_fill(empty, 0.0)
     probs = torch.softmax(scores, dim=-1)
     lse = torch.logsumexp(scores.to(wide), dim=-1)
     if mask is not None and bool(empty.any()):
-        probs = probs.masked_fill(empty[:, None], 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
+        probs = probs.masked_fill(empty, 0.0)
+        lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     return (out if upcast else out.to(dtype)), lse
 
@@ -471,10 +501,11 @@ def reference_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, upca
     with torch.no_grad():
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
-            if case.sink and q_i.shape[1] > 0:  # the sink as a softmax column (no keys: out 0, lse = sink)
+            if (case.sink and q_i.shape[1] > 0) or (case.mods and q_i.shape[1] > 0 and k_i.shape[1] > 0):
+                # the sink as a softmax column (no keys: out 0, lse = sink); modifiers through their twins
                 o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window,
                                      softmax_scale=problem.softmax_scale, softcap=case.softcap, upcast=upcast,
-                                     reorder_ops=not upcast, learnable_sink=inputs.sink)
+                                     reorder_ops=not upcast, learnable_sink=inputs.sink, **_mod_twins(case, inputs, i))
             elif q_i.shape[1] == 0 or k_i.shape[1] == 0:
                 o, l = _empty_result(q_i, v_i, upcast)
             else:
@@ -630,7 +661,8 @@ def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int
         for i in nq:
             q_i, k_i, v_i = (ref_inputs.q_layout.seq(leaves[0], i), ref_inputs.k_seq(i), ref_inputs.v_seq(i))
             o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
-                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast, learnable_sink=sink)
+                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast, learnable_sink=sink,
+                                 **_mod_twins(case, inputs, i))
             r_outs.append(o)
             r_lses.append(l)
         loss = _loss(r_outs, r_lses if case.return_lse else None, g_out, g_lse)
@@ -688,8 +720,8 @@ def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda"
         with path.force(d, dv):
             return check_backward(inputs, case, problem)
     inputs = make_inputs(case, problem, device)
-    if case.sink and api == "driver":
-        api = "public"  # the interface applies a sink (sinks.py); the driver has none
+    if (case.sink or case.mods) and api == "driver":
+        api = "public"  # sinks and modifiers are drawn through the public API
     if api == "driver":
         emulate = device_info(inputs.q.device).emulate_host_smem
         out, lse = forward_via_driver(inputs, case, problem, path.config_for(d, dv), emulate)

@@ -24,6 +24,7 @@ A small memcheck run takes ~20 s on an H200.
   python scripts/sanitize.py                            # memcheck + racecheck, every family
   python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
   python scripts/sanitize.py --list                     # the cases, no GPU needed
+  python scripts/sanitize.py --shapes bwd-d128-mods-varlen,sink-alibi-gqa   # some shapes only
   python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
 """
 
@@ -73,6 +74,19 @@ BWD_SHAPES = (
      AttnProblem((77, 150), (90, 160), nheads_kv=1, window_left=50, window_right=-3, seed=13)),
     ("bwd-d192-causal", AttnCase("bfloat16", 192, 192, 1, None, "causal", 0.0, False, "dense", "dense", True),
      AttnProblem((100,), (130,), nheads_kv=1, seed=14)),
+    # the modifier step (kernels/bwd_mods.py): a mask_mod over an aux tensor with a score_mod pair, varlen
+    ("bwd-d128-mods-varlen", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, False, "packed", "packed", True,
+                                      mods="prefix+position"),
+     AttnProblem((77, 150), (90, 160), nheads_kv=1, seed=15)),
+    ("bwd-d64-document-sink", AttnCase("bfloat16", 64, 64, 4, None, "causal", 0.0, True, "dense", "dense", True,
+                                       sink=True, mods="document"),
+     AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
+)
+# the sink fold and the forward modifiers, on the first path of each family (public API, forward only)
+MOD_SHAPES = (
+    ("sink-alibi-gqa", AttnCase("bfloat16", 128, 128, 4, None, "causal", 0.0, True, "dense", "dense", sink=True,
+                                mods="alibi"),
+     AttnProblem((150, 150), (193, 193), nheads_kv=2, seed=17)),
 )
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)
@@ -111,7 +125,7 @@ def _dense(problem: AttnProblem) -> AttnProblem:
 
 def build_cases(paths, families=None) -> list[dict]:
     """Every (path, shape) case to sanitize, as JSON-ready dicts, grouped by `family`."""
-    cases = []
+    cases, mod_families = [], set()
     for path in paths:
         if not path.head_dims():
             continue
@@ -119,6 +133,11 @@ def build_cases(paths, families=None) -> list[dict]:
             c = adapt(path, case)
             p = problem if c.q_layout != "dense" or case.q_layout == "dense" else _dense(problem)
             cases.append(_case(path, name, c, p, "driver"))
+        if path.family not in mod_families:  # the first path of each kernel family
+            mod_families.add(path.family)
+            for name, case, problem in MOD_SHAPES:  # a SplitKV path splits (the fold is split 0's)
+                p = replace(problem, num_splits=3) if path.supports.splits else problem
+                cases.append(_case(path, name, adapt(path, case), p, "public"))
         if path.family == "dispatch":
             for name, case, problem in BWD_SHAPES:
                 c = _case(path, name, case, problem, "public")
@@ -210,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma list of compute-sanitizer tools")
     ap.add_argument("--families", default="", help="comma list of kernel families (default: all)")
     ap.add_argument("--paths", default="", help="comma list of registry paths (default: all)")
+    ap.add_argument("--shapes", default="", help="comma list of shape names, e.g. bwd-d128-mods-varlen (default: all)")
     ap.add_argument("--sanitizer", default=None, help="compute-sanitizer binary")
     ap.add_argument("--log-dir", default=None, help="where the logs go (default: a temporary directory)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per run (a hang is reported as such)")
@@ -226,6 +246,12 @@ def main(argv=None) -> int:
         paths = [get_path(n) for n in wanted]
     families = set(args.families.split(",")) if args.families else None
     cases = build_cases(paths, families)
+    if args.shapes:
+        shapes = set(args.shapes.split(","))
+        known = {name for name, _, _ in SHAPES + BWD_SHAPES + MOD_SHAPES} | {"splitkv", "paged"}
+        if shapes - known:
+            raise SystemExit(f"unknown shapes {sorted(shapes - known)}; known: {sorted(known)}")
+        cases = [c for c in cases if c["shape"] in shapes]
     groups: dict[str, list] = {}
     for c in cases:
         groups.setdefault(c["family"], []).append(c)

@@ -38,6 +38,9 @@ LAYOUTS = (
 )
 PAGED_LAYOUTS = (("dense", "paged"), ("packed", "paged"))
 APIS = ("driver", "driver", "public")
+# testing_mods.MODS names, "" (none) most often; score-mod ones never with softcap (upstream refuses both)
+MODS = ("", "", "", "", "position", "alibi", "scalar", "document", "prefix", "prefix+position")
+MASK_ONLY_MODS = ("document", "prefix")
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
 
 
@@ -100,6 +103,7 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         "lse": _cycle(rng, (True, False), n),
         "layout": _cycle(rng, LAYOUTS, n),
         "sink": _cycle(rng, (False, False, True), n),
+        "mods": _cycle(rng, MODS, n),
     }
     fwd = []
     for i in range(n):
@@ -116,15 +120,23 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         if s.paged and rng.random() < 0.2:
             layout = rng.choice(PAGED_LAYOUTS)
         sink = cols["sink"][i] and s.sinks
-        api = "public" if layout[1] == "paged" or s.splits or sink else cols["api"][i]
+        softcap = cols["softcap"][i] if s.softcap else 0.0
+        mods = _mods(cols["mods"][i], s, softcap)
+        api = "public" if layout[1] == "paged" or s.splits or sink or mods else cols["api"][i]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=dv, qhead_per_kvhead=ratio, pack_gqa=pack, mask=mask,
-            softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
-            q_layout=layout[0], k_layout=layout[1], sink=sink,
+            softcap=softcap, return_lse=cols["lse"][i],
+            q_layout=layout[0], k_layout=layout[1], sink=sink, mods=mods,
         )
         fwd.append(FuzzCase(i, path, api, case))
     return fwd, _backward_cases(rng, runnable, plan.bwd_cases, mode)
+
+
+def _mods(drawn: str, supports, softcap: float) -> str:
+    if not drawn or not supports.mods:
+        return ""
+    return drawn if not softcap or drawn in MASK_ONLY_MODS else "document"
 
 
 def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mode: str) -> list:
@@ -144,6 +156,7 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         "lse": _cycle(rng, (False, True), n),
         "layout": _cycle(rng, LAYOUTS, n),
         "sink": _cycle(rng, (False, True), n),
+        "mods": _cycle(rng, MODS, n),
     }
     out = []
     for i in range(n):
@@ -154,11 +167,13 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         if "d64-noncausal" in gaps and d == 64 and mask == "none":
             mask = "causal"
         layout = cols["layout"][i] if s.varlen and "varlen" not in gaps else ("dense", "dense")
+        softcap = cols["softcap"][i] if s.softcap else 0.0
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,
-            softcap=cols["softcap"][i] if s.softcap else 0.0, return_lse=cols["lse"][i],
+            softcap=softcap, return_lse=cols["lse"][i],
             q_layout=layout[0], k_layout=layout[1], backward=True, sink=cols["sink"][i] and s.sinks,
+            mods=_mods(cols["mods"][i], s, softcap),
         )
         out.append(FuzzCase(i, path, "public", case))
     return out

@@ -232,8 +232,19 @@ def test_rule_matches_upstream_formula():
 # ------------------------------------------------------------------------------------------------
 
 
-def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0):
-    """forward_via_api replacement: the fp32 reference, differentiable, assembled in q's layout."""
+def _index_blind(twins: dict) -> dict:
+    """What upstream's SM80/SM120 backward step does with a modifier: every index 0."""
+    blind = {}
+    if twins.get("score_fn") is not None:
+        blind["score_fn"] = lambda s, h, qi, ki, fn=twins["score_fn"]: fn(s, h * 0, qi * 0, ki * 0)
+    if twins.get("keep_fn") is not None:
+        blind["keep_fn"] = lambda h, qi, ki, fn=twins["keep_fn"]: fn(h * 0, qi * 0, ki * 0)
+    return blind
+
+
+def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0, blind_mods: bool = False):
+    """forward_via_api replacement: the fp32 reference, differentiable, assembled in q's layout.
+    blind_mods: the modifiers' twins see index 0 everywhere (the bug the modifier backward fixes)."""
 
     def forward_via_api(inputs, case, problem):
         outs, lses = [], []
@@ -242,9 +253,10 @@ def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0):
             sink = inputs.sink * sink_grad_scale - inputs.sink.detach() * (sink_grad_scale - 1.0)
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
+            twins = testing._mod_twins(case, inputs, i)
             o, l = testing.attention_ref(q_i, k_i, v_i, causal=case.causal, window=problem.window(case),
                                          softmax_scale=problem.softmax_scale, softcap=case.softcap,
-                                         learnable_sink=sink)
+                                         learnable_sink=sink, **(_index_blind(twins) if blind_mods else twins))
             outs.append(o[0] + (grad_scale - 1.0) * (o[0] - o[0].detach()))  # same value, scaled gradient
             lses.append(l[0])
         if inputs.q_layout.kind == "packed":
@@ -283,6 +295,42 @@ def test_check_backward_with_a_sink_checks_dsink(monkeypatch, layout):
     monkeypatch.setattr(testing, "forward_via_api", _stand_in(sink_grad_scale=1.2))
     with pytest.raises(CheckFailure, match="dsink"):
         testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+@pytest.mark.parametrize("mods", ["position", "alibi", "document", "prefix+position"])
+def test_check_backward_with_mods_catches_an_index_blind_kernel(monkeypatch, mods):
+    """A modifier case passes with the twins applied at the real indices and fails where a kernel passed
+    index 0 to them (upstream's SM80/SM120 backward step)."""
+    case = AttnCase("bfloat16", 16, 16, 2, None, "none", 0.0, True, "packed", "packed", backward=True, mods=mods)
+    problem = AttnProblem((40, 9), (45, 12), nheads_kv=2, seed=7)
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in())
+    stats = testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+    assert set(stats) >= {"out", "dq", "dk", "dv"}
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in(blind_mods=True))
+    with pytest.raises(CheckFailure):
+        testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+def test_a_keep_twin_replaces_causal_as_upstream():
+    """keep_fn = causal on a square problem equals the causal flag; given with causal=True it replaces it."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(3))
+    causal = testing.attention_ref(q, k, v, causal=True)
+    keep = testing.attention_ref(q, k, v, keep_fn=lambda h, qi, ki: ki <= qi)
+    torch.testing.assert_close(keep[0], causal[0])
+    full = testing.attention_ref(q, k, v, causal=True, keep_fn=lambda h, qi, ki: ki >= 0)
+    torch.testing.assert_close(full[0], testing.attention_ref(q, k, v)[0])
+
+
+def test_mod_cases_are_drawn_through_the_public_api_never_with_softcap_and_a_score_mod():
+    from flash_attn_sm120 import testing_mods
+
+    fwd, bwd = static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["deep"], seed=1, mode="emulated")
+    modded = [c for c in fwd + bwd if c.case.mods]
+    assert modded and all(c.api == "public" for c in modded)
+    assert {c.case.mods for c in modded} == set(testing_mods.MODS)
+    assert any(c.case.mods for c in bwd)
+    assert not [c for c in modded if c.case.softcap and testing_mods.has_score_mod(c.case.mods)]
 
 
 def test_sink_cases_are_drawn_through_the_public_api():

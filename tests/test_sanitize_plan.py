@@ -20,10 +20,16 @@ def test_every_path_gets_every_shape_and_cases_fit_the_path():
     paths = kernel_paths()
     cases = sanitize.build_cases(paths)
     assert {c["path"] for c in cases} == {p.name for p in paths if p.head_dims()}
+    first_of_family = {}
+    for p in paths:
+        if p.head_dims():
+            first_of_family.setdefault(p.family, p.name)
     for p in paths:
         extra = {"splitkv"} if p.supports.splits else set()
         extra |= {"paged"} if p.supports.paged else set()
         extra |= {name for name, _, _ in sanitize.BWD_SHAPES} if p.family == "dispatch" else set()
+        # the sink fold and forward modifiers: once per kernel family
+        extra |= {name for name, _, _ in sanitize.MOD_SHAPES} if first_of_family.get(p.family) == p.name else set()
         expected = {name for name, _, _ in sanitize.SHAPES} | extra if p.head_dims() else set()
         assert {c["shape"] for c in cases if c["path"] == p.name} == expected
     by_name = {p.name: p for p in paths}
@@ -38,7 +44,8 @@ def test_adapt_respects_a_restricted_path_and_makes_runnable_problems():
                           Supports(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False, pack_gqa=False,
                                    local=False, softcap=False, splits=True, paged=True))
     cases = sanitize.build_cases([tma_like])
-    assert {c["shape"] for c in cases} == {name for name, _, _ in sanitize.SHAPES} | {"splitkv", "paged"}
+    assert {c["shape"] for c in cases} == ({name for name, _, _ in sanitize.SHAPES} | {"splitkv", "paged"}
+                                           | {name for name, _, _ in sanitize.MOD_SHAPES})
     for c in cases:
         case = AttnCase(**c["case"])
         assert case.head_dim in (64, 96, 128) and case.softcap == 0.0 and not case.local
