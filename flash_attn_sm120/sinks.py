@@ -103,6 +103,8 @@ def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: Op
 def _rowsum(dout: torch.Tensor, out: torch.Tensor, wide: torch.dtype, chunk_elems: int = 1 << 26) -> torch.Tensor:
     """rowsum(dO * O') over the head dim in `wide` precision, a slice of the leading dim at a time, so
     that the widened temporaries stay near chunk_elems elements (not three times O's size in fp32)."""
+    if dout.shape[0] == 0:  # no rows (a varlen batch of empty sequences)
+        return torch.zeros(dout.shape[:-1], dtype=wide, device=dout.device)
     rows = max(1, chunk_elems // max(1, dout[0].numel()))
     parts = [(dout[i:i + rows].to(wide) * out[i:i + rows].to(wide)).sum(-1) for i in range(0, dout.shape[0], rows)]
     return torch.cat(parts) if len(parts) != 1 else parts[0]

@@ -133,10 +133,12 @@ def make_aux(name: str, seqlens_q, seqlens_k, num_heads: int, device, gen: torch
     if kind == "slopes":
         return [torch.exp2(-torch.arange(1, num_heads + 1, device=device, dtype=torch.float32) * (8.0 / num_heads))]
     if kind == "documents":  # each row: 1-4 documents of random lengths over max(seqlen) positions
-        length = max([1, *seqlens_q, *seqlens_k])
+        length = max([2, *seqlens_q, *seqlens_k])  # 2+ columns: a (b, 1) tensor has no unique stride-1 dim
         starts = torch.rand(len(seqlens_q), length, generator=gen, device=device) < 3.0 / length
         starts[:, 0] = False
-        return [starts.cumsum(dim=1).to(torch.int32).contiguous()]
+        ids = starts.cumsum(dim=1).to(torch.int32).contiguous()
+        ids.__leading_dim__ = 1  # upstream's to_cute_aux_tensor: the contiguous mode, even for one row
+        return [ids]
     return None
 
 

@@ -461,8 +461,10 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
                 write = self.advance_pipeline(write)
             next_block = cutlass.min(next_block, n_min_causal - 1)
         n_min_before_local = block_info.get_n_block_min_before_local_mask(seqlen, m_block, n_block_min)
+        # a mask_mod masks every block (found by the fuzz harness: interior blocks of a split went unmasked)
+        interior_mask = partial(mask_fn, mask_seqlen=False) if const_expr(self.mask_mod is not None) else None
         for i in cutlass.range(cutlass.max(next_block - n_min_before_local + 1, 0), unroll=1):
-            step(next_block - i, read, write, mask_fn=None)
+            step(next_block - i, read, write, mask_fn=interior_mask)
             read = self.advance_pipeline(read)
             write = self.advance_pipeline(write)
         if const_expr(self.is_local):
