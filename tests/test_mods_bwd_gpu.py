@@ -297,3 +297,15 @@ def test_score_mod_without_its_backward_is_refused_at_backward():
     out = flash_attn_sm120.flash_attn_func(q, k, v, score_mod=position_scale)[0]  # the forward is fine (upstream)
     with pytest.raises(ValueError, match="score_mod_bwd is required"):
         out.backward(dout)
+
+
+# ---- forward families: a mask_mod on every key block ----------------------------------------------------
+
+@pytest.mark.parametrize("num_splits,sq", [(3, 64), (0, 1)], ids=["splits", "decode"])
+def test_mask_mod_on_every_key_block_of_a_split(num_splits, sq):
+    """The SplitKV kernel once skipped a mask_mod on a split's interior key blocks (found by the fuzz
+    harness): a long key sequence, three splits or a decode step, the prefix-LM mask and a score_mod."""
+    q, k, v, dout = _inputs(2, sq, 2000, 8, 2, 128, seed=50 + sq)
+    check_against_ref(q, k, v, dout, dict(mask_mod=prefix_lm, score_mod=position_scale, num_splits=num_splits),
+                      dict(keep_fn=lambda b, h, qi, ki: (ki <= qi) | (ki < PREFIX), score_fn=position_scale_ref),
+                      check_bwd=False)

@@ -225,8 +225,9 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
         batch_idx: Int32,
     ):
         if const_expr(self.fold_sink_in_epilogue):
-            sink_fold.fold_sink(acc_O, lse, self._sink, tiled_mma.get_slice(tidx), self.tile_m, self.tile_hdimv,
-                                m_block, head_idx, self.qhead_per_kvhead, self.pack_gqa)
+            row_sinks = sink_fold.load_row_sinks(self._sink, tiled_mma.get_slice(tidx), self.tile_m, self.tile_hdimv,
+                                                 m_block, head_idx, self.qhead_per_kvhead, self.pack_gqa)
+            sink_fold.fold_sink(acc_O, lse, row_sinks)
         FlashAttentionForwardSm120.epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O,
                                             tiled_mma, tidx, m_block, head_idx, batch_idx)
 

@@ -305,6 +305,10 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
                 softmax_scale_log2, num_rows=acc_O.shape[0][0] * acc_O.shape[1], softmax_scale=softmax_scale
             )
             softmax.reset()
+            row_sinks = None
+            if const_expr(self.has_sink):  # loaded now, its latency hidden by the mainloop
+                row_sinks = sink_fold.load_row_sinks(sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block, head_idx,
+                                                     self.qhead_per_kvhead, self.pack_gqa)
 
             if n_block_min < n_block_max:
                 self.attend(
@@ -319,8 +323,7 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
             row_scale = softmax.finalize()
             softmax.rescale_O(acc_O, row_scale)
             if const_expr(self.has_sink):  # once per row: in split 0 only, the combine adds the splits up
-                sink_fold.fold_sink(acc_O, softmax.row_sum, sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block,
-                                    head_idx, self.qhead_per_kvhead, self.pack_gqa,
+                sink_fold.fold_sink(acc_O, softmax.row_sum, row_sinks,
                                     active=split_idx == 0 if const_expr(self.is_split_kv) else True)
             if const_expr(self.is_split_kv):
                 self.epilogue_partial(
