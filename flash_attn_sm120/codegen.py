@@ -292,8 +292,10 @@ def compile_splitkv_cubin(
     arch: str = TARGET_ARCH,
     emulate_host_smem: Optional[tuple] = None,
     kernel_cls: Optional[type] = None,
+    learnable_sink: bool = False,
 ) -> tuple[bytes, int]:
     """Compile one splitkv-family kernel (driver_splitkv) for `arch`; returns (cubin, launch smem).
+    learnable_sink: with an fp32 (h,) sink, folded into split 0's output tile.
 
     split: fp32 partial O (splits, b, s, h, dv) / LSE (splits, b, h, s) outputs; paged: K/V page
     pools (num_pages, page_size, h_kv, d) with an int32 page table. All sizes are symbolic.
@@ -350,10 +352,11 @@ def compile_splitkv_cubin(
     cu_q = make_fake_tensor(Int32, (sym(),), divisibility=1) if varlen_q else None
     used_k = make_fake_tensor(Int32, (batch,), divisibility=1) if seqused_k else None
     window = cutlass.Int32(0) if local else None
+    sink = make_fake_tensor(Float32, (h,), divisibility=1) if learnable_sink else None
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver_splitkv.compile_splitkv_kernel(
             kernel, q, k, v, o, lse, cu_q, None, None, used_k, page_table, window, window, AuxData(None, None),
-            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}",
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink,
         )
         cubin = cubin_of(compiled)
     smem = getattr(kernel, "smem_bytes_launched", None)

@@ -110,3 +110,33 @@ def test_rowsum_in_slices_equals_the_whole():
     whole = (dout * out).sum(-1)
     torch.testing.assert_close(sinks._rowsum(dout, out, torch.float64, chunk_elems=24), whole)
     torch.testing.assert_close(sinks._rowsum(dout, out, torch.float64), whole)
+
+
+# ---- the fold in the kernels (kernels/sink_fold.py), on sm_120a ----------------------------------------
+
+def _table_config(d: int, causal: bool):
+    from flash_attn_sm120.config import load_fwd_table, select_fwd_config
+
+    return select_fwd_config(load_fwd_table(), d, d, causal, False)
+
+
+@pytest.mark.parametrize("family", ["cpasync", "tma", "splitkv"])
+def test_sink_fold_compiles_for_sm120a_without_spills_and_loads_the_sink(family):
+    """Each forward family with a sink: spill-free on sm_120a, and it reads the sink (one more global
+    load) and folds it (more MUFU ex2/lg2) compared with the same kernel without one."""
+    from flash_attn_sm120 import codegen
+    from flash_attn_sm120.config import FwdConfig
+
+    def compile_(sink: bool):
+        if family == "splitkv":
+            return codegen.compile_splitkv_cubin(FwdConfig(128, 64, 64, 1), 128, learnable_sink=sink)[0]
+        cfg = _table_config(64 if family == "cpasync" else 128, causal=family == "tma")
+        assert cfg.family == family, cfg
+        return codegen.compile_fwd_cubin(cfg, 64 if family == "cpasync" else 128, causal=family == "tma",
+                                         learnable_sink=sink)[0]
+
+    plain, sinked = (codegen.inspect_cubin(compile_(s)) for s in (False, True))
+    res, hist, _ = sinked
+    assert res["stack"] == 0 and hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0, res
+    assert hist.get("LDG", 0) > plain[1].get("LDG", 0)
+    assert hist.get("MUFU", 0) > plain[1].get("MUFU", 0)
