@@ -79,14 +79,16 @@ def fold_sink(acc_O: cute.Tensor, lse: cute.Tensor, row_sinks: cute.Tensor, acti
     of one tile, in place, with each row's sink (load_row_sinks) folded in; inactive: unchanged."""
     acc_O_mn = layout_utils.reshape_acc_to_mn(acc_O)
     assert cute.size(acc_O_mn, mode=[0]) == cute.size(lse) == cute.size(row_sinks)
+    # branch-free (selects only): both -inf, an empty row without a sink, stays O = 0 and LSE = -inf
     for r in cutlass.range(cute.size(lse), unroll_full=True):
         sink = row_sinks[r] if active else -Float32.inf
         lse_row = lse[r]
         hi = lse_row if lse_row > sink else sink
-        if hi != -Float32.inf:  # both -inf: an empty row without a sink stays O = 0, LSE = -inf
-            total = (cute.math.exp2((lse_row - hi) * _LOG2_E, fastmath=True)
-                     + cute.math.exp2((sink - hi) * _LOG2_E, fastmath=True))
-            lse_new = hi + cute.math.log2(total, fastmath=True) * _LN_2
-            scale = cute.math.exp2((lse_row - lse_new) * _LOG2_E, fastmath=True)
-            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * scale)
-            lse[r] = lse_new
+        hi = hi if hi != -Float32.inf else Float32(0.0)
+        total = (cute.math.exp2((lse_row - hi) * _LOG2_E, fastmath=True)
+                 + cute.math.exp2((sink - hi) * _LOG2_E, fastmath=True))
+        lse_new = hi + cute.math.log2(total, fastmath=True) * _LN_2  # log2(0) = -inf
+        scale = cute.math.exp2((lse_row - lse_new) * _LOG2_E, fastmath=True)
+        scale = scale if lse_new != -Float32.inf else Float32(1.0)
+        acc_O_mn[r, None].store(acc_O_mn[r, None].load() * scale)
+        lse[r] = lse_new
