@@ -9,7 +9,6 @@ torch = pytest.importorskip("torch")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from flash_attn.cute import utils as fa_utils  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from flash_attn_sm120 import codegen, compile_ops, driver_bwd, interface, validation  # noqa: E402
@@ -19,23 +18,13 @@ from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods, m
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned  # noqa: E402
 
 
-@cute.jit
-def position_scale(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    k = (q_idx + kv_idx) % cute.full_like(q_idx, 4)
-    return score * (k.to(cutlass.Float32) * cute.full_like(score, 0.25) + cute.full_like(score, 1.0))
-
-
-@cute.jit
-def position_scale_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    k = (q_idx + kv_idx) % cute.full_like(q_idx, 4)
-    return grad * (k.to(cutlass.Float32) * cute.full_like(grad, 0.25) + cute.full_like(grad, 1.0))
-
-
-@cute.jit
-def same_document(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    doc = aux_tensors[0]
-    return (fa_utils.scalar_to_ssa(doc[b[0], q_idx[0]], cutlass.Int32)
-            == fa_utils.scalar_to_ssa(doc[b[0], kv_idx[0]], cutlass.Int32))
+from flash_attn_sm120.testing_mods import (  # noqa: E402
+    position_scale,
+    position_scale_bwd,
+    same_document,
+    scalar_scale,
+    scalar_scale_bwd,
+)
 
 
 # ---- rules ---------------------------------------------------------------------------------------------
@@ -129,14 +118,6 @@ def test_modifier_step_compiles_for_sm120a_without_spills(d):
 
 
 def test_modifier_step_compiles_deterministic_with_aux_scalars():
-    @cute.jit
-    def scaled(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-        return score * cute.full_like(score, cutlass.Float32(aux_scalars[0]))
-
-    @cute.jit
-    def scaled_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-        return grad * cute.full_like(grad, cutlass.Float32(aux_scalars[0]))
-
     cubin, _ = codegen.compile_bwd_cubin(_table_config(64), 64, causal=True, deterministic=True, qhead_per_kvhead=2,
-                                         mods=Mods(scaled, scaled_bwd, None, None, (cutlass.Int32(2),)))
+                                         mods=Mods(scalar_scale, scalar_scale_bwd, None, None, (cutlass.Int32(2),)))
     assert codegen.inspect_cubin(cubin)[1].get("HMMA", 0) > 0

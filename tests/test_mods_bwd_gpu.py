@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from flash_attn.cute import utils as fa_utils  # noqa: E402
 
 import flash_attn_sm120  # noqa: E402
 from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
@@ -24,53 +23,27 @@ from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-# ---- modifiers (CuTe) and their PyTorch twins ---------------------------------------------------
+# ---- modifiers (CuTe, testing_mods.py) and their PyTorch twins -----------------------------------------
 
-@cute.jit
-def position_scale(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    """score * (1 + ((q_idx + 2 kv_idx + h) mod 4) / 4)"""
-    k = (q_idx + kv_idx * cute.full_like(kv_idx, 2) + h) % cute.full_like(q_idx, 4)
-    return score * (k.to(cutlass.Float32) * cute.full_like(score, 0.25) + cute.full_like(score, 1.0))
-
-
-@cute.jit
-def position_scale_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    k = (q_idx + kv_idx * cute.full_like(kv_idx, 2) + h) % cute.full_like(q_idx, 4)
-    return grad * (k.to(cutlass.Float32) * cute.full_like(grad, 0.25) + cute.full_like(grad, 1.0))
+from flash_attn_sm120.testing_mods import (  # noqa: E402
+    PREFIX,
+    alibi as head_slope_bias,
+    identity_bwd,
+    position_scale,
+    position_scale_bwd,
+    prefix_lm,
+    same_document,
+    scalar_scale,
+    scalar_scale_bwd,
+)
 
 
 def position_scale_ref(s, b, h, qi, ki):
     return s * (1.0 + ((qi + 2 * ki + h) % 4).to(s.dtype) / 4)
 
 
-@cute.jit
-def head_slope_bias(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    """ALiBi with slopes from aux_tensors[0] (h,) fp32: score + slope[h] * (kv_idx - q_idx)"""
-    slopes = aux_tensors[0]
-    h_frag = cute.make_rmem_tensor(1, cutlass.Int32)
-    h_frag.store(h)
-    slope = cute.make_rmem_tensor(1, cutlass.Float32)
-    slope[0] = slopes[h_frag[0]]
-    return score + slope.load() * (kv_idx - q_idx).to(cutlass.Float32)
-
-
-@cute.jit
-def identity_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    return grad
-
-
 def head_slope_ref(slopes):
     return lambda s, b, h, qi, ki: s + slopes.to(s.dtype)[h] * (ki - qi).to(s.dtype)
-
-
-@cute.jit
-def scalar_scale(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-    return score * cute.full_like(score, cutlass.Float32(aux_scalars[0]))
-
-
-@cute.jit
-def scalar_scale_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-    return grad * cute.full_like(grad, cutlass.Float32(aux_scalars[0]))
 
 
 @cute.jit
@@ -81,24 +54,6 @@ def batch_bias_scalar_scale(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors
     value = cute.make_rmem_tensor(1, bias.element_type)
     value[0] = bias[b_frag[0]]
     return score * cute.full_like(score, cutlass.Float32(aux_scalars[0])) + value.load().to(cutlass.Float32)
-
-
-@cute.jit
-def same_document(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    """Document masking: aux_tensors[0] (batch, seqlen) int32 document ids, one sequence per batch row."""
-    doc = aux_tensors[0]
-    q_doc = fa_utils.scalar_to_ssa(doc[b[0], q_idx[0]], cutlass.Int32)
-    kv_doc = fa_utils.scalar_to_ssa(doc[b[0], kv_idx[0]], cutlass.Int32)
-    return q_doc == kv_doc
-
-
-PREFIX = 37
-
-
-@cute.jit
-def prefix_lm(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-    """Bidirectional over the first PREFIX keys, causal (top-left) after."""
-    return (kv_idx <= q_idx) | (kv_idx < cute.full_like(kv_idx, PREFIX))
 
 
 # ---- reference -------------------------------------------------------------------------------------
