@@ -903,10 +903,6 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         mask = AttentionMask(
             self.tile_m, self.tile_n, seqlen, window_size_left, window_size_right, self.qhead_per_kvhead_packgqa
         )
-        row_sinks = None
-        if const_expr(self.has_sink):  # loaded now, its latency hidden by the mainloop
-            row_sinks = sink_fold.load_row_sinks(sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block, head_idx,
-                                                 self.qhead_per_kvhead, self.pack_gqa)
 
         # P of the last processed n_block, bf16/fp16 in registers, the A operand of O += P V
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
@@ -962,10 +958,13 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
                 kv_v.advance()
 
-        row_scale = softmax.finalize()
-        softmax.rescale_O(acc_O, row_scale)
+        # with a sink, the final softmax counts it (one more column per row, no value)
+        row_sinks = None
         if const_expr(self.has_sink):
-            sink_fold.fold_sink(acc_O, softmax.row_sum, row_sinks)
+            row_sinks = sink_fold.load_row_sinks(sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block, head_idx,
+                                                 self.qhead_per_kvhead, self.pack_gqa)
+        row_scale = softmax.finalize(sink_val=row_sinks)
+        softmax.rescale_O(acc_O, row_scale)
         self.store_output(
             acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, thr_mma_pv, tiled_mma_pv, tidx, warp_idx,
             seqlen, m_block, head_idx, batch_idx,
