@@ -71,6 +71,7 @@ from patchgen.step_bwd import (  # noqa: E402,F401
     render_tuned_module,
     step_sm120_bwd,
 )
+from patchgen.step_mods import _MODS_INTERFACE_EDITS, render_mods_module, step_sm120_mods  # noqa: E402,F401
 from patchgen.step_splitkv import (  # noqa: E402,F401
     _SPLITKV_INTERFACE_EDITS,
     render_splits_module,
@@ -94,6 +95,7 @@ STEPS: tuple[Step, ...] = (
     Step("sm120-splitkv-paged-decode", step_sm120_splitkv_paged),
     Step("sm120-tma-forward", step_sm120_tma),
     Step("sm120-bwd-table-deterministic", step_sm120_bwd),
+    Step("sm120-bwd-score-mod-mask-mod", step_sm120_mods),
 )
 
 

@@ -1,0 +1,241 @@
+"""Patch 0005: score_mod / score_mod_bwd / mask_mod / aux tensors in the SM120 backward.
+
+Lifts the package's modifier backward (`flash_attn_sm120/kernels/bwd_mods.py`, a subclass of the
+tuned backward that patch 0004 lifts as `flash_bwd_sm120_tuned.py`) as upstream's
+`flash_bwd_sm120_mods.py`, and edits `interface.py` so that `_flash_attn_bwd` on SM120 builds it
+whenever a call has a user score_mod/score_mod_bwd (not the softcap pair), a mask_mod or aux
+tensors, as the package's driver does (`driver_bwd.Mods.user`). The commit message quotes the
+session record of the GPU tests and the fuzz run (`configs/measurements/2026-12-01_session10.md`)
+and refuses to be generated if that record no longer says what it quotes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Optional
+
+from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
+from flash_attn_sm120.kernels import bwd_mods as pkg_bwd_mods
+
+from patchgen.core import (
+    CUTE,
+    ROOT,
+    UPSTREAM_DISTRIBUTION,
+    AnchorError,
+    Context,
+    apply_edits,
+    check_no_package_refs,
+    commit_message,
+    substitute,
+    upstream_wording,
+)
+
+WHERE = "flash_attn_sm120/kernels/bwd_mods.py"
+MODS_REL = f"{CUTE}/flash_bwd_sm120_mods.py"
+# the session record the message quotes: the modifier GPU tests and the fuzz run with modifier cases
+DEFAULT_SESSION_RECORD = ROOT / "configs" / "measurements" / "2026-12-01_session10.md"
+
+_MODULE_EDITS = (  # on the package module's whole source: wording inside upstream, upstream's imports
+    ("Why this exists: upstream's SM80/SM120 backward step calls",
+     "Why this exists: the SM80/SM120 backward step calls"),
+    ("wrong gradients there. Upstream's SM90/SM100 backwards pass the real indices.",
+     "wrong gradients there. The SM90/SM100 backwards pass the real indices."),
+    ("(FlashAttention-2's backward, as bwd_sm120.py):", "(FlashAttention-2's backward, as the tuned one):"),
+    ("(without a mask_mod: upstream's causal / local / seqlen rule, bwd_mask.py)",
+     "(without a mask_mod: the causal / local / seqlen rule, apply_mask_any_layout)"),
+    ("(as upstream's SM90 backward does)", "(as the SM90 backward does)"),
+    ("The modifier application is upstream's (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,\n"
+     "`call_mask_mod`, by import). The rest of the step (loads, products, shared-memory hand-offs) is\n"
+     "this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits\n",
+     "The modifier application is the shared one (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,\n"
+     "`call_mask_mod`, by import from softmax.py and mask.py). The rest of the step (loads, products,\n"
+     "shared-memory hand-offs) restates FlashAttentionBackwardSm80's step for the configurations the\n"
+     "tuned class admits\n"),
+    ("else upstream's SM80 forward rule", "else the SM80 forward's rule"),
+    ("        # upstream's mask partial carries the CTA's indices",
+     "        # the SM80 step's mask partial carries the CTA's indices"),
+    ("the element lies outside the sequences (upstream's\n"
+     "        mask_mod semantics: it replaces causal/local, and the sequence bounds still apply).",
+     "the element lies outside the sequences (the\n"
+     "        mask_mod semantics of SM90/SM100: it replaces causal/local, the sequence bounds still apply)."),
+    ("            bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
+     "                                           mask_causal=",
+     "            apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
+     "                                  mask_causal="),
+    ("from flash_attn.cute import utils as fa_utils\n",
+     "from flash_attn.cute import utils as fa_utils\n"
+     "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned, apply_mask_any_layout\n"),
+    ("\n\nfrom flash_attn_sm120.kernels import bwd_mask\n"
+     "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n", "\n"),
+)
+_PACKAGE_NAMES = ("bwd_mask", "bwd_sm120.py", "bwd_deterministic", "driver_bwd", "this package")  # none may be left
+_LIFTED = ("mod_vec_size", "FlashAttentionBackwardSm120Mods")  # the definitions the module must still hold
+
+
+def render_mods_module(source: Optional[str] = None) -> str:
+    """flash_bwd_sm120_mods.py: the package's modifier backward in upstream's names (`source`: the
+    package module's text, for tests; by default its current source)."""
+    text = inspect.getsource(pkg_bwd_mods) if source is None else source
+    for old, new in _MODULE_EDITS:
+        text = substitute(text, old, new, where=WHERE)
+    text = upstream_wording(text)  # any later "upstream" in the package's comments
+    for name in _LIFTED:
+        if not re.search(rf"^(def|class) {name}\b", text, re.M):
+            raise AnchorError(f"{WHERE}: no top-level definition {name!r}")
+    for name in _PACKAGE_NAMES:
+        if name in text:
+            raise AnchorError(f"{WHERE}: package-only name {name!r} left in {MODS_REL}")
+    check_no_package_refs(text, MODS_REL)
+    compile(text, "flash_bwd_sm120_mods.py", "exec")
+    return text
+
+
+# ------------------------------------------------------------------------------ interface edits
+_MODS_INTERFACE_EDITS = (
+    (
+        "import of the SM120 modifier backward",
+        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n",
+        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n"
+        "from flash_attn.cute.flash_bwd_sm120_mods import FlashAttentionBackwardSm120Mods\n",
+    ),
+    (
+        "which SM120 calls need the modifier backward",
+        "    window_size = [window_size_left, window_size_right]\n",
+        "    # SM120: a user's score_mod / score_mod_bwd (the softcap pair, made further down, is index-free),\n"
+        "    # a mask_mod or aux tensors run FlashAttentionBackwardSm120Mods, which applies them at each\n"
+        "    # element's (batch, head, q_idx, kv_idx); the SM80/SM120 step passes 0 for all four\n"
+        "    sm120_mods = arch // 10 == 12 and (\n"
+        "        any(f is not None for f in (score_mod, score_mod_bwd, mask_mod)) or bool(aux_tensors)\n"
+        "    )\n"
+        "    window_size = [window_size_left, window_size_right]\n",
+    ),
+    (
+        "SM120 takes score_mod and mask_mod",
+        "        assert score_mod is None and score_mod_bwd is None, \"score_mod backward not supported on SM 12.0\"\n"
+        "        assert mask_mod is None, \"mask_mod backward not supported on SM 12.0\"\n",
+        "        if mask_mod is not None:\n"
+        "            # a mask_mod replaces causal / local, as the forward resolves it\n"
+        "            causal, local, window_size_left, window_size_right = _resolve_causal_local_window(\n"
+        "                causal, window_size_left, window_size_right, mask_mod\n"
+        "            )\n",
+    ),
+    (
+        "SM120 modifiers need a tuned config",
+        "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
+        "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
+        "        )\n",
+        "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
+        "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
+        "        )\n"
+        "        assert not sm120_mods or sm120_bwd_cfg is not None, (\n"
+        "            \"score_mod / mask_mod / aux_tensors backward not supported on SM 12.0 for these head dims\"\n"
+        "        )\n",
+    ),
+    (
+        "the modifier class joins the compile key",
+        "            deterministic,\n"
+        "            sm120_dq_descending,\n",
+        "            deterministic,\n"
+        "            sm120_dq_descending,\n"
+        "            sm120_mods,\n",
+    ),
+    (
+        "SM120 builds the modifier class",
+        "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
+        "            fa_bwd_obj = FlashAttentionBackwardSm120Tuned(\n",
+        "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
+        "            sm120_bwd_cls, sm120_mod_kwargs = FlashAttentionBackwardSm120Tuned, {}\n"
+        "            if sm120_mods:\n"
+        "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
+        "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n"
+        "            fa_bwd_obj = sm120_bwd_cls(\n",
+    ),
+    (
+        "the modifier class takes mask_mod and has_aux_tensors",
+        "                dq_descending=sm120_dq_descending,\n"
+        "            )\n",
+        "                dq_descending=sm120_dq_descending,\n"
+        "                **sm120_mod_kwargs,\n"
+        "            )\n",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------ the record quoted
+def _quote(pattern: str, text: str, what: str, path: Path) -> re.Match:
+    m = re.search(pattern, text, re.S)
+    if m is None:
+        raise AnchorError(f"{path}: the record no longer says {what} (pattern {pattern!r}); revisit step_mods.py")
+    return m
+
+
+def session_facts(path: Path = DEFAULT_SESSION_RECORD) -> dict:
+    """What the message quotes, read from the session record (AnchorError where it says otherwise)."""
+    text = Path(path).read_text()
+    gpu = _quote(r"Every GPU number: (one NVIDIA H200 in SM120 emulation)", text, "the GPU and mode", path)
+    tests = _quote(r"`tests/test_mods_bwd_gpu\.py` \((\d+) tests, fp32 reference, poisoned outputs/gradients\)"
+                   r".*?All pass", text, "the modifier GPU tests' result", path)
+    fuzz = _quote(r"Fast fuzz with doubled case counts \(`([^`]+)`\).*?Run 2 after the fixes: (\d+) cases, (\d+) failures",
+                  text, "the fuzz run's result", path)
+    return dict(
+        gpu=gpu.group(1), tests=int(tests.group(1)),
+        fuzz_command=" ".join(fuzz.group(1).split()), fuzz_cases=int(fuzz.group(2)), fuzz_failures=int(fuzz.group(3)),
+        record=Path(path).relative_to(ROOT).as_posix() if Path(path).is_relative_to(ROOT) else Path(path).name,
+    )
+
+
+def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) -> str:
+    """Patch 5: the SM120 backward applies score_mod, score_mod_bwd and mask_mod at each element's indices."""
+    ctx.write(MODS_REL, render_mods_module())
+    rel = f"{CUTE}/interface.py"
+    ctx.write(rel, apply_edits(ctx.read(rel), _MODS_INTERFACE_EDITS, rel))
+    rule = inspect.getsource(pkg_driver_bwd.Mods)  # the rule the interface restates (sm120_mods)
+    if "not self.from_softcap" not in rule or "self.aux_tensors is not None" not in rule:
+        raise AnchorError("flash_attn_sm120/driver_bwd.py: Mods.user changed; revisit sm120_mods in step_mods.py")
+    f = session_facts(record_path)
+    return commit_message(
+        "[Cute,Sm120] Backward with score_mod, score_mod_bwd, mask_mod and aux tensors",
+        "SM120's backward (FlashAttentionBackwardSm80's m_block step) calls score_mod and score_mod_bwd "
+        "with batch, head, q_idx and kv_idx all 0 and never applies mask_mod, so any modifier that "
+        "depends on a position or on aux tensors indexed by one (ALiBi, relative bias, document masks, "
+        "prefix-LM) gets wrong gradients on SM120; the interface therefore refused score_mod and "
+        "mask_mod there. The SM90 and SM100 backwards pass the real indices. This patch gives the SM120 "
+        "backward the same meaning.",
+        "What changes:",
+        [
+            "flash_bwd_sm120_mods.py (new): FlashAttentionBackwardSm120Mods, a subclass of "
+            "FlashAttentionBackwardSm120Tuned whose m_block step takes each element's (q_idx, kv_idx) "
+            "from the S accumulator's partition of an identity tensor (right for any warp layout), "
+            "applies score_mod, mask_mod and score_mod_bwd there with softmax.py's and mask.py's "
+            "helpers (apply_score_mod_inner, call_mask_mod, apply_score_mod_bwd_inner), and wraps the "
+            "indices into the sequence with aux tensors as the SM90 backward does. Same configs, "
+            "padding and deterministic order as the tuned class.",
+            "interface.py: _flash_attn_bwd on SM120 builds the modifier class, with mask_mod and "
+            "has_aux_tensors, when a call has a user score_mod/score_mod_bwd, a mask_mod or aux "
+            "tensors; the aux data is compiled and passed as for the other archs (AuxData). The "
+            "softcap pair, which is index-free, keeps the tuned class. The choice joins the compile "
+            "key. A mask_mod replaces causal/local as the forward resolves it. Other archs are "
+            "unchanged; SM8x still refuses a user score_mod.",
+        ],
+        "Tested:",
+        [
+            f"Correctness (flash_attn_sm120's own backward, the same kernel code, {f['gpu']}): "
+            f"tests/test_mods_bwd_gpu.py, {f['tests']} tests against an fp32 reference with poisoned "
+            "outputs and gradients (position-dependent score_mod pairs, ALiBi over an aux tensor, aux "
+            "scalars, document masks over an aux tensor, prefix-LM, a mask_mod replacing causal, an "
+            "8-warp config, deterministic, varlen), all pass; the fuzz run with modifier cases, "
+            f"{f['fuzz_cases']} cases, {f['fuzz_failures']} failures (command below). Both are recorded in "
+            f"{f['record']}.",
+        ],
+        f"  {f['fuzz_command']}",
+        [
+            f"This patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version}: the modifier class "
+            "compiles for sm_120a with fake tensors on a CPU (a position-dependent score_mod pair and a "
+            "mask_mod over an aux tensor) without local memory, and _flash_attn_bwd runs on fake CUDA "
+            "tensors with score_mod, score_mod_bwd, mask_mod and aux_tensors and builds it.",
+            "The patched upstream's modifier backward has not run on a GPU yet (its GPU test is written, "
+            "not run), and not on a real SM120: do that before merging.",
+        ],
+    )
