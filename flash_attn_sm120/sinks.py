@@ -14,8 +14,9 @@ D = rowsum(dO * O') already holds its share); the sink's own gradient is
 
     dsink[h] = sum over rows of exp(sink[h] - LSE') * (dLSE' - rowsum(dO * O'))
 
-(upstream: -sum exp(sink - lse) * dpsum, with dpsum = D - dLSE). The forward folds the sink into each kernel's
-output tile in registers (kernels/sink_fold.py; SplitKV: split 0 only), so the kernels return (O', LSE').
+(upstream: -sum exp(sink - lse) * dpsum, with dpsum = D - dLSE). The forward's kernels count the sink themselves
+(the TMA family in its final softmax; cp.async and SplitKV fold it into the output tile in registers,
+kernels/sink_fold.py; SplitKV: split 0 only), so they return (O', LSE').
 This module is the same arithmetic on whole tensors (`apply_sink`, the reference the tests hold the
 kernels to), the API's checks, and the backward's dsink, on the layouts the drivers use: O (b, s, h, d)
 with LSE (b, h, s), or varlen O (total, h, d) with LSE (h, total). dsink costs one pass over dO and O'

@@ -58,8 +58,8 @@ block ranges and score_mod/mask_mod take packed rows through qhead_per_kvhead_pa
 Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 48 keys, which spill:
 `fp16_register_error`), head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
-`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the
-epilogue, sink_fold.py). Refused with NotImplementedError (the driver routes these
+`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row
+sums, sink_fold.load_row_sinks). Refused with NotImplementedError (the driver routes these
 to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of
 qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states
 the rule for the driver.

@@ -35,13 +35,13 @@ from patchgen.step_splitkv import patch_configs_for_decode
 WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
 
 _TMA_DOC_EDITS = (
-    ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the\n"
-     "epilogue, sink_fold.py). Refused with NotImplementedError (the driver routes these\n"
+    ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
+     "sums, sink_fold.load_row_sinks). Refused with NotImplementedError (the driver routes these\n"
      "to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of\n"
      "qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states\n"
      "the rule for the driver.\n",
-     "`apply_score_mod`), mask_mod, LSE output, learnable sinks (folded into the output tile before the\n"
-     "epilogue, flash_fwd_sm120_sink.py). Refused with NotImplementedError (the interface gives\n"
+     "`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
+     "sums, flash_fwd_sm120_sink.load_row_sinks). Refused with NotImplementedError (the interface gives\n"
      "these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a\n"
      "multiple of qhead_per_kvhead, paged KV, block sparsity.\n"),
     ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
