@@ -433,23 +433,16 @@ def compile_bwd_cubin(
     from flash_attn.cute.interface import make_fake_bwd_tensors
     from flash_attn.cute.utils import AuxData
 
+    from flash_attn_sm120.driver_bwd import Mods, kernel_for
     from flash_attn_sm120.driver_bwd import compile_kernel as compile_bwd_kernel
-    from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
-    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
-    common = dict(is_causal=causal, is_local=local, emulate_host_smem=emulate_host_smem,
-                  deterministic=deterministic, dq_descending=dq_descending)
-    aux = AuxData(None, None)
-    if mods is None:
-        kernel = FlashAttentionBackwardSm120Tuned(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, **common)
-    else:
-        kernel = FlashAttentionBackwardSm120Mods(
-            cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, score_mod=mods.score_mod,
-            score_mod_bwd=mods.score_mod_bwd, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None,
-            **common)
-        aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
+    mods = Mods() if mods is None else mods
+    kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods, is_causal=causal,
+                        is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
+                        dq_descending=dq_descending)
+    aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)

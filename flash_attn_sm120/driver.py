@@ -30,7 +30,7 @@ from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcas
 from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import occupancy
+from flash_attn_sm120 import occupancy, sinks
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.kernels import FAMILIES
 
@@ -349,9 +349,8 @@ def empty_result(out: torch.Tensor, lse: Optional[torch.Tensor], learnable_sink:
     out.zero_()
     if lse is not None:
         lse.fill_(float("-inf"))
-        if learnable_sink is not None:  # (b, h, s) or varlen (h, total)
-            sink = learnable_sink.to(lse.dtype)
-            lse.copy_((sink[None, :, None] if lse.dim() == 3 else sink[:, None]).expand_as(lse))
+        if learnable_sink is not None:
+            lse.copy_(sinks.sink_like_lse(learnable_sink, lse).expand_as(lse))
     return out, lse
 
 

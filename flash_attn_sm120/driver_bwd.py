@@ -168,15 +168,21 @@ def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> Flash
     data, the modifier step that sees each element's indices (kernels/bwd_mods.py)."""
     if mods is None:
         mods = resolve_mods(statics.softcap, None, None, None, None, None)
-    common = dict(is_causal=statics.causal, is_local=statics.local, score_mod=mods.score_mod,
-                  score_mod_bwd=mods.score_mod_bwd, emulate_host_smem=host, deterministic=statics.deterministic,
-                  dq_descending=statics.dq_descending)
-    args = (_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
-            statics.qhead_per_kvhead, statics.config)
+    return kernel_for(_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
+                      statics.qhead_per_kvhead, statics.config, mods, is_causal=statics.causal, is_local=statics.local,
+                      emulate_host_smem=host, deterministic=statics.deterministic, dq_descending=statics.dq_descending)
+
+
+def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, config: BwdConfig, mods: Mods,
+               **kwargs) -> FlashAttentionBackwardSm120Tuned:
+    """The kernel object for these modifiers (the driver's and the codegen report's one choice); kwargs:
+    the tuned class's keywords (is_causal, is_local, emulate_host_smem, deterministic, dq_descending)."""
+    args = (dtype, head_dim, head_dim_v, qhead_per_kvhead, config)
+    kwargs.update(score_mod=mods.score_mod, score_mod_bwd=mods.score_mod_bwd)
     if mods.user:
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
-                                               has_aux_tensors=mods.aux_tensors is not None, **common)
-    return FlashAttentionBackwardSm120Tuned(*args, **common)
+                                               has_aux_tensors=mods.aux_tensors is not None, **kwargs)
+    return FlashAttentionBackwardSm120Tuned(*args, **kwargs)
 
 
 def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,

@@ -67,7 +67,7 @@ def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
     return driver.forward(q, k, v, need_lse=need_lse, **fwd_kwargs)
 
 
-def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: dict, return_lse: bool, requires_grad: bool,
+def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: Optional[dict], return_lse: bool, requires_grad: bool,
              learnable_sink: Optional[torch.Tensor] = None, want_lse: Optional[bool] = None):
     """Through autograd when a backward may follow; otherwise straight to the driver (no graph to
     record: autograd.Function's per-call cost matters to small decode calls). want_lse: whether the
@@ -186,7 +186,7 @@ def flash_attn_func(
         dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
              window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic),
         {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
-    )
+    ) if requires_grad else None  # only the autograd Function reads them
     if bwd_needed and deterministic:
         driver_bwd.check_deterministic(causal, left, right, mask_mod)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
@@ -286,7 +286,7 @@ def flash_attn_varlen_func(
              window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic,
              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
         present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
-    )
+    ) if requires_grad else None  # only the autograd Function reads them
     if bwd_needed and deterministic:
         driver_bwd.check_deterministic(causal, left, right, mask_mod)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)

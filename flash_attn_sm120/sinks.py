@@ -44,7 +44,7 @@ def check_sink(learnable_sink: torch.Tensor, num_heads: int, device: torch.devic
         raise ValueError(f"learnable_sink is on {learnable_sink.device}, q on {device}")
 
 
-def _lse_rows_last(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def sink_like_lse(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """sink broadcast against lse: (1, h, 1) for (b, h, s), (h, 1) for varlen (h, total)."""
     s = sink.to(torch.promote_types(lse.dtype, torch.float32))
     return s[None, :, None] if lse.dim() == 3 else s[:, None]
@@ -58,7 +58,7 @@ def _per_token(x: torch.Tensor) -> torch.Tensor:
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(O', LSE') from the sink-free (O, LSE); O is rescaled in place, LSE' is a new tensor (fp32 from
     the kernels' fp32 LSE)."""
-    lse_sink = torch.logaddexp(lse, _lse_rows_last(learnable_sink, lse))
+    lse_sink = torch.logaddexp(lse, sink_like_lse(learnable_sink, lse))
     # 0 for an empty row (lse = -inf); a sink of -inf on an empty row leaves LSE' = -inf, O' = 0, as upstream
     factor = torch.where(torch.isneginf(lse_sink), 0.0, torch.exp(lse - lse_sink))
     out.mul_(_per_token(factor))  # one pass over O, the product in fp32, rounded once to O's dtype
@@ -91,7 +91,7 @@ def sink_grad(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: Op
     wide = torch.promote_types(lse.dtype, torch.float32)
     rowsum = _rowsum(dout, out, wide)  # (b, s, h) or (total, h)
     rowsum = rowsum.transpose(1, 2) if lse.dim() == 3 else rowsum.transpose(0, 1)  # LSE's layout
-    sink = _lse_rows_last(learnable_sink, lse)
+    sink = sink_like_lse(learnable_sink, lse)
     p_sink = torch.where(torch.isneginf(sink), 0.0, torch.exp(sink - lse))  # a -inf sink has no share
     coeff = -rowsum if dlse is None else dlse.to(wide) - rowsum
     per_row = p_sink * coeff

@@ -402,6 +402,12 @@ def test_driver_call_helpers_shared_by_both_drivers():
     lse_given = torch.full((8, 10), float("nan"))
     out, lse = driver.empty_result(*driver.allocate_outputs(q.view(10, 8, 64), 8, 32, True, False, given, lse_given)[:2])
     assert out is given and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    # with a sink, no key leaves its logit as the LSE (upstream's meaning), dense and varlen layouts
+    sink = torch.arange(8, dtype=torch.bfloat16) - 3.0
+    _, lse = driver.empty_result(given, torch.empty(8, 10), sink)
+    assert torch.equal(lse, sink.float()[:, None].expand(8, 10))
+    _, lse = driver.empty_result(torch.empty(2, 5, 8, 32), torch.empty(2, 8, 5), sink)
+    assert torch.equal(lse, sink.float()[None, :, None].expand(2, 8, 5))
 
 
 def _stub_split_launch(monkeypatch, info):
