@@ -139,9 +139,12 @@ def compile_fwd_cubin(
     kernel_out: Optional[list] = None,
     kernel_cls: Optional[type] = None,
     learnable_sink: bool = False,
+    block_sparse: Optional[tuple] = None,
 ) -> tuple[bytes, int]:
     """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
     learnable_sink: with an fp32 (h,) sink (folded into the output tile, kernels/sink_fold.py).
+    block_sparse: (q_subtile_factor, kv_subtile_factor, with full lists) for block-sparse lists
+    (kernels/fwd_block_sparse.py, TMA family).
 
     upstream_class=True builds upstream's own FlashAttentionForwardSm120 (the reference row);
     kernel_cls builds that class with upstream's constructor arguments instead (e.g. a patched
@@ -163,6 +166,7 @@ def compile_fwd_cubin(
         has_cu_seqlens_k=False, has_seqused_q=False, has_seqused_k=False, has_window_left=local,
         has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
+        block_sparse=None if block_sparse is None else (*block_sparse, None),
     )
     if upstream_class or kernel_cls is not None:
         kernel = (kernel_cls or FlashAttentionForwardSm120)(
@@ -183,10 +187,18 @@ def compile_fwd_cubin(
     lse = make_fake_tensor(cutlass.Float32, (b, h, sq), divisibility=1) if has_lse else None
     window = cutlass.Int32(0) if local else None
     sink = make_fake_tensor(cutlass.Float32, (h,), divisibility=1) if learnable_sink else None
+    sparse = None
+    if block_sparse is not None:
+        from flash_attn.cute.block_sparsity import BlockSparseTensors
+
+        m, n = cute.sym_int(), cute.sym_int()
+        lists = [make_fake_tensor(cutlass.Int32, shape, divisibility=1)
+                 for shape in ((b, h, m), (b, h, m, n)) * (2 if block_sparse[2] else 1)]
+        sparse = BlockSparseTensors(*lists)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
             kernel, q, k, v, o, lse, None, None, None, None, window, window, AuxData(None, None),
-            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink,
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

@@ -30,7 +30,7 @@ from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcas
 from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import occupancy, sinks
+from flash_attn_sm120 import block_sparse, occupancy, sinks
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.kernels import FAMILIES
 
@@ -64,6 +64,8 @@ class FwdStatics:
     config: FwdConfig
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
     sink_dtype: Optional[str] = None  # a learnable_sink's, folded into the output tile (kernels/sink_fold.py)
+    # block sparsity (block_sparse.statics_key): (q_subtile, kv_subtile, has full lists, stride-0 dims)
+    block_sparse: Optional[tuple] = None
 
 
 def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False,
@@ -74,6 +76,8 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
     """
     cfg = statics.config
     cls = kernel_cls or FAMILIES[cfg.family].kernel_cls
+    if statics.block_sparse is not None:
+        extra = dict(extra, q_subtile_factor=statics.block_sparse[0], kv_subtile_factor=statics.block_sparse[1])
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,
@@ -108,7 +112,7 @@ def quiet_compile(*args, **kwargs):
 
 
 def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_left, window_right, aux: AuxData,
-                   options: str = "", learnable_sink=None):
+                   options: str = "", learnable_sink=None, blocksparse=None):
     """cute.compile with upstream's SM80/SM120 forward call convention (cute tensors or fakes)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return quiet_compile(
@@ -117,7 +121,7 @@ def compile_kernel(kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window_l
         None,  # page table
         window_left, window_right,
         learnable_sink,
-        None,  # block sparsity
+        blocksparse,
         aux,
         None, None,  # varlen tile-count hints (optional)
         stream,
@@ -130,7 +134,7 @@ def describe(statics: FwdStatics) -> str:
     flags = [f for f, on in (("causal", statics.causal), ("local", statics.local), ("pack_gqa", statics.pack_gqa),
                               ("varlen", statics.has_cu_seqlens_q or statics.has_cu_seqlens_k),
                               ("score_mod", statics.score_mod_hash), ("mask_mod", statics.mask_mod_hash),
-                              ("sink", statics.sink_dtype)) if on]
+                              ("sink", statics.sink_dtype), ("block_sparse", statics.block_sparse)) if on]
     return (f"{statics.config.name} d={statics.head_dim}/{statics.head_dim_v} {statics.dtype} "
             f"qhead_per_kvhead={statics.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
 
@@ -232,6 +236,7 @@ def build_statics(
     config: FwdConfig,
     emulate_host_smem: Optional[tuple],
     learnable_sink: Optional[torch.Tensor] = None,
+    block_sparse_key: Optional[tuple] = None,
 ) -> FwdStatics:
     """The compile key of a forward call (resolved causal/local flags, resolved config)."""
     return FwdStatics(
@@ -256,6 +261,7 @@ def build_statics(
         config=config,
         emulate_host_smem=emulate_host_smem,
         sink_dtype=None if learnable_sink is None else str(learnable_sink.dtype).replace("torch.", ""),
+        block_sparse=block_sparse_key,
     )
 
 
@@ -312,6 +318,40 @@ def choose_statics(
         learnable_sink=learnable_sink,
     )
     return _route(statics, pack_gqa_chosen, config_given, causal, local)
+
+
+def choose_block_sparse(
+    q, k, v, tensors, *, causal: bool, local: bool, pack_gqa: bool, pack_gqa_chosen: bool, config: Optional[FwdConfig],
+    **build,
+) -> tuple[FwdStatics, object]:
+    """(compile key, upstream's normalized sparse config) of a block-sparse forward: the given or forced
+    config, else the first of block_sparse.forward_candidates that the TMA family serves."""
+    block_size = block_sparse.sparse_block_size(tensors, q.shape[1], k.shape[1])
+    if pack_gqa and not block_sparse.heads_broadcast(tensors):
+        pack_gqa = False  # upstream's rule: packed GQA needs the same lists for every head
+    config_given = config is not None or bool(_forced_config)
+    if config is None and _forced_config:
+        config = _forced_config[-1]
+    candidates = [config] if config_given else block_sparse.forward_candidates(q.shape[-1], v.shape[-1], block_size)
+    reasons = []
+    for cfg in candidates:
+        if cfg.family != "tma":
+            reasons.append(f"config {cfg.name} is not a TMA config")
+            continue
+        if not block_sparse.divides(cfg, block_size):
+            raise ValueError(f"block sparsity: config {cfg.name}'s tile does not divide the sparse block {block_size}")
+        norm = block_sparse.normalize(tensors, cfg, batch=q.shape[0], num_heads=q.shape[2], seqlen_q=q.shape[1],
+                                      seqlen_k=k.shape[1], block_size=block_size, device=q.device)
+        statics = build_statics(q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, config=cfg,
+                                block_sparse_key=block_sparse.statics_key(norm), **build)
+        check = FAMILIES["tma"].kernel_cls.unsupported_reason
+        if check(statics) is not None and statics.pack_gqa and not pack_gqa_chosen:
+            statics = replace(statics, pack_gqa=False)
+        reason = check(statics)
+        if reason is None:
+            return statics, norm
+        reasons.append(reason)
+    raise block_sparse.no_config_error(block_size, q.shape[-1], v.shape[-1], reasons)
 
 
 def resolve_pack_gqa(pack_gqa: Optional[bool], qhead_per_kvhead: int) -> bool:
@@ -379,9 +419,11 @@ def forward(
     lse: Optional[torch.Tensor] = None,
     config: Optional[FwdConfig] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    block_sparse_tensors=None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run the SM120 forward on validated inputs; returns (out, lse or None). learnable_sink (h,):
-    upstream's sink, folded into the kernel's output (out and lse are the sink's result)."""
+    upstream's sink, folded into the kernel's output (out and lse are the sink's result).
+    block_sparse_tensors: upstream's BlockSparseTensorsTorch (block_sparse.py, the TMA family)."""
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv, head_dim_v = v.shape[-2:]
     qhead_per_kvhead = num_heads // num_heads_kv
@@ -397,23 +439,31 @@ def forward(
         return empty_result(out, lse, learnable_sink)
 
     score_mod = softcap_score_mod(softcap, score_mod)
-    statics = choose_statics(
-        q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, pack_gqa_chosen=pack_gqa_chosen,
+    build = dict(
         has_lse=lse is not None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
         seqused_k=seqused_k, window_size_left=window_size_left, window_size_right=window_size_right,
-        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, config=config,
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
         emulate_host_smem=emulate_host_smem, learnable_sink=learnable_sink,
     )
+    sparse = None  # upstream's NormalizedBlockSparseConfig
+    if block_sparse_tensors is not None:
+        statics, sparse = choose_block_sparse(q, k, v, block_sparse_tensors, causal=causal, local=local,
+                                              pack_gqa=pack_gqa, pack_gqa_chosen=pack_gqa_chosen, config=config,
+                                              **build)
+    else:
+        statics = choose_statics(q, k, v, causal=causal, local=local, pack_gqa=pack_gqa,
+                                 pack_gqa_chosen=pack_gqa_chosen, config=config, **build)
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
     if key not in _verified_keys:
         _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                         learnable_sink)
+                         learnable_sink, sparse)
     _compile_cache[key](
         q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        None, window_size_left, window_size_right, learnable_sink, None,
+        None, window_size_left, window_size_right, learnable_sink,
+        None if sparse is None else block_sparse.launch_tuple(sparse),
         AuxData(aux_tensors, aux_scalars),
         None, None,
     )
@@ -422,7 +472,7 @@ def forward(
 
 def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                     learnable_sink=None) -> None:
+                     learnable_sink=None, sparse=None) -> None:
     """Compile and occupancy-check the kernel of `key`, once per process.
 
     A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on a real SM120 (the check there only
@@ -441,6 +491,7 @@ def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
             lambda kernel, options: compile_kernel(
                 kernel, *tensors, cute_lse, *index, window_size_left, window_size_right,
                 AuxData(cute_aux, aux_scalars), options=options, learnable_sink=cute_sink,
+                blocksparse=None if sparse is None else block_sparse.cute_tensors(sparse),
             ),
             statics.emulate_host_smem, q.device, describe(statics),
         )

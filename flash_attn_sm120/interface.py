@@ -48,11 +48,12 @@ def _check_common_features(
         qv_MLA_absorbed_attention=qv is not None,
         gather_kv_indices_sparse_MLA=gather_kv_indices is not None,
         gather_bwd_options=gather_bwd_recompute_p or gather_bwd_token_chunk is not None,
-        block_sparsity=block_sparse_tensors is not None,
+        block_sparsity_with_paged_KV=block_sparse_tensors is not None and page_table is not None,
         scheduler_metadata=scheduler_metadata is not None,
     )
     if requires_grad:
-        validation.reject_unsupported(paged_KV_backward=page_table is not None)
+        validation.reject_unsupported(paged_KV_backward=page_table is not None,
+                                      block_sparse_backward=block_sparse_tensors is not None)
 
 
 def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
@@ -60,11 +61,13 @@ def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
     calls go to driver_splitkv, the rest to driver."""
     route = {n: fwd_kwargs.pop(n, None) for n in ("page_table", "num_splits", "max_seqlen_q", "max_seqlen_k")}
     route["num_splits"] = 1 if route["num_splits"] is None else route["num_splits"]
-    if driver_splitkv.takes_this_path(q=q, page_table=route["page_table"], num_splits=route["num_splits"],
+    # block sparsity runs unsplit (the TMA family walks the lists; num_splits is a speed hint)
+    sparse = fwd_kwargs.pop("block_sparse_tensors", None)
+    if sparse is None and driver_splitkv.takes_this_path(q=q, page_table=route["page_table"], num_splits=route["num_splits"],
                                       cu_seqlens_q=fwd_kwargs.get("cu_seqlens_q"),
                                       max_seqlen_q=route["max_seqlen_q"]):
         return driver_splitkv.forward(q, k, v, need_lse=need_lse, **route, **fwd_kwargs)
-    return driver.forward(q, k, v, need_lse=need_lse, **fwd_kwargs)
+    return driver.forward(q, k, v, need_lse=need_lse, block_sparse_tensors=sparse, **fwd_kwargs)
 
 
 def _forward(q, k, v, fwd_kwargs: dict, bwd_kwargs: Optional[dict], return_lse: bool, requires_grad: bool,
@@ -181,6 +184,7 @@ def flash_attn_func(
         softmax_scale=softmax_scale, causal=causal, window_size_left=left, window_size_right=right,
         softcap=softcap, pack_gqa=pack_gqa, emulate_host_smem=target[0], score_mod=score_mod,
         mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, num_splits=num_splits,
+        block_sparse_tensors=block_sparse_tensors,
     )
     bwd_kwargs = _bwd_kwargs(
         dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
@@ -279,7 +283,8 @@ def flash_attn_varlen_func(
         softmax_scale=softmax_scale, causal=causal, window_size_left=left, window_size_right=right,
         softcap=softcap, pack_gqa=pack_gqa, emulate_host_smem=target[0], score_mod=score_mod,
         mask_mod=mask_mod, aux_tensors=aux_tensors, aux_scalars=aux_scalars, page_table=page_table,
-        num_splits=num_splits, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **index,
+        num_splits=num_splits, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_sparse_tensors=block_sparse_tensors, **index,
     )
     bwd_kwargs = _bwd_kwargs(
         dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,

@@ -206,7 +206,6 @@ def test_lse_comes_back_when_an_input_requires_grad_even_under_no_grad(fake_devi
 
 @pytest.mark.parametrize("feature,kwargs,match", [
     ("qv", dict(qv=torch.zeros(1)), "qv"),
-    ("block_sparse", dict(block_sparse_tensors=object()), "block sparsity"),
     ("gather", dict(gather_kv_indices=torch.zeros(1)), "gather"),
 ])
 def test_unsupported_features_raise_not_implemented(fake_device, feature, kwargs, match):
@@ -215,6 +214,40 @@ def test_unsupported_features_raise_not_implemented(fake_device, feature, kwargs
     q, k, v = _cuda_qkv()
     with pytest.raises(NotImplementedError, match=match):
         flash_attn_sm120.flash_attn_func(q, k, v, **kwargs)
+
+
+def _lists(b=2, h=4, m=1, n=1):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    cnt = torch.ones(b, h, m, dtype=torch.int32, device="cuda")
+    idx = torch.zeros(b, h, m, n, dtype=torch.int32, device="cuda")
+    return BlockSparseTensorsTorch(cnt, idx, block_size=(128, 128))
+
+
+def test_block_sparse_forward_reaches_the_unsplit_driver(fake_device):
+    """block_sparse_tensors go to driver.forward as given, never to SplitKV (num_splits is a hint)."""
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    sparse = _lists()
+    flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=sparse, num_splits=4)
+    assert calls["driver"]["block_sparse_tensors"] is sparse
+
+
+def test_block_sparse_backward_and_paged_are_refused(fake_device):
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="block sparse backward"):
+        flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=_lists())
+    assert "driver" not in calls
+    qv = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    pool = torch.empty(4, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="block sparsity with paged KV"):
+        flash_attn_sm120.flash_attn_varlen_func(
+            qv, pool, pool, cu_seqlens_q=torch.tensor([0, 100], dtype=torch.int32, device="cuda"),
+            page_table=torch.zeros(1, 4, dtype=torch.int32, device="cuda"), block_sparse_tensors=_lists(1))
 
 
 def test_varlen_paged_not_implemented(fake_device):

@@ -59,9 +59,10 @@ Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 48 keys
 `fp16_register_error`), head_dim == head_dim_v in {64, 96, 128}, causal, local windows, GQA/MQA
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
 `apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row
-sums, sink_fold.load_row_sinks). Refused with NotImplementedError (the driver routes these
-to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of
-qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states
+sums, sink_fold.load_row_sinks), block sparsity (the producer and the MMA warps walk the listed K/V
+tiles instead of the n_block range: fwd_block_sparse.py). Refused with NotImplementedError (the
+driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is
+not a multiple of qhead_per_kvhead, paged KV. `unsupported_reason(statics)` states
 the rule for the driver.
 
 RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe DSL (its author
@@ -103,7 +104,7 @@ from quack import copy_utils, layout_utils
 from quack import sm90_utils as quack_sm90_utils
 
 from flash_attn_sm120 import hardware
-from flash_attn_sm120.kernels import sink_fold
+from flash_attn_sm120.kernels import fwd_block_sparse, sink_fold
 from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -438,6 +439,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         mask_mod=None,
         has_aux_tensors: bool = False,
         emulate_host_smem: Optional[hardware.EmulationHost] = None,
+        q_subtile_factor: int = 1,
+        kv_subtile_factor: int = 1,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -482,6 +485,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # d <= 96 the whole-slice prefetch is spill-free and measured (d96 256x32 local spills otherwise)
         self.pv_by_ldmatrix = head_dim_v > 96
         self.has_sink = False  # set at trace time by __call__
+        # block sparsity (fwd_block_sparse.py): K/V and Q tiles per sparse block
+        self.q_subtile_factor = q_subtile_factor
+        self.kv_subtile_factor = kv_subtile_factor
         self.emulate_host_smem = emulate_host_smem
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
@@ -583,7 +589,6 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             seqused_q=mSeqUsedQ,
             seqused_k=mSeqUsedK,
             page_table=mPageTable,
-            block_sparsity=blocksparse_tensors,
         )
         self.has_sink = learnable_sink is not None
         self._check_type(
@@ -681,6 +686,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             TileScheduler,
             aux_data,
             fastdiv_mods,
+            blocksparse_tensors,
         ).launch(
             grid=grid_dim,
             block=[self.num_threads_total, 1, 1],
@@ -736,6 +742,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         TileScheduler: cutlass.Constexpr[Callable],
         aux_data: AuxData = AuxData(),
         fastdiv_mods=None,
+        blocksparse_tensors: Optional[BlockSparseTensors] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp_idx:
@@ -777,6 +784,12 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
             )
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            sparse = None  # with block sparsity, the K/V tiles this Q tile visits
+            if const_expr(blocksparse_tensors is not None):
+                sparse = fwd_block_sparse.tile_lists(
+                    blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
+                    self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
+                )
             if warp_idx >= self.producer_warp_idx:
                 if const_expr(self.registers.producer_regs is not None):
                     cute.arch.setmaxregister_decrease(self.registers.producer_regs)
@@ -784,7 +797,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v,
-                        m_block, head_idx, batch_idx, n_block_min, n_block_max,
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max, sparse,
                     )
             else:
                 if const_expr(self.registers.mma_regs is not None):
@@ -796,7 +809,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                     softmax_scale_log2, softmax_scale, block_info, seqlen,
                     window_size_left, window_size_right,
                     m_block, head_idx, batch_idx, n_block_min, n_block_max,
-                    aux_data, fastdiv_mods,
+                    aux_data, fastdiv_mods, sparse,
                 )
 
     @cute.jit
@@ -819,8 +832,10 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         batch_idx: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
+        sparse: Optional[fwd_block_sparse.SparseTiles] = None,
     ):
-        """Producer warp: Q once, then K and V of each n_block (descending) into the rings."""
+        """Producer warp: Q once, then K and V of each n_block (descending; with block sparsity the
+        listed tiles, fwd_block_sparse.py) into the rings."""
         # packed GQA: the grid's head index is already the KV head
         head_idx_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, self.tile_hdim), (m_block, 0))
@@ -837,13 +852,17 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.num_stages)
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            n_block = n_block_max - 1 - i
-            pipeline_k.producer_acquire(kv_state)
-            load_K(src_idx=n_block, producer_state=kv_state)
-            pipeline_v.producer_acquire(kv_state)
-            load_V(src_idx=n_block, producer_state=kv_state)
-            kv_state.advance()
+        if const_expr(sparse is not None):
+            kv_state = fwd_block_sparse.load_tiles(sparse, kv_state, load_K, load_V, pipeline_k, pipeline_v,
+                                                   self.kv_subtile_factor)
+        else:
+            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipeline_k.producer_acquire(kv_state)
+                load_K(src_idx=n_block, producer_state=kv_state)
+                pipeline_v.producer_acquire(kv_state)
+                load_V(src_idx=n_block, producer_state=kv_state)
+                kv_state.advance()
 
     @cute.jit
     def mma(
@@ -875,8 +894,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         n_block_max: Int32,
         aux_data: AuxData,
         fastdiv_mods,
+        sparse: Optional[fwd_block_sparse.SparseTiles] = None,
     ):
-        """MMA warps: the FA2 loop over n_blocks, then the epilogue."""
+        """MMA warps: the FA2 loop over n_blocks (or the block-sparse tiles), then the epilogue."""
         aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
         sVt = layout_utils.transpose_view(sV)  # (head_dim_v, tile_n, stage) for the PV B operand
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -928,7 +948,17 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # one n_block: S = QK^T (+ the previous block's PV when overlapping), mask, softmax
         block = partial(self.mma_one_n_block, overlap=self.intra_warp_overlap, **common)
 
-        if n_block_max > n_block_min:
+        if const_expr(sparse is not None):
+            # causal/local masks (when the call has them) apply to every visited tile
+            kv_k, kv_v = fwd_block_sparse.consume_tiles(
+                sparse, partial(block, mask_causal_local=True), kv_k, kv_v, self.intra_warp_overlap,
+                self.kv_subtile_factor,
+            )
+            if const_expr(self.intra_warp_overlap):
+                if fwd_block_sparse.total_tiles(sparse) > 0:
+                    self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
+                    kv_v.advance()
+        elif n_block_max > n_block_min:
             # the last n_block first: it holds the seqlen_k boundary and the causal diagonal
             block(kv_k, kv_v, n_block_max - 1, is_first=True, mask_seqlen=True, mask_causal_local=True)
             kv_k.advance()
@@ -1005,6 +1035,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_causal_local: cutlass.Constexpr[bool],
+        use_mask_mod: cutlass.Constexpr[bool] = True,
     ):
         """One n_block. Without overlap: S = Q K^T, softmax, O = O * scale + P V (same block).
 
@@ -1039,7 +1070,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block,
                 softmax_scale=softmax.softmax_scale, seqlen=seqlen, aux_data=aux_data, fastdiv_mods=fastdiv_mods,
             )
-        if const_expr(mask_seqlen or apply_causal_local or self.mask_mod is not None):
+        mask_mod = self.mask_mod if const_expr(use_mask_mod) else None  # block sparsity's full tiles: none
+        if const_expr(mask_seqlen or apply_causal_local or mask_mod is not None):
             mask.apply_mask(
                 acc_S,
                 batch_idx=batch_idx,
@@ -1050,9 +1082,9 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 mask_seqlen=mask_seqlen,
                 mask_causal=self.is_causal and apply_causal_local,
                 mask_local=self.is_local and apply_causal_local,
-                mask_mod=self.mask_mod,
+                mask_mod=mask_mod,
                 aux_data=aux_data,
-                fastdiv_mods=fastdiv_mods if const_expr(self.mask_mod is not None) else None,
+                fastdiv_mods=fastdiv_mods if const_expr(mask_mod is not None) else None,
             )
         # a row max of -inf needs a causal/local mask, a mask_mod or a score_mod: with only the
         # seqlen_k mask, the first block (the last n_block) has a valid key in every row, so the

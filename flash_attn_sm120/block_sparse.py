@@ -1,0 +1,137 @@
+"""Block sparsity on the host: sparse block sizes, the forward config, upstream's normalization, launch.
+
+A call's `block_sparse_tensors` is upstream's BlockSparseTensorsTorch (FlexAttention's BlockMask
+lists, kernels/fwd_block_sparse.py has the semantics). On SM120 the TMA family runs it: its
+producer warp streams only the listed K/V tiles. The kernel tile must divide the sparse block
+(tile_m | sparse_block_q, tile_n | sparse_block_kv), so the config is the first of `CONFIGS` for
+the call's head dim whose tile divides the block. The dense table's TMA entries are not used: the
+block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=128 tiles spill with
+it on sm_120a (tests/test_block_sparse.py compiles every entry here spill-free). Normalization (shape checks, broadcasting over batch and heads, compact index
+tensors) is upstream's `normalize_block_sparse_config`, by import.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from flash_attn.cute.block_sparsity import (
+    BlockSparseTensorsTorch,
+    NormalizedBlockSparseConfig,
+    ceildiv,
+    get_sparse_q_block_size,
+    normalize_block_sparse_config,
+    to_cute_block_sparse_tensors,
+)
+
+from flash_attn_sm120.config import FwdConfig
+
+# TMA configs per head dim, best first: 8 warps x 16 rows (the intra-warp overlap), then 4 warps on
+# 64 x 64 for 64-row sparse blocks. FlexAttention's default block is 128 x 128.
+CONFIGS: dict[int, tuple[FwdConfig, ...]] = {
+    64: (FwdConfig(256, 128, 128, 2, False, "tma"), FwdConfig(256, 128, 64, 2, True, "tma"),
+         FwdConfig(128, 64, 64, 2, False, "tma")),
+    96: (FwdConfig(256, 128, 64, 2, True, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
+    128: (FwdConfig(256, 128, 64, 2, False, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
+}
+
+
+def _inferred(n_blocks: int, seqlen: int) -> Optional[int]:
+    """The block size that splits `seqlen` into `n_blocks` blocks, or None if several do."""
+    lo = ceildiv(seqlen, n_blocks)
+    hi = seqlen if n_blocks == 1 else (seqlen - 1) // (n_blocks - 1)
+    return lo if lo == hi else None
+
+
+def sparse_block_size(tensors: BlockSparseTensorsTorch, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(sparse_block_q, sparse_block_kv): `tensors.block_size`, else inferred from the tensors' shapes
+    when that is unambiguous (upstream's rule for Q; KV from a full-width index tensor)."""
+    if tensors.mask_block_cnt is None or tensors.mask_block_idx is None:
+        raise ValueError("block_sparse_tensors needs mask_block_cnt and mask_block_idx")
+    if tensors.cu_total_m_blocks is not None or tensors.mask_block_cnt.ndim != 3:
+        raise NotImplementedError(
+            "varlen block sparsity (2-D tensors with cu_total_m_blocks) is not supported by the SM120 kernels yet"
+        )
+    if tensors.block_size is not None:
+        bq, bk = (int(x) for x in tensors.block_size)
+        if bq <= 0 or bk <= 0:
+            raise ValueError(f"block_sparse_tensors.block_size must be positive, got {tensors.block_size}")
+        return bq, bk
+    bq = get_sparse_q_block_size(tensors, seqlen_q)
+    bk = _inferred(tensors.mask_block_idx.shape[-1], seqlen_k) if tensors.mask_block_idx.ndim == 4 else None
+    if bq is None or bk is None:
+        raise ValueError(
+            f"block_sparse_tensors: cannot infer the sparse block size from shapes {tuple(tensors.mask_block_idx.shape)}"
+            f" for seqlen_q={seqlen_q}, seqlen_k={seqlen_k}; set BlockSparseTensorsTorch.block_size"
+            " (the BlockMask's BLOCK_SIZE)"
+        )
+    return bq, bk
+
+
+def divides(config: FwdConfig, block_size: tuple[int, int]) -> bool:
+    return block_size[0] % config.tile_m == 0 and block_size[1] % config.tile_n == 0
+
+
+def forward_candidates(head_dim: int, head_dim_v: int, block_size: tuple[int, int]) -> list[FwdConfig]:
+    """The CONFIGS entries for this head dim whose tile divides the sparse block, best first."""
+    if head_dim != head_dim_v or head_dim not in CONFIGS:
+        return []
+    return [cfg for cfg in CONFIGS[head_dim] if divides(cfg, block_size)]
+
+
+def no_config_error(block_size: tuple[int, int], head_dim: int, head_dim_v: int, reasons: list[str]) -> Exception:
+    if head_dim != head_dim_v or head_dim not in CONFIGS:
+        return NotImplementedError(
+            f"block sparsity on SM120 runs in the TMA family: head dims {head_dim}/{head_dim_v} are not supported"
+            f" (head_dim == head_dim_v in {tuple(CONFIGS)})"
+        )
+    if not reasons:
+        tiles = sorted({(c.tile_m, c.tile_n) for c in CONFIGS[head_dim]})
+        return ValueError(
+            f"block sparsity: sparse block size {block_size} is not a multiple of an SM120 tile for head dim"
+            f" {head_dim} (tiles {tiles}: tile_m must divide the Q block and tile_n the KV block)"
+        )
+    return NotImplementedError(
+        "block sparsity runs in the SM120 TMA family, which cannot serve this call: " + "; ".join(dict.fromkeys(reasons))
+    )
+
+
+def normalize(tensors: BlockSparseTensorsTorch, config: FwdConfig, *, batch: int, num_heads: int,
+              seqlen_q: int, seqlen_k: int, block_size: tuple[int, int],
+              device: Optional[torch.device] = None) -> NormalizedBlockSparseConfig:
+    """Upstream's checks and broadcasting for the kernel tile of `config` (ValueError on bad tensors)."""
+    for name in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
+        t = getattr(tensors, name)
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"block_sparse_tensors.{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and device is not None and t.device != device:
+            raise ValueError(f"block_sparse_tensors.{name} is on {t.device}, q on {device}")
+    if tensors.block_size is None:
+        tensors = tensors._replace(block_size=block_size)
+    return normalize_block_sparse_config(
+        tensors, batch_size=batch, num_head=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        block_size=(config.tile_m, config.tile_n), q_stage=1, allow_kv_subtile=True,
+    )
+
+
+def statics_key(norm: NormalizedBlockSparseConfig) -> tuple:
+    """What a compiled kernel is specialized on: subtile factors, full lists or not, stride-0 dims."""
+    return (norm.q_subtile_factor, norm.kv_subtile_factor, norm.tensors.full_block_cnt is not None,
+            norm.broadcast_pattern)
+
+
+def cute_tensors(norm: NormalizedBlockSparseConfig):
+    """The BlockSparseTensors a kernel compiles with (upstream's conversion)."""
+    return to_cute_block_sparse_tensors(norm.tensors)
+
+
+def launch_tuple(norm: NormalizedBlockSparseConfig) -> tuple:
+    """The torch tensors a compiled kernel takes in place of its BlockSparseTensors argument."""
+    t = norm.tensors
+    return (t.mask_block_cnt, t.mask_block_idx, t.full_block_cnt, t.full_block_idx, t.cu_total_m_blocks,
+            t.cu_block_idx_offsets, t.dq_write_order, t.dq_write_order_full)
+
+
+def heads_broadcast(tensors: BlockSparseTensorsTorch) -> bool:
+    """Whether the sparse lists are the same for every head (size-1 head dim): packed GQA needs it."""
+    return tensors.mask_block_cnt.shape[1] == 1

@@ -1,0 +1,74 @@
+"""Block-sparse lists and their dense meaning, for the tests and the benchmark.
+
+A block map is an int tensor (batch, heads, q_blocks, kv_blocks) of kinds: 0 = skipped, 1 = mask
+("partial": the mask_mod applies), 2 = full. `lists_from_map` writes upstream's
+BlockSparseTensorsTorch from it (ascending indices, as FlexAttention's BlockMask has them), and
+`keep_from_map` the dense (batch, heads, seqlen_q, seqlen_k) mask that a correct kernel computes:
+a key is attended when its block is full, or partial and the mask_mod's twin keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+SKIP, PARTIAL, FULL = 0, 1, 2
+
+
+def random_block_map(batch: int, heads: int, q_blocks: int, kv_blocks: int, *, density: float,
+                     full_share: float, generator: torch.Generator, device="cuda") -> torch.Tensor:
+    """Each block visited with probability `density`; a visited block is full with `full_share`."""
+    shape = (batch, heads, q_blocks, kv_blocks)
+    visit = torch.rand(shape, generator=generator, device=device) < density
+    full = torch.rand(shape, generator=generator, device=device) < full_share
+    return torch.where(visit, torch.where(full, FULL, PARTIAL), SKIP).to(torch.int32)
+
+
+def _list(kinds: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count (b, h, m), indices (b, h, m, n) ascending, packed left) of the blocks of one kind."""
+    hit = kinds == kind
+    count = hit.sum(-1).to(torch.int32)
+    n = kinds.shape[-1]
+    # stable sort of "not hit" brings the hit columns first, in ascending order
+    order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    col = torch.arange(n, device=kinds.device)
+    order = torch.where(col < count[..., None], order, torch.zeros_like(order))
+    return count.contiguous(), order.contiguous()
+
+
+def lists_from_map(kinds: torch.Tensor, block_size: tuple[int, int], with_full: bool = True) -> BlockSparseTensorsTorch:
+    """upstream's tensors for a block map; without full lists, full blocks go into the mask list."""
+    if not with_full:
+        kinds = torch.where(kinds == FULL, PARTIAL, kinds)
+    mask_cnt, mask_idx = _list(kinds, PARTIAL)
+    full_cnt, full_idx = _list(kinds, FULL) if with_full else (None, None)
+    return BlockSparseTensorsTorch(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
+                                   full_block_idx=full_idx, block_size=block_size)
+
+
+def keep_from_map(kinds: torch.Tensor, block_size: tuple[int, int], seqlen_q: int, seqlen_k: int,
+                  keep_twin: Optional[Callable] = None, causal: bool = False) -> torch.Tensor:
+    """The dense (b, h, sq, sk) attend mask: full blocks, and partial blocks where keep_twin(b, h, qi, ki)."""
+    bq, bk = block_size
+    dev = kinds.device
+    qi = torch.arange(seqlen_q, device=dev)
+    ki = torch.arange(seqlen_k, device=dev)
+    per_elem = kinds[:, :, qi // bq][:, :, :, ki // bk]  # (b, h, sq, sk)
+    keep = per_elem == FULL
+    partial = per_elem == PARTIAL
+    if keep_twin is None:
+        keep = keep | partial
+    else:
+        b, h = kinds.shape[:2]
+        bi = torch.arange(b, device=dev).view(b, 1, 1, 1)
+        hi = torch.arange(h, device=dev).view(1, h, 1, 1)
+        keep = keep | (partial & keep_twin(bi, hi, qi.view(1, 1, -1, 1), ki.view(1, 1, 1, -1)))
+    if causal:
+        keep = keep & (ki.view(1, 1, 1, -1) <= qi.view(1, 1, -1, 1) + (seqlen_k - seqlen_q))
+    return keep
+
+
+def computed_fraction(kinds: torch.Tensor) -> float:
+    return float((kinds != SKIP).float().mean())

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Block-sparse forward speed against dense, side by side in one process (GPU).
+
+The issue's gate: on a mask with about 10% of the blocks computed, TFLOPS counted on the computed
+blocks >= 0.9x the dense TFLOPS. Per problem, the same q/k/v run dense (the shipped table's kernel,
+no mask) and block-sparse (128 x 128 blocks) with:
+  * random10:      a random 10% of the blocks, all full (no mask_mod): the cost of the sparse loop;
+  * window+global: a sliding window of 512 keys each side plus 128 global tokens, lists from
+                   PyTorch's create_block_mask, a mask_mod on the partial blocks.
+Computed FLOPs are 4 * b * h * d * (visited blocks * 128 * 128). Times are CUDA-event medians
+(bench.time_cuda), the dense and sparse calls timed A B B A so that clock drift cancels.
+
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flash_attn_sm120 import bench, harness, occupancy, testing_sparse  # noqa: E402
+
+PROBLEMS = ((1, 8192, 16, 128), (2, 8192, 16, 64), (2, 8192, 16, 96))  # (batch, seqlen, heads, head_dim)
+BLOCK = (128, 128)
+WINDOW, GLOBAL = 512, 128
+
+
+def _window_global_mod():
+    import cutlass.cute as cute
+
+    @cute.jit
+    def window_global(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        w = cute.full_like(q_idx, WINDOW)
+        near = (q_idx - kv_idx <= w) & (kv_idx - q_idx <= w)
+        return near | (kv_idx < cute.full_like(kv_idx, GLOBAL)) | (q_idx < cute.full_like(q_idx, GLOBAL))
+
+    def twin(b, h, qi, ki):
+        return ((qi - ki).abs() <= WINDOW) | (ki < GLOBAL) | (qi < GLOBAL)
+
+    return window_global, twin
+
+
+def _masks(b, s, h):
+    """[(name, BlockSparseTensorsTorch, mask_mod, visited fraction)]."""
+    import torch
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = s // BLOCK[0]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kinds = testing_sparse.random_block_map(b, h, n, n, density=0.1, full_share=1.0, generator=g)
+    out = [("random10", testing_sparse.lists_from_map(kinds, BLOCK), None, testing_sparse.computed_fraction(kinds))]
+    mod, twin = _window_global_mod()
+    bm = create_block_mask(twin, b, h, s, s, device="cuda", BLOCK_SIZE=BLOCK)
+    _, _, kv_cnt, kv_idx, full_cnt, full_idx, *_ = bm.as_tuple()
+    visited = float((kv_cnt + full_cnt).sum()) / (b * h * n * n)
+    out.append(("window+global", BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK), mod,
+                visited))
+    return out
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from flash_attn_sm120 import flash_attn_func
+    from flash_attn_sm120.device import device_info
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here (prepare.py-style header)")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    info = device_info()
+    if not info.uses_sm120_kernels:
+        raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
+    rows = []
+    for b, s, h, d in PROBLEMS:
+        x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+        dense_flops = 4 * b * h * s * s * d
+        for name, sparse, mod, visited in _masks(b, s, h):
+            def call(i, use_sparse, x=x, sparse=sparse, mod=mod):
+                kw = dict(block_sparse_tensors=sparse, mask_mod=mod) if use_sparse else {}
+                return flash_attn_func(*x[i], **kw)
+
+            ms = {False: [], True: []}
+            for use in (False, True, True, False):
+                ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
+            dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
+            dense_tf = dense_flops / dense_ms / 1e9
+            sparse_tf = dense_flops * visited / sparse_ms / 1e9
+            problem = f"b{b}s{s}h{h}d{d}"
+            rows.append(dict(problem=problem, mask=name, visited=visited, dense_ms=dense_ms, sparse_ms=sparse_ms,
+                             dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf, ratio=sparse_tf / dense_tf))
+            print(f"[{info.mode}] {problem:18s} {name:14s} visited {100 * visited:5.1f}%  dense {dense_ms:7.3f} ms "
+                  f"{dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  ratio {sparse_tf / dense_tf:.3f}",
+                  flush=True)
+    if args.json:
+        doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
+               "gpu": info.name, "mode": info.mode, "mode_label": info.label(), "commit": harness.git_commit(),
+               "occupancy_verified": occupancy.all_verified(), "reference": "dense shipped table, same process",
+               "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Block sparsity on a CPU: sparse block sizes, config choice, refusals, the test lists, sm_120a codegen.
+
+The GPU half (tests/test_block_sparse_gpu.py) checks results against an fp32 reference.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: E402
+
+from flash_attn_sm120 import block_sparse, testing_sparse  # noqa: E402
+from flash_attn_sm120.config import FwdConfig  # noqa: E402
+
+
+def _tensors(b=1, h=2, m=4, n=8, block_size=None, ndim=3):
+    cnt = torch.zeros((b, h, m) if ndim == 3 else (h, m), dtype=torch.int32)
+    idx = torch.zeros((b, h, m, n) if ndim == 3 else (h, m * n), dtype=torch.int32)
+    return BlockSparseTensorsTorch(cnt, idx, block_size=block_size)
+
+
+def test_block_size_given_or_inferred():
+    assert block_sparse.sparse_block_size(_tensors(block_size=(128, 64)), 500, 500) == (128, 64)
+    # 4 Q blocks of 4 rows and 8 KV blocks of 8 keys: only 1 x 1 splits them so (upstream's rule: the
+    # block size is inferred only where one size fits; 4 blocks of 512 rows fit 128 .. 170)
+    assert block_sparse.sparse_block_size(_tensors(), 4, 8) == (1, 1)
+    with pytest.raises(ValueError, match="cannot infer"):
+        block_sparse.sparse_block_size(_tensors(), 512, 1024)
+    with pytest.raises(ValueError, match="positive"):
+        block_sparse.sparse_block_size(_tensors(block_size=(0, 128)), 256, 256)
+    with pytest.raises(NotImplementedError, match="varlen block sparsity"):
+        block_sparse.sparse_block_size(_tensors(ndim=2, block_size=(128, 128)), 256, 256)
+
+
+def test_candidates_divide_the_block():
+    c = block_sparse.forward_candidates(128, 128, (128, 128))
+    assert c == [FwdConfig(256, 128, 64, 2, False, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")]
+    assert block_sparse.forward_candidates(128, 128, (64, 128)) == [FwdConfig(128, 64, 64, 2, False, "tma")]
+    assert block_sparse.forward_candidates(64, 64, (128, 128))[0].tile_n == 128
+    assert block_sparse.forward_candidates(64, 64, (128, 64))[0].tile_n == 64
+    assert block_sparse.forward_candidates(128, 128, (96, 128)) == []
+    assert block_sparse.forward_candidates(192, 192, (128, 128)) == []
+    for d, configs in block_sparse.CONFIGS.items():
+        for cfg in configs:
+            assert cfg.family == "tma" and cfg.error(d, d) is None, (d, cfg)
+
+
+def test_refusal_messages():
+    assert isinstance(block_sparse.no_config_error((96, 128), 128, 128, []), ValueError)
+    assert "not a multiple" in str(block_sparse.no_config_error((96, 128), 128, 128, []))
+    err = block_sparse.no_config_error((128, 128), 192, 192, [])
+    assert isinstance(err, NotImplementedError) and "head dims 192/192" in str(err)
+    err = block_sparse.no_config_error((128, 128), 128, 128, ["varlen (cu_seqlens_q) is not supported"])
+    assert isinstance(err, NotImplementedError) and "varlen" in str(err)
+
+
+def test_lists_from_map_ascend_and_mean_what_the_map_says():
+    g = torch.Generator().manual_seed(0)
+    kinds = testing_sparse.random_block_map(2, 3, 5, 7, density=0.5, full_share=0.5, generator=g, device="cpu")
+    t = testing_sparse.lists_from_map(kinds, (64, 64))
+    for cnt, idx, kind in ((t.mask_block_cnt, t.mask_block_idx, 1), (t.full_block_cnt, t.full_block_idx, 2)):
+        for b in range(2):
+            for h in range(3):
+                for m in range(5):
+                    want = (kinds[b, h, m] == kind).nonzero().flatten().tolist()
+                    assert idx[b, h, m, :cnt[b, h, m]].tolist() == want  # ascending, packed left
+    merged = testing_sparse.lists_from_map(kinds, (64, 64), with_full=False)
+    assert merged.full_block_cnt is None
+    assert torch.equal(merged.mask_block_cnt, (kinds > 0).sum(-1).to(torch.int32))
+    keep = testing_sparse.keep_from_map(kinds, (64, 64), 300, 420, lambda b, h, qi, ki: ki <= qi)
+    assert keep.shape == (2, 3, 300, 420)
+    assert bool(keep[0, 0, 10, 5]) == (int(kinds[0, 0, 0, 0]) == 2 or (int(kinds[0, 0, 0, 0]) == 1))
+    assert bool(keep[0, 0, 5, 10]) == (int(kinds[0, 0, 0, 0]) == 2)  # partial: the twin drops ki > qi
+
+
+def _codegen_cases():
+    for d, configs in block_sparse.CONFIGS.items():
+        for cfg in configs:
+            for causal, dtype in ((False, "bfloat16"), (True, "bfloat16"), (False, "float16")):
+                yield pytest.param(cfg, d, causal, dtype, id=f"d{d}-{cfg.name}-{'causal' if causal else 'full'}-{dtype}")
+
+
+@pytest.mark.parametrize("cfg,d,causal,dtype", list(_codegen_cases()))
+def test_block_sparse_configs_compile_spill_free_for_sm120a(cfg, d, causal, dtype):
+    """Every CONFIGS entry, with mask and full lists and two K/V tiles per 128-key block, is spill-free
+    (no stack, no local memory) in the sm_120a cubin."""
+    from flash_attn_sm120 import codegen
+
+    kernels = []
+    cubin, _ = codegen.compile_fwd_cubin(cfg, d, causal=causal, dtype=dtype,
+                                         block_sparse=(128 // cfg.tile_m, 128 // cfg.tile_n, True), kernel_out=kernels)
+    res, _, sass = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert kernels[0].kv_subtile_factor == 128 // cfg.tile_n

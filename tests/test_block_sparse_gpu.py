@@ -1,0 +1,172 @@
+"""Block-sparse forward (upstream's BlockSparseTensorsTorch) against an fp32 reference on a GPU.
+
+The reference is dense attention under the mask the lists mean (testing_sparse.keep_from_map): full
+blocks attended, partial blocks through the mask_mod's PyTorch twin, every other block skipped.
+Tolerance is upstream's rule (testing.assert_close_to_ref); out and LSE are NaN-poisoned first.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flash_attn_sm120  # noqa: E402
+from flash_attn_sm120 import driver, testing, testing_mods, testing_sparse  # noqa: E402
+from flash_attn_sm120.testing_ref import attention_ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype, generator=g)
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    return q, k, v, g
+
+
+def _ref(q, k, v, keep, upcast, **kw):
+    outs, lses = [], []
+    for i in range(q.shape[0]):  # keep is per batch row; attention_ref's keep_fn is per sequence
+        kb = keep[i:i + 1]
+        out, lse = attention_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], upcast=upcast, keep_fn=lambda h, qi, ki: kb, **kw)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(q, k, v, keep, api_kw: dict, ref_kw: dict | None = None):
+    ref_kw = ref_kw or {}
+    with testing.poisoned_outputs():
+        out, lse = flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, **api_kw)
+    ref_out, ref_lse = _ref(q.float(), k.float(), v.float(), keep, True, **ref_kw)
+    pt_out, pt_lse = _ref(q, k, v, keep, False, **ref_kw)
+    testing.assert_close_to_ref("out", out, ref_out, pt_out, q.dtype)
+    testing.assert_lse_close(lse, ref_lse, pt_lse, 1e-2, 1e-3)
+    return out, lse
+
+
+def _map_case(b, h, sq, sk, block, seed, density=0.4, full_share=0.5, heads=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m, n = -(-sq // block[0]), -(-sk // block[1])
+    return testing_sparse.random_block_map(b, heads or h, m, n, density=density, full_share=full_share, generator=g)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("with_full", [True, False])
+def test_random_lists_with_mask_mod(d, with_full):
+    """Random partial/full/skipped blocks of 128 x 128 (two K/V tiles per block at tile_n 64), a mask_mod
+    on the partial ones; seqlens not multiples of the block."""
+    b, h, sq, sk = 2, 4, 517, 700
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=d)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=d + with_full)
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128), with_full=with_full)
+    prefix = testing_mods.spec("prefix")
+    if not with_full:  # the lists put full blocks among the partial ones: the mask_mod applies to all
+        kinds = torch.where(kinds > 0, testing_sparse.PARTIAL, testing_sparse.SKIP).to(torch.int32)
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk, lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None))
+    check(q, k, v, keep, dict(mask_mod=prefix.mask_mod, block_sparse_tensors=sparse))
+
+
+@pytest.mark.parametrize("block", [(64, 128), (256, 128), (128, 256), (128, 64)])
+def test_block_sizes(block):
+    """Q and KV subtiles: 64-row blocks (the 4-warp tile), 256-row blocks (two Q tiles each), 256-key
+    blocks (four K/V tiles each) and 64-key blocks; no mask_mod (partial blocks computed whole)."""
+    b, h, sq, sk, d = 1, 3, 640, 1000, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=sum(block))
+    kinds = _map_case(b, h, sq, sk, block, seed=7, density=0.5)
+    keep = testing_sparse.keep_from_map(kinds, block, sq, sk)
+    check(q, k, v, keep, dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, block)))
+
+
+def test_empty_rows_and_compact_indices():
+    """Q blocks with no block at all (O = 0, LSE = -inf) and index tensors narrower than the KV blocks."""
+    b, h, sq, sk, d = 2, 2, 384, 1024, 64
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=3)
+    kinds = torch.zeros(b, h, 3, 8, dtype=torch.int32, device="cuda")
+    kinds[0, 0, 0, [1, 6]] = testing_sparse.FULL
+    kinds[1, 1, 2, 7] = testing_sparse.PARTIAL
+    kinds[0, 1, 1, [0, 2, 3]] = testing_sparse.FULL
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128))
+    width = 3  # at most 3 blocks per row in either list
+    sparse = sparse._replace(mask_block_idx=sparse.mask_block_idx[..., :width].contiguous(),
+                             full_block_idx=sparse.full_block_idx[..., :width].contiguous())
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk)
+    out, lse = check(q, k, v, keep, dict(block_sparse_tensors=sparse))
+    assert torch.all(out[1, :, 0] == 0) and torch.all(torch.isinf(lse[1, 0]))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_gqa(pack):
+    """GQA 8:2: lists shared by every head (size-1 head dim, packed GQA allowed) or per query head
+    (packing is turned off, upstream's rule)."""
+    b, h, hk, sq, sk, d = 2, 8, 2, 300, 520, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, hk, d, seed=5)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=9, heads=1 if pack else h)
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk)
+    check(q, k, v, keep.expand(b, h, sq, sk), dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, (128, 128))))
+
+
+def test_causal_with_lists():
+    """causal=True without a mask_mod: the causal mask applies inside every visited block."""
+    b, h, sq, sk, d = 1, 4, 600, 600, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=13)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=2, density=0.7)
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk, causal=True)
+    check(q, k, v, keep, dict(causal=True, block_sparse_tensors=testing_sparse.lists_from_map(kinds, (128, 128))))
+
+
+def test_document_mask_from_upstream_helper():
+    """A document mask over an aux tensor, its lists from upstream's compute_block_sparsity (by import)."""
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    b, h, s, d = 2, 4, 1000, 128
+    q, k, v, g = _inputs(b, s, s, h, h, d, seed=17)
+    doc = testing_mods.spec("document")
+    aux = testing_mods.make_aux("document", [s] * b, [s] * b, h, "cuda", g)
+    sparse = compute_block_sparsity(128, 128, b, h, s, s, doc.mask_mod, aux, "cuda")
+    bi = torch.arange(b, device="cuda").view(b, 1, 1, 1)
+    qi, ki = torch.arange(s, device="cuda").view(1, 1, -1, 1), torch.arange(s, device="cuda").view(1, 1, 1, -1)
+    keep = doc.keep_twin(bi, None, qi, ki, aux).expand(b, h, s, s)
+    check(q, k, v, keep, dict(mask_mod=doc.mask_mod, aux_tensors=aux, block_sparse_tensors=sparse))
+
+
+def test_flex_block_mask_with_sink():
+    """Lists from PyTorch's create_block_mask (sliding window + 64 global tokens), with a learnable sink."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import cutlass.cute as cute
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    window, glob = 256, 64
+
+    @cute.jit
+    def window_global(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        near = (q_idx - kv_idx <= cute.full_like(q_idx, window)) & (kv_idx - q_idx <= cute.full_like(q_idx, window))
+        return near | (kv_idx < cute.full_like(kv_idx, glob)) | (q_idx < cute.full_like(q_idx, glob))
+
+    def window_global_twin(b, h, qi, ki):
+        return ((qi - ki).abs() <= window) | (ki < glob) | (qi < glob)
+
+    b, h, s, d = 1, 4, 1536, 128
+    q, k, v, g = _inputs(b, s, s, h, h, d, seed=19)
+    bm = flex.create_block_mask(lambda b_, h_, qi, ki: window_global_twin(b_, h_, qi, ki), b, h, s, s,
+                                device="cuda", BLOCK_SIZE=(128, 128))
+    _, _, kv_cnt, kv_idx, full_cnt, full_idx, *_ = bm.as_tuple()
+    sparse = BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=(128, 128))
+    sink = torch.randn(h, device="cuda", generator=g, dtype=torch.float32)
+    qi, ki = torch.arange(s, device="cuda").view(1, 1, -1, 1), torch.arange(s, device="cuda").view(1, 1, 1, -1)
+    keep = window_global_twin(None, None, qi, ki).expand(b, h, s, s)
+    check(q, k, v, keep, dict(mask_mod=window_global, block_sparse_tensors=sparse, learnable_sink=sink),
+          dict(learnable_sink=sink))
+
+
+def test_refusals():
+    q, k, v, _ = _inputs(1, 256, 256, 2, 2, 128, seed=1)
+    kinds = _map_case(1, 2, 256, 256, (128, 128), seed=1)
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128))
+    with pytest.raises(NotImplementedError, match="block sparse backward"):
+        flash_attn_sm120.flash_attn_func(q.requires_grad_(), k, v, block_sparse_tensors=sparse)
+    with pytest.raises(ValueError, match="not a multiple"):
+        flash_attn_sm120.flash_attn_func(q.detach(), k, v, block_sparse_tensors=sparse._replace(block_size=(96, 128)))
+    with pytest.raises(NotImplementedError, match="head dims"):
+        q2, k2, v2, _ = _inputs(1, 256, 256, 2, 2, 192, seed=1)
+        flash_attn_sm120.flash_attn_func(q2, k2, v2, block_sparse_tensors=sparse)
+    assert driver.compile_count["fwd"] >= 0
