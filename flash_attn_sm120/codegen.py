@@ -436,6 +436,7 @@ def compile_bwd_cubin(
     deterministic: bool = False,
     dq_descending: bool = False,
     mods=None,
+    block_sparse: Optional[tuple] = None,
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
@@ -451,7 +452,8 @@ def compile_bwd_cubin(
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     mods = Mods() if mods is None else mods
-    kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods, is_causal=causal,
+    kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
+                        block_sparse_key=None if block_sparse is None else (*block_sparse, None), is_causal=causal,
                         is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
                         dq_descending=dq_descending)
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
@@ -466,11 +468,20 @@ def compile_bwd_cubin(
 
         sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))  # noqa: E731
         sems = (sem(), sem() if gqa else None)
+    sparse = None
+    if block_sparse is not None:  # (q_subtile, kv_subtile, has full lists): Q-direction lists
+        import cutlass.cute as cute
+        from flash_attn.cute.block_sparsity import BlockSparseTensors
+        from quack.compile_utils import make_fake_tensor
+
+        b, h, n, m = (cute.sym_int() for _ in range(4))
+        sparse = BlockSparseTensors(*[make_fake_tensor(cutlass.Int32, shape, divisibility=1)
+                                      for shape in ((b, h, n), (b, h, n, m)) * (2 if block_sparse[2] else 1)])
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
             None, None, None, None, window, window, *sems,
-            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", aux=aux,
+            options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", aux=aux, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)
     if kernel_out is not None:

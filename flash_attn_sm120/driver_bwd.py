@@ -39,11 +39,17 @@ from flash_attn.cute.interface import (
 )
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import driver, occupancy
+from flash_attn_sm120 import block_sparse, driver, occupancy
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.driver import compile_verified, quiet_compile
+from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
+from flash_attn_sm120.kernels.bwd_sm120 import (
+    BwdConfig,
+    FlashAttentionBackwardSm120Tuned,
+    bwd_config_error,
+    upstream_bwd_config,
+)
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
@@ -82,6 +88,8 @@ class BwdStatics:
     mask_mod_hash: object = False
     aux_metadata: object = None
     aux_scalar_kinds: Optional[tuple] = None
+    # block sparsity (kernels/bwd_block_sparse.py): (q_subtile, kv_subtile, has full lists, stride-0 dims)
+    block_sparse: Optional[tuple] = None
 
     @property
     def has_mods(self) -> bool:
@@ -92,7 +100,7 @@ class BwdStatics:
         flags = [f for f, on in (("causal", self.causal), ("local", self.local), ("softcap", self.softcap),
                                   ("varlen", self.has_cu_seqlens_q or self.has_cu_seqlens_k),
                                   ("deterministic", self.deterministic), ("score_mod", self.score_mod_hash),
-                                  ("mask_mod", self.mask_mod_hash)) if on]
+                                  ("mask_mod", self.mask_mod_hash), ("block_sparse", self.block_sparse)) if on]
         return (f"{self.config.name} d={self.head_dim}/{self.head_dim_v} {self.dtype} "
                 f"qhead_per_kvhead={self.qhead_per_kvhead}{' ' + ','.join(flags) if flags else ''}")
 
@@ -169,16 +177,23 @@ def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> Flash
     if mods is None:
         mods = resolve_mods(statics.softcap, None, None, None, None, None)
     return kernel_for(_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
-                      statics.qhead_per_kvhead, statics.config, mods, is_causal=statics.causal, is_local=statics.local,
+                      statics.qhead_per_kvhead, statics.config, mods, block_sparse_key=statics.block_sparse,
+                      is_causal=statics.causal, is_local=statics.local,
                       emulate_host_smem=host, deterministic=statics.deterministic, dq_descending=statics.dq_descending)
 
 
 def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, config: BwdConfig, mods: Mods,
-               **kwargs) -> FlashAttentionBackwardSm120Tuned:
+               block_sparse_key: Optional[tuple] = None, **kwargs) -> FlashAttentionBackwardSm120Tuned:
     """The kernel object for these modifiers (the driver's and the codegen report's one choice); kwargs:
-    the tuned class's keywords (is_causal, is_local, emulate_host_smem, deterministic, dq_descending)."""
+    the tuned class's keywords (is_causal, is_local, emulate_host_smem, deterministic, dq_descending).
+    block_sparse_key: BwdStatics.block_sparse, for the block-sparse walk (kernels/bwd_block_sparse.py)."""
     args = (dtype, head_dim, head_dim_v, qhead_per_kvhead, config)
     kwargs.update(score_mod=mods.score_mod, score_mod_bwd=mods.score_mod_bwd)
+    if block_sparse_key is not None:
+        q_sub, kv_sub, has_full = block_sparse_key[:3]
+        return FlashAttentionBackwardSm120BlockSparse(
+            *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
+            kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
     if mods.user:
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
                                                has_aux_tensors=mods.aux_tensors is not None, **kwargs)
@@ -187,7 +202,7 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
 
 def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,
                    window_left, window_right, dq_sem=None, dkv_sem=None, options: str = "",
-                   aux: AuxData = AuxData(None, None)):
+                   aux: AuxData = AuxData(None, None), blocksparse=None):
     """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes).
     dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots); aux: the
     modifiers' aux tensors (cute tensors) and scalars."""
@@ -195,7 +210,7 @@ def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q,
         kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
         window_left, window_right,
         dq_sem, dkv_sem, None,  # dQ / dK / dV semaphores (deterministic ordering; dK's serves dV too)
-        aux, None,  # aux data, block sparsity
+        aux, blocksparse,  # aux data, block sparsity (kernels/bwd_block_sparse.py)
         None,  # varlen tile-count hint
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=("--enable-tvm-ffi " + options).strip(),
@@ -209,6 +224,39 @@ def check_deterministic(causal: bool, window_size_left: Optional[int], window_si
     if _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)[1]:
         raise NotImplementedError("deterministic=True with a sliding window (local attention) is not supported by "
                                   "the SM120 backward yet; causal and full attention are")
+
+
+def check_block_sparse(causal: bool, local: bool, deterministic: bool, varlen: bool) -> None:
+    """NotImplementedError for what the block-sparse backward walk does not cover (resolved causal/local)."""
+    for what, used in (("causal or local windows (express them as a mask_mod)", causal or local),
+                       ("deterministic=True", deterministic), ("varlen", varlen)):
+        if used:
+            raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
+
+
+def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, causal: bool, local: bool, deterministic: bool, varlen: bool,
+                       config_given: bool):
+    """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
+    one Q and one dO stage (kernels/bwd_block_sparse.py), else upstream's SM120 default tile when the chosen
+    one does not divide the sparse block. NotImplementedError names what the walk does not cover."""
+    from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
+
+    check_block_sparse(causal, local, deterministic, varlen)
+    if tensors.block_size is None:
+        raise ValueError("block_sparse_tensors_bwd needs block_size (the BlockMask's BLOCK_SIZE)")
+    bq, bk = (int(x) for x in tensors.block_size)
+    candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]
+    for c in candidates:
+        c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)
+        if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], k.shape[-1], c) is not None:
+            continue
+        norm, pattern = normalize_block_sparse_config_bwd(
+            tensors, batch_size=q.shape[0], num_head=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+            block_size=(c.m_block, c.n_block), q_subtile_factor=bq // c.m_block, kv_subtile_factor=bk // c.n_block)
+        wrapped = NormalizedBlockSparseConfig(norm, pattern, bq // c.m_block, bk // c.n_block)
+        return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern))
+    raise ValueError(f"block_sparse_tensors_bwd: sparse block {tensors.block_size} is not a multiple of the backward "
+                     f"tile ({cfg.m_block}, {cfg.n_block}) or of upstream's SM120 default")
 
 
 def _host_bound(max_seqlen, total: int) -> int:
@@ -246,13 +294,15 @@ def backward(
     mask_mod=None,
     aux_tensors: Optional[list] = None,
     aux_scalars: Optional[tuple] = None,
+    block_sparse_tensors=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of validated forward inputs on this package's SM120 backward.
 
     Shapes as upstream: q (b, sq, h, d) or varlen (total_q, h, d) with cu_seqlens_q; lse (b, h, sq) or
     (h, total_q); dlse like lse (the LSE's own gradient, or None). dq/dk/dv: buffers to write (shaped
     like q/k/v, last dim contiguous), else new ones. score_mod / score_mod_bwd / mask_mod / aux_tensors /
-    aux_scalars: the forward's modifiers, upstream's meanings (kernels/bwd_mods.py).
+    aux_scalars: the forward's modifiers, upstream's meanings (kernels/bwd_mods.py). block_sparse_tensors:
+    upstream's Q-direction lists (`block_sparse_tensors_bwd`; kernels/bwd_block_sparse.py).
     """
     mods = resolve_mods(float(softcap or 0.0), score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars)
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
@@ -271,6 +321,12 @@ def backward(
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     cfg = choose_config(head_dim, head_dim_v, causal, local, config)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    sparse = None  # upstream's normalized lists and their compile key
+    if block_sparse_tensors is not None:
+        cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, causal=causal, local=local,
+                                         deterministic=deterministic, varlen=varlen_q or varlen_k or
+                                         seqused_q is not None or seqused_k is not None, config_given=config is not None
+                                         or bool(_forced_config))
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
     seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]
@@ -289,6 +345,7 @@ def backward(
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
+        block_sparse=None if sparse is None else sparse[1],
     )
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
@@ -304,10 +361,11 @@ def backward(
     index = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None)
     if statics not in _verified_keys:
-        _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods)
+        _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods,
+                         None if sparse is None else sparse[0])
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
-                            *sems, None, aux, None, None)
+                            *sems, None, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
     _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
                              head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
@@ -383,7 +441,7 @@ def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: 
 
 
 def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device,
-                     mods: Optional[Mods] = None) -> None:
+                     mods: Optional[Mods] = None, sparse=None) -> None:
     """Compile and occupancy-check the main kernel of `statics`, once per process."""
     cute_tensors = [to_cute_tensor(t) for t in tensors]
     cute_index = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in index]
@@ -395,7 +453,8 @@ def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, win
     _compile_cache[statics] = compile_verified(
         lambda host: make_kernel(replace(statics, emulate_host_smem=host), host, mods),
         lambda kernel, options: compile_kernel(kernel, *cute_tensors, *cute_index, window_left, window_right,
-                                               *cute_sems, options=options, aux=aux),
+                                               *cute_sems, options=options, aux=aux,
+                                               blocksparse=None if sparse is None else block_sparse.cute_tensors(sparse)),
         statics.emulate_host_smem, device, statics.describe,
     )
     compile_count["bwd"] += 1

@@ -52,8 +52,7 @@ def _check_common_features(
         scheduler_metadata=scheduler_metadata is not None,
     )
     if requires_grad:
-        validation.reject_unsupported(paged_KV_backward=page_table is not None,
-                                      block_sparse_backward=block_sparse_tensors is not None)
+        validation.reject_unsupported(paged_KV_backward=page_table is not None)
 
 
 def _run_forward(q, k, v, fwd_kwargs: dict, need_lse: bool):
@@ -176,7 +175,7 @@ def flash_attn_func(
     want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
-        block_sparse_tensors=block_sparse_tensors or block_sparse_tensors_bwd, requires_grad=bwd_needed,
+        block_sparse_tensors=block_sparse_tensors, requires_grad=bwd_needed,
         deterministic=deterministic, score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
         gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk,
     )
@@ -188,11 +187,15 @@ def flash_attn_func(
     )
     bwd_kwargs = _bwd_kwargs(
         dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
-             window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic),
+             window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic,
+             block_sparse_tensors=block_sparse_tensors_bwd),
         {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
     if bwd_needed and deterministic:
         driver_bwd.check_deterministic(causal, left, right, mask_mod)
+    if bwd_needed and block_sparse_tensors_bwd is not None:  # refused before any work, as upstream's lists mean
+        resolved = upstream._resolve_causal_local_window(causal, left, right, mask_mod)
+        driver_bwd.check_block_sparse(resolved[0], resolved[1], deterministic, varlen=False)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 

@@ -162,11 +162,101 @@ def test_refusals():
     q, k, v, _ = _inputs(1, 256, 256, 2, 2, 128, seed=1)
     kinds = _map_case(1, 2, 256, 256, (128, 128), seed=1)
     sparse = testing_sparse.lists_from_map(kinds, (128, 128))
-    with pytest.raises(NotImplementedError, match="block sparse backward"):
-        flash_attn_sm120.flash_attn_func(q.requires_grad_(), k, v, block_sparse_tensors=sparse)
+    bwd = testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), (128, 128))
+    qg = q.detach().clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="block-sparse backward with causal"):
+        flash_attn_sm120.flash_attn_func(qg, k, v, causal=True, block_sparse_tensors=sparse, block_sparse_tensors_bwd=bwd)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        flash_attn_sm120.flash_attn_func(qg, k, v, deterministic=True, block_sparse_tensors=sparse,
+                                         block_sparse_tensors_bwd=bwd)
     with pytest.raises(ValueError, match="not a multiple"):
-        flash_attn_sm120.flash_attn_func(q.detach(), k, v, block_sparse_tensors=sparse._replace(block_size=(96, 128)))
+        flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=sparse._replace(block_size=(96, 128)))
     with pytest.raises(NotImplementedError, match="head dims"):
         q2, k2, v2, _ = _inputs(1, 256, 256, 2, 2, 192, seed=1)
         flash_attn_sm120.flash_attn_func(q2, k2, v2, block_sparse_tensors=sparse)
     assert driver.compile_count["fwd"] >= 0
+
+
+# ---- backward: block_sparse_tensors_bwd (Q-direction lists) ------------------------------------------
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check_bwd(q, k, v, keep, api_kw: dict, seed: int = 0):
+    """Forward and dq/dk/dv against the fp32 autograd reference of the dense mask `keep` (upstream's rule)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=q.dtype, generator=g)
+    with testing.poisoned_outputs():
+        ours = _grads(lambda *t: flash_attn_sm120.flash_attn_func(*t, **api_kw)[0], q, k, v, dout)
+    ref = _grads(lambda *t: _ref(*t, keep, True)[0], q.float(), k.float(), v.float(), dout.float())
+    pt = _grads(lambda *t: _ref(*t, keep, False)[0], q, k, v, dout)
+    for name, a, r, p in zip(("out", "dq", "dk", "dv"), ours, ref, pt):
+        testing.assert_close_to_ref(name, a, r, p, q.dtype)
+
+
+def _both_lists(kinds, block, with_full=True):
+    return (testing_sparse.lists_from_map(kinds, block, with_full),
+            testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), block, with_full))
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("with_full", [True, False])
+def test_backward_random_lists_with_mask_mod(d, with_full):
+    b, h, sq, sk = 2, 4, 517, 700
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=d + 1)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=d + 2)
+    prefix = testing_mods.spec("prefix")
+    fwd, bwd = _both_lists(kinds, (128, 128), with_full)
+    if not with_full:
+        kinds = torch.where(kinds > 0, testing_sparse.PARTIAL, testing_sparse.SKIP).to(torch.int32)
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk, lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None))
+    check_bwd(q, k, v, keep, dict(mask_mod=prefix.mask_mod, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+
+@pytest.mark.parametrize("heads", [1, 8])
+def test_backward_gqa(heads):
+    """GQA 8:2: query heads of a group add into one dK/dV; lists shared (1 head) or per query head."""
+    b, h, hk, sq, sk, d = 2, 8, 2, 300, 520, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, hk, d, seed=23)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=29, heads=heads)
+    fwd, bwd = _both_lists(kinds, (128, 128))
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk).expand(b, h, sq, sk)
+    check_bwd(q, k, v, keep, dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+
+@pytest.mark.parametrize("block", [(256, 128), (64, 128), (128, 256)])
+def test_backward_block_sizes(block):
+    b, h, sq, sk, d = 1, 3, 640, 1000, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=sum(block) + 1)
+    kinds = _map_case(b, h, sq, sk, block, seed=31, density=0.5)
+    fwd, bwd = _both_lists(kinds, block)
+    check_bwd(q, k, v, testing_sparse.keep_from_map(kinds, block, sq, sk),
+              dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+
+@pytest.mark.parametrize("bwd_lists", [True, False])
+def test_backward_flex_document_mask(bwd_lists):
+    """Both directions' lists from PyTorch's create_block_mask over a document mask (an aux tensor);
+    without backward lists the backward is dense with the mask_mod everywhere (upstream's meaning)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    b, h, s, d = 2, 4, 1000, 64
+    q, k, v, g = _inputs(b, s, s, h, h, d, seed=37)
+    doc = testing_mods.spec("document")
+    aux = testing_mods.make_aux("document", [s] * b, [s] * b, h, "cuda", g)
+    ids = aux[0]
+    bm = flex.create_block_mask(lambda b_, h_, qi, ki: ids[b_, qi] == ids[b_, ki], b, h, s, s, device="cuda",
+                                BLOCK_SIZE=(128, 128))
+    _, _, kv_cnt, kv_idx, fkv_cnt, fkv_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = bm.as_tuple()
+    fwd = BlockSparseTensorsTorch(kv_cnt, kv_idx, fkv_cnt, fkv_idx, block_size=(128, 128))
+    bwd = BlockSparseTensorsTorch(q_cnt, q_idx, fq_cnt, fq_idx, block_size=(128, 128)) if bwd_lists else None
+    bi = torch.arange(b, device="cuda").view(b, 1, 1, 1)
+    qi, ki = torch.arange(s, device="cuda").view(1, 1, -1, 1), torch.arange(s, device="cuda").view(1, 1, 1, -1)
+    keep = doc.keep_twin(bi, None, qi, ki, aux).expand(b, h, s, s)
+    check_bwd(q, k, v, keep, dict(mask_mod=doc.mask_mod, aux_tensors=aux, block_sparse_tensors=fwd,
+                                  block_sparse_tensors_bwd=bwd))

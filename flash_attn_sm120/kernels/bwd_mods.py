@@ -96,7 +96,9 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         softmax_scale_log2: Float32,
         aux_data: AuxData = AuxData(),
         mask_fn: Optional[Callable] = None,
+        use_mask_mod: cutlass.Constexpr[bool] = True,
     ):
+        # use_mask_mod=False: a block-sparse full tile (bwd_block_sparse.py), only the sequence bounds apply
         # upstream's mask partial carries the CTA's indices and the sequence's lengths
         mask = mask_fn.func.__self__
         n_block = mask_fn.keywords["n_block"]
@@ -143,7 +145,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
                 acc_S, tScS, self.score_mod, batch_idx, head_idx, softmax_scale, self.score_vec_size, Float32,
                 aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1,
             )
-        if const_expr(self.mask_mod is not None):
+        if const_expr(self.mask_mod is not None and use_mask_mod):
             self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv)
         else:
             bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,

@@ -784,12 +784,11 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
             )
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
-            sparse = None  # with block sparsity, the K/V tiles this Q tile visits
-            if const_expr(blocksparse_tensors is not None):
-                sparse = fwd_block_sparse.tile_lists(
-                    blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
-                    self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
-                )
+            # with block sparsity, each role reads this Q tile's lists after its first wait or load
+            lists = partial(
+                fwd_block_sparse.tile_lists, blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
+                self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
+            ) if const_expr(blocksparse_tensors is not None) else None
             if warp_idx >= self.producer_warp_idx:
                 if const_expr(self.registers.producer_regs is not None):
                     cute.arch.setmaxregister_decrease(self.registers.producer_regs)
@@ -797,7 +796,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v,
-                        m_block, head_idx, batch_idx, n_block_min, n_block_max, sparse,
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
                     )
             else:
                 if const_expr(self.registers.mma_regs is not None):
@@ -809,7 +808,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                     softmax_scale_log2, softmax_scale, block_info, seqlen,
                     window_size_left, window_size_right,
                     m_block, head_idx, batch_idx, n_block_min, n_block_max,
-                    aux_data, fastdiv_mods, sparse,
+                    aux_data, fastdiv_mods, lists,
                 )
 
     @cute.jit
@@ -832,7 +831,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         batch_idx: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
-        sparse: Optional[fwd_block_sparse.SparseTiles] = None,
+        lists: Optional[Callable] = None,
     ):
         """Producer warp: Q once, then K and V of each n_block (descending; with block sparsity the
         listed tiles, fwd_block_sparse.py) into the rings."""
@@ -852,8 +851,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.num_stages)
-        if const_expr(sparse is not None):
-            kv_state = fwd_block_sparse.load_tiles(sparse, kv_state, load_K, load_V, pipeline_k, pipeline_v,
+        if const_expr(lists is not None):  # read under the Q load
+            kv_state = fwd_block_sparse.load_tiles(lists(), kv_state, load_K, load_V, pipeline_k, pipeline_v,
                                                    self.kv_subtile_factor)
         else:
             for i in cutlass.range(n_block_max - n_block_min, unroll=1):
@@ -894,7 +893,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         n_block_max: Int32,
         aux_data: AuxData,
         fastdiv_mods,
-        sparse: Optional[fwd_block_sparse.SparseTiles] = None,
+        lists: Optional[Callable] = None,
     ):
         """MMA warps: the FA2 loop over n_blocks (or the block-sparse tiles), then the epilogue."""
         aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
@@ -948,7 +947,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # one n_block: S = QK^T (+ the previous block's PV when overlapping), mask, softmax
         block = partial(self.mma_one_n_block, overlap=self.intra_warp_overlap, **common)
 
-        if const_expr(sparse is not None):
+        if const_expr(lists is not None):
+            sparse = lists()
             # causal/local masks (when the call has them) apply to every visited tile
             kv_k, kv_v = fwd_block_sparse.consume_tiles(
                 sparse, partial(block, mask_causal_local=True), kv_k, kv_v, self.intra_warp_overlap,

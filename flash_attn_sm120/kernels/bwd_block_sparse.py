@@ -1,0 +1,201 @@
+"""Block sparsity in the SM120 backward: each K/V tile visits only the Q tiles its lists name.
+
+The backward lists are upstream's Q-direction ones (`block_sparse_tensors_bwd`: FlexAttention's
+BlockMask q_num_blocks / q_indices and full_q_*): for each sparse KV block of each (batch, head),
+the sparse Q blocks that see it, split into mask ("partial": the mask_mod applies) and full blocks
+(it does not). A sparse block spans q_subtile_factor Q tiles and kv_subtile_factor K/V tiles of
+the kernel; each list's indices ascend.
+
+How the walk is made without a new mainloop. Upstream's SM80/SM120 backward kernel loops
+`m_tile` over every Q tile of the sequence (non-causal: 0 .. ceil(seqlen_q / m_block) - 1) and
+calls `compute_one_m_block(m_tile, ...)` once per tile, with one Q and one dO stage (this class
+requires stages_q = stages_do = 1, so the shared-memory slots do not move with the counter).
+Here `m_tile` is read as a position in the CTA's list instead of a tile index:
+  * positions < count (the listed Q tiles, mask list then full list, ascending, the last sparse
+    block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,
+    with the mask_mod on mask-list tiles only;
+  * positions >= count do nothing (a compare and a branch);
+  * the step's "load the next tile" hooks load the next listed tile, and the prologue's loads of
+    tile 0 are deferred to position 0, which loads its own listed tile (the loads go through the
+    kernel's own load_Q_LSE / load_dO_dPsum; `_prologue` marks the prologue's calls at trace time).
+The lists travel as the last aux tensors (kernel arguments), like the forward's sinks.
+
+Not here: causal / local windows with lists (BlockInfo's m range would shorten the walk; FlexAttention
+expresses them as a mask_mod), deterministic ordering, varlen.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward
+from flash_attn.cute.utils import AuxData
+
+from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list
+
+
+def with_lists(aux_data: AuxData, blocksparse_tensors) -> AuxData:
+    """Plain Python (trace time): aux_data with the lists (cnt, idx[, full cnt, full idx]) appended."""
+    if blocksparse_tensors is None:
+        return aux_data
+    lists = [t for t in blocksparse_tensors[:4] if t is not None]
+    return AuxData(list(aux_data.tensors or []) + lists, aux_data.scalars)
+
+
+def split_lists(aux_data: AuxData, n: int):
+    """The inverse of with_lists: (the user's aux_data, the n list tensors)."""
+    tensors = list(aux_data.tensors)
+    user = tensors[:-n]
+    return AuxData(user or None, aux_data.scalars), tensors[-n:]
+
+
+@cute.jit
+def _nth_listed(i: Int32, mask_idx: cute.Tensor, mask_tiles: Int32, full_idx: Optional[cute.Tensor],
+                q_subtile_factor: cutlass.Constexpr[int]) -> Int32:
+    """The i-th listed Q tile (the mask list's, then the full list's, each ascending)."""
+    m = sparse_physical_n_block_forward(mask_idx, cutlass.min(i, cutlass.max(mask_tiles - 1, 0)), q_subtile_factor)
+    if const_expr(full_idx is not None):
+        if i >= mask_tiles:
+            m = sparse_physical_n_block_forward(full_idx, i - mask_tiles, q_subtile_factor)
+    return m
+
+
+class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
+    """The modifier backward walking upstream's Q-direction block-sparse lists (module docstring)."""
+
+    def __init__(self, *args, q_subtile_factor: int = 1, kv_subtile_factor: int = 1, has_full: bool = False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.num_stages_Q != 1 or self.num_stages_dO != 1:
+            raise ValueError("the block-sparse backward needs stages_q = stages_do = 1")
+        if self.is_causal or self.is_local or self.deterministic or self.V_in_regs:
+            raise ValueError("the block-sparse backward takes no causal/local window, deterministic order or V in "
+                             "registers")
+        self.q_subtile_factor = q_subtile_factor
+        self.kv_subtile_factor = kv_subtile_factor
+        self.has_full = has_full
+        self._prologue = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+        window_size_left: Int32 | int | None = None,
+        window_size_right: Int32 | int | None = None,
+        mdQ_semaphore: Optional[cute.Tensor] = None,
+        mdK_semaphore: Optional[cute.Tensor] = None,
+        mdV_semaphore: Optional[cute.Tensor] = None,
+        aux_data: AuxData = AuxData(),
+        blocksparse_tensors=None,
+        mCuTotalMBlocks: Optional[cute.Tensor] = None,
+        stream: cuda.CUstream = None,
+    ):
+        # the lists ride as the last aux tensors; the kernel body's prologue is traced before its mainloop
+        self._prologue = True
+        FlashAttentionBackwardSm120Tuned.__call__(
+            self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
+            mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
+            with_lists(aux_data, blocksparse_tensors), None, mCuTotalMBlocks, stream,
+        )
+
+    def load_Q_LSE(self, *args, **kwargs):
+        if self._prologue:
+            return None  # position 0 of the walk loads its own tile
+        return super().load_Q_LSE(*args, **kwargs)
+
+    def load_dO_dPsum(self, *args, **kwargs):
+        if self._prologue:
+            return None
+        return super().load_dO_dPsum(*args, **kwargs)
+
+    def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
+        self._prologue = False
+        aux_data, lists = split_lists(kwargs.pop("aux_data"), 4 if self.has_full else 2)
+        self._walk_step(m_block, lists, *args, mask_fn=mask_fn, aux_data=aux_data, **kwargs)
+
+    @cute.jit
+    def _walk_step(
+        self,
+        position: Int32,
+        lists: list,
+        smem_pipe_read_q: Int32,
+        smem_pipe_read_do: Int32,
+        smem_pipe_write_q: Int32,
+        smem_pipe_write_do: Int32,
+        mma_params,
+        smem_copy_params,
+        gmem_copy_params,
+        load_Q_LSE: Callable,
+        load_dO_dPsum: Callable,
+        m_block_max: Int32,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        aux_data: AuxData = AuxData(),
+        mask_fn: Optional[Callable] = None,
+    ):
+        """Position `position` of this CTA's list: the listed Q tile's step, or nothing past the list."""
+        F = self.q_subtile_factor
+        kw = mask_fn.keywords
+        batch_idx, head_idx = kw["batch_idx"], kw["head_idx"]
+        kv_sparse = kw["n_block"] // self.kv_subtile_factor
+        num_m_tiles = cute.ceil_div(mask_fn.func.__self__.seqlen_info.seqlen_q, self.m_block_size)
+        mask_cnt = lists[0][batch_idx, head_idx, kv_sparse]
+        mask_idx = lists[1][batch_idx, head_idx, kv_sparse, None]
+        mask_tiles = _tiles_in_list(mask_cnt, mask_idx, F, num_m_tiles)
+        full_tiles = Int32(0)
+        full_idx = None
+        if const_expr(self.has_full):
+            full_cnt = lists[2][batch_idx, head_idx, kv_sparse]
+            full_idx = lists[3][batch_idx, head_idx, kv_sparse, None]
+            full_tiles = _tiles_in_list(full_cnt, full_idx, F, num_m_tiles)
+        count = mask_tiles + full_tiles
+
+        if position < count:
+            m_block = _nth_listed(position, mask_idx, mask_tiles, full_idx, F)
+            if position == 0:  # the prologue's loads, for the listed tile
+                load_Q_LSE(m_block, 0)
+                cute.arch.cp_async_commit_group()
+                load_dO_dPsum(m_block, 0)
+                cute.arch.cp_async_commit_group()
+            has_next = position + 1 < count
+            m_next = _nth_listed(cutlass.min(position + 1, count - 1), mask_idx, mask_tiles, full_idx, F)
+
+            def load_Q_next_listed(m, slot):
+                if has_next:
+                    load_Q_LSE(m_next, slot)
+
+            def load_dO_next_listed(m, slot):
+                if has_next:
+                    load_dO_dPsum(m_next, slot)
+
+            step = dict(
+                smem_pipe_read_q=smem_pipe_read_q, smem_pipe_read_do=smem_pipe_read_do,
+                smem_pipe_write_q=smem_pipe_write_q, smem_pipe_write_do=smem_pipe_write_do, mma_params=mma_params,
+                smem_copy_params=smem_copy_params, gmem_copy_params=gmem_copy_params,
+                load_Q_LSE=load_Q_next_listed, load_dO_dPsum=load_dO_next_listed,
+                m_block_max=m_block + 2,  # the step's own "next tile in range" test always passes
+                softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
+            )
+            if position < mask_tiles:
+                self._one_m_block(m_block, use_mask_mod=True, **step)
+            else:
+                self._one_m_block(m_block, use_mask_mod=False, **step)
