@@ -84,6 +84,9 @@ class Supports:
     splits: bool = False
     sinks: bool = True  # learnable_sink (through the public API; the kernels fold it in, kernels/sink_fold.py)
     mods: bool = True  # score_mod / mask_mod / aux data (testing_mods.MODS, through the public API)
+    # block-sparse lists (testing_sparse.CASES, the public API): the dispatcher's own choice only, since a
+    # forced config need not divide the sparse block
+    block_sparse: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ FAMILY_LIMITS: dict[str, dict] = {
 
 
 BASE_PATHS: tuple[KernelPath, ...] = (
-    KernelPath("cpasync-table", "dispatch", None),
+    KernelPath("cpasync-table", "dispatch", None, Supports(block_sparse=True)),
     KernelPath("cpasync-w8-128x96-s1", "cpasync", FwdConfig(256, 128, 96, 1)),
     KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
     KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192

@@ -64,6 +64,7 @@ class AttnCase:
     backward: bool = False
     sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
     mods: str = ""  # a testing_mods.MODS name: score_mod / mask_mod / aux data (public API only)
+    block_sparse: str = ""  # a testing_sparse.CASES name: random block lists (public API, dense layout)
 
     def __post_init__(self):
         if self.mask not in MASKS:
@@ -98,6 +99,7 @@ class AttnCase:
         g = f"g{self.qhead_per_kvhead}" + {None: "", True: "p", False: "u"}[self.pack_gqa]
         extra = (f"-sc{self.softcap:g}" if self.softcap else "") + ("-lse" if self.return_lse else "")
         extra += ("-sink" if self.sink else "") + (f"-mod:{self.mods}" if self.mods else "")
+        extra += f"-bs:{self.block_sparse}" if self.block_sparse else ""
         return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}" + ("-bwd" if self.backward else "")
 
 
@@ -184,6 +186,7 @@ class Inputs:
     out_gap: Optional[torch.Tensor] = None  # that gap (NaN; must stay NaN), set by forward_via_driver
     sink: Optional[torch.Tensor] = None  # learnable_sink (h,) fp32, for sink cases
     aux: Optional[list] = None  # the modifier's aux tensors (testing_mods.make_aux)
+    sparse_kinds: Optional[torch.Tensor] = None  # block map of a block-sparse case (testing_sparse)
 
     def k_seq(self, i: int) -> torch.Tensor:
         return self.k_layout.seq(self.k if self.k_ref is None else self.k_ref, i)
@@ -281,6 +284,13 @@ def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_gr
         from flash_attn_sm120 import testing_mods
 
         inputs.aux = testing_mods.make_aux(case.mods, problem.seqlens_q, problem.seqlens_k, h, device, gen)
+    if case.block_sparse:
+        from flash_attn_sm120 import testing_sparse
+
+        if not case.is_dense:
+            raise ValueError("block-sparse cases take the dense layout")
+        inputs.sparse_kinds = testing_sparse.case_map(case.block_sparse, problem.batch, h, max(problem.seqlens_q),
+                                                      max(problem.seqlens_k), gen, device)
     if requires_grad:
         for t in (inputs.q, inputs.k, inputs.v, inputs.sink):
             if t is not None:
@@ -390,6 +400,10 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
         from flash_attn_sm120 import testing_mods
 
         kw.update(testing_mods.api_kwargs(case.mods, inputs.aux))
+    if case.block_sparse:
+        from flash_attn_sm120 import testing_sparse
+
+        kw.update(testing_sparse.case_lists(case.block_sparse, inputs.sparse_kinds, case.backward))
     if not case.is_dense:
         kw.update(inputs.index)
     return kw
@@ -619,8 +633,8 @@ def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda"
         with path.force(d, dv):
             return check_backward(inputs, case, problem)
     inputs = make_inputs(case, problem, device)
-    if (case.sink or case.mods) and api == "driver":
-        api = "public"  # sinks and modifiers are drawn through the public API
+    if (case.sink or case.mods or case.block_sparse) and api == "driver":
+        api = "public"  # sinks, modifiers and block lists are drawn through the public API
     if api == "driver":
         emulate = device_info(inputs.q.device).emulate_host_smem
         out, lse = forward_via_driver(inputs, case, problem, path.config_for(d, dv), emulate)

@@ -28,12 +28,23 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -
 
 
 def _mod_twins(case: AttnCase, inputs: Inputs, seq: int) -> dict:
-    """attention_ref's score_fn / keep_fn for sequence `seq` of a modifier case (testing_mods)."""
-    if not case.mods:
-        return {}
-    from flash_attn_sm120 import testing_mods
+    """attention_ref's score_fn / keep_fn for sequence `seq` of a modifier case (testing_mods) or a
+    block-sparse case (testing_sparse: the lists' dense mask, the mask_mod's twin on partial blocks,
+    causal when no mask_mod replaces it)."""
+    score_fn = keep_fn = None
+    if case.mods:
+        from flash_attn_sm120 import testing_mods
 
-    score_fn, keep_fn = testing_mods.twins(case.mods, inputs.aux, seq)
+        score_fn, keep_fn = testing_mods.twins(case.mods, inputs.aux, seq)
+    if case.block_sparse:
+        from flash_attn_sm120 import testing_sparse
+
+        sq, sk = inputs.q.shape[1], inputs.k_seq(seq).shape[1]
+        keep = testing_sparse.case_keep(case.block_sparse, inputs.sparse_kinds, seq, sq, sk, keep_fn,
+                                        causal=case.causal and keep_fn is None)
+        keep_fn = lambda h, qi, ki: keep  # noqa: E731
+    if score_fn is None and keep_fn is None:
+        return {}
     return dict(score_fn=score_fn, keep_fn=keep_fn)
 
 
@@ -109,7 +120,8 @@ def reference_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, upca
     with torch.no_grad():
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
-            if (case.sink and q_i.shape[1] > 0) or (case.mods and q_i.shape[1] > 0 and k_i.shape[1] > 0):
+            twins = (case.mods or case.block_sparse) and q_i.shape[1] > 0 and k_i.shape[1] > 0
+            if (case.sink and q_i.shape[1] > 0) or twins:
                 # the sink as a softmax column (no keys: out 0, lse = sink); modifiers through their twins
                 o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window,
                                      softmax_scale=problem.softmax_scale, softcap=case.softcap, upcast=upcast,

@@ -72,3 +72,47 @@ def keep_from_map(kinds: torch.Tensor, block_size: tuple[int, int], seqlen_q: in
 
 def computed_fraction(kinds: torch.Tensor) -> float:
     return float((kinds != SKIP).float().mean())
+
+
+# ---- the test harness's block-sparse cases (AttnCase.block_sparse) ----------------------------------------
+# name -> (sparse block size, full lists, density); drawn by the fuzz suite and the sanitizer
+CASES: dict[str, tuple[tuple[int, int], bool, float]] = {
+    "random": ((128, 128), True, 0.4),
+    "nofull": ((128, 128), False, 0.5),
+    "q256": ((256, 128), True, 0.5),
+}
+HEAD_DIMS = (64, 96, 128)  # what block sparsity runs (block_sparse.CONFIGS)
+
+
+def case_spec(name: str) -> tuple[tuple[int, int], bool, float]:
+    try:
+        return CASES[name]
+    except KeyError:
+        raise ValueError(f"no block-sparse test case {name!r}; known: {sorted(CASES)}") from None
+
+
+def case_map(name: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, generator: torch.Generator,
+             device="cuda") -> torch.Tensor:
+    """The block map of a harness case (full blocks become partial without full lists)."""
+    (bq, bk), with_full, density = case_spec(name)
+    kinds = random_block_map(batch, heads, -(-seqlen_q // bq), -(-seqlen_k // bk), density=density,
+                             full_share=0.5, generator=generator, device=device)
+    if not with_full:
+        kinds = torch.where(kinds > 0, PARTIAL, SKIP).to(torch.int32)
+    return kinds
+
+
+def case_lists(name: str, kinds: torch.Tensor, backward: bool) -> dict:
+    """The public API's block_sparse_tensors (and block_sparse_tensors_bwd for a backward) of a case."""
+    block, with_full, _ = case_spec(name)
+    kw = {"block_sparse_tensors": lists_from_map(kinds, block, with_full)}
+    if backward:
+        kw["block_sparse_tensors_bwd"] = lists_from_map(kinds.transpose(2, 3).contiguous(), block, with_full)
+    return kw
+
+
+def case_keep(name: str, kinds: torch.Tensor, seq: int, seqlen_q: int, seqlen_k: int,
+              partial_keep: Optional[Callable] = None, causal: bool = False) -> torch.Tensor:
+    """(1, h, sq, sk) attend mask of batch row `seq`; partial_keep(h, qi, ki) is a mask_mod's twin."""
+    twin = None if partial_keep is None else (lambda b, h, qi, ki: partial_keep(h, qi, ki))
+    return keep_from_map(kinds[seq:seq + 1], case_spec(name)[0], seqlen_q, seqlen_k, twin, causal)

@@ -88,6 +88,16 @@ MOD_SHAPES = (
                                 mods="alibi"),
      AttnProblem((150, 150), (193, 193), nheads_kv=2, seed=17)),
 )
+# block-sparse lists (testing_sparse.CASES) on the paths that draw them (the dispatcher's): the TMA forward's
+# list walk with a mask_mod over an aux tensor and GQA, and the backward's walk with Q subtiles
+SPARSE_SHAPES = (
+    ("bs-fwd-d128-document-gqa", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, True, "dense", "dense",
+                                          mods="document", block_sparse="random"),
+     AttnProblem((300, 300), (520, 520), nheads_kv=2, seed=18)),
+    ("bs-bwd-d64-prefix-q256", AttnCase("bfloat16", 64, 64, 1, None, "none", 0.0, True, "dense", "dense", True,
+                                        mods="prefix", block_sparse="q256"),
+     AttnProblem((300,), (400,), nheads_kv=2, seed=19)),
+)
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)
 ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
@@ -138,6 +148,11 @@ def build_cases(paths, families=None) -> list[dict]:
             for name, case, problem in MOD_SHAPES:  # a SplitKV path splits (the fold is split 0's)
                 p = replace(problem, num_splits=3) if path.supports.splits else problem
                 cases.append(_case(path, name, adapt(path, case), p, "public"))
+        if path.supports.block_sparse:
+            for name, case, problem in SPARSE_SHAPES:
+                c = _case(path, name, case, problem, "public")
+                c["family"] = "bwd" if case.backward else "tma"
+                cases.append(c)
         if path.family == "dispatch":
             for name, case, problem in BWD_SHAPES:
                 c = _case(path, name, case, problem, "public")
@@ -248,7 +263,7 @@ def main(argv=None) -> int:
     cases = build_cases(paths, families)
     if args.shapes:
         shapes = set(args.shapes.split(","))
-        known = {name for name, _, _ in SHAPES + BWD_SHAPES + MOD_SHAPES} | {"splitkv", "paged"}
+        known = {name for name, _, _ in SHAPES + BWD_SHAPES + MOD_SHAPES + SPARSE_SHAPES} | {"splitkv", "paged"}
         if shapes - known:
             raise SystemExit(f"unknown shapes {sorted(shapes - known)}; known: {sorted(known)}")
         cases = [c for c in cases if c["shape"] in shapes]

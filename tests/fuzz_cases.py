@@ -41,6 +41,9 @@ APIS = ("driver", "driver", "public")
 # testing_mods.MODS names, "" (none) most often; score-mod ones never with softcap (upstream refuses both)
 MODS = ("", "", "", "", "position", "alibi", "scalar", "document", "prefix", "prefix+position")
 MASK_ONLY_MODS = ("document", "prefix")
+# testing_sparse.CASES names, "" (none) most often; drawn on paths with Supports.block_sparse
+SPARSE = ("", "", "", "random", "nofull", "q256")
+SPARSE_HEAD_DIMS = (64, 96, 128)
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
 
 
@@ -104,6 +107,7 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         "layout": _cycle(rng, LAYOUTS, n),
         "sink": _cycle(rng, (False, False, True), n),
         "mods": _cycle(rng, MODS, n),
+        "sparse": _cycle(rng, SPARSE, n),
     }
     fwd = []
     for i in range(n):
@@ -122,12 +126,16 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         sink = cols["sink"][i] and s.sinks
         softcap = cols["softcap"][i] if s.softcap else 0.0
         mods = _mods(cols["mods"][i], s, softcap)
-        api = "public" if layout[1] == "paged" or s.splits or sink or mods else cols["api"][i]
+        sparse = cols["sparse"][i] if s.block_sparse else ""
+        if sparse:  # the lists' limits: dense layout, d 64/96/128 = dv, no window
+            d = dv = d if d in SPARSE_HEAD_DIMS else rng.choice(SPARSE_HEAD_DIMS)
+            layout, mask = ("dense", "dense"), mask if mask in ("none", "causal") else "none"
+        api = "public" if layout[1] == "paged" or s.splits or sink or mods or sparse else cols["api"][i]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=dv, qhead_per_kvhead=ratio, pack_gqa=pack, mask=mask,
             softcap=softcap, return_lse=cols["lse"][i],
-            q_layout=layout[0], k_layout=layout[1], sink=sink, mods=mods,
+            q_layout=layout[0], k_layout=layout[1], sink=sink, mods=mods, block_sparse=sparse,
         )
         fwd.append(FuzzCase(i, path, api, case))
     return fwd, _backward_cases(rng, runnable, plan.bwd_cases, mode)
@@ -157,6 +165,7 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         "layout": _cycle(rng, LAYOUTS, n),
         "sink": _cycle(rng, (False, True), n),
         "mods": _cycle(rng, MODS, n),
+        "sparse": _cycle(rng, SPARSE, n),
     }
     out = []
     for i in range(n):
@@ -168,12 +177,15 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
             mask = "causal"
         layout = cols["layout"][i] if s.varlen and "varlen" not in gaps else ("dense", "dense")
         softcap = cols["softcap"][i] if s.softcap else 0.0
+        sparse = cols["sparse"][i] if s.block_sparse and d in SPARSE_HEAD_DIMS else ""
+        if sparse:  # the backward lists' limits: dense layout, no causal/local mask
+            layout, mask = ("dense", "dense"), "none"
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,
             softcap=softcap, return_lse=cols["lse"][i],
             q_layout=layout[0], k_layout=layout[1], backward=True, sink=cols["sink"][i] and s.sinks,
-            mods=_mods(cols["mods"][i], s, softcap),
+            mods=_mods(cols["mods"][i], s, softcap), block_sparse=sparse,
         )
         out.append(FuzzCase(i, path, "public", case))
     return out

@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,9 +244,11 @@ def _index_blind(twins: dict) -> dict:
     return blind
 
 
-def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0, blind_mods: bool = False):
+def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0, blind_mods: bool = False,
+              ignore_lists: bool = False):
     """forward_via_api replacement: the fp32 reference, differentiable, assembled in q's layout.
-    blind_mods: the modifiers' twins see index 0 everywhere (the bug the modifier backward fixes)."""
+    blind_mods: the modifiers' twins see index 0 everywhere (the bug the modifier backward fixes);
+    ignore_lists: a block-sparse case computed densely (a kernel that ignores the lists)."""
 
     def forward_via_api(inputs, case, problem):
         outs, lses = [], []
@@ -253,7 +257,7 @@ def _stand_in(grad_scale: float = 1.0, sink_grad_scale: float = 1.0, blind_mods:
             sink = inputs.sink * sink_grad_scale - inputs.sink.detach() * (sink_grad_scale - 1.0)
         for i in range(problem.batch):
             q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
-            twins = testing._mod_twins(case, inputs, i)
+            twins = testing._mod_twins(dataclasses.replace(case, block_sparse="") if ignore_lists else case, inputs, i)
             o, l = testing.attention_ref(q_i, k_i, v_i, causal=case.causal, window=problem.window(case),
                                          softmax_scale=problem.softmax_scale, softcap=case.softcap,
                                          learnable_sink=sink, **(_index_blind(twins) if blind_mods else twins))
@@ -309,6 +313,38 @@ def test_check_backward_with_mods_catches_an_index_blind_kernel(monkeypatch, mod
     monkeypatch.setattr(testing, "forward_via_api", _stand_in(blind_mods=True))
     with pytest.raises(CheckFailure):
         testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+@pytest.mark.parametrize("sparse,mods,mask", [("random", "", "none"), ("nofull", "prefix", "none"),
+                                              ("q256", "document", "none"), ("random", "", "causal")])
+def test_check_block_sparse_catches_a_kernel_that_ignores_the_lists(monkeypatch, sparse, mods, mask):
+    """A block-sparse case passes with the lists' dense mask (and the mask_mod's twin on partial blocks)
+    and fails for a kernel that computes every block (upstream's SM80/SM120 kernels ignore the lists)."""
+    backward = mask == "none"
+    case = AttnCase("bfloat16", 16, 16, 2, None, mask, 0.0, True, "dense", "dense", backward=backward, mods=mods,
+                    block_sparse=sparse)
+    problem = AttnProblem((300, 300), (520, 520), nheads_kv=1, seed=9)
+    check = testing.check_backward if backward else (
+        lambda inputs, c, p: testing.check_forward(inputs, c, p, *testing.forward_via_api(inputs, c, p)))
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in())
+    stats = check(testing.make_inputs(case, problem, "cpu", requires_grad=backward), case, problem)
+    assert "out" in stats
+    monkeypatch.setattr(testing, "forward_via_api", _stand_in(ignore_lists=True))
+    with pytest.raises(CheckFailure):
+        check(testing.make_inputs(case, problem, "cpu", requires_grad=backward), case, problem)
+
+
+def test_block_sparse_cases_are_drawn_within_their_limits():
+    from flash_attn_sm120 import testing_sparse
+
+    fwd, bwd = static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["deep"], seed=1, mode="emulated")
+    sparse = [c for c in fwd + bwd if c.case.block_sparse]
+    assert sparse and any(c.case.block_sparse for c in bwd)
+    assert {c.case.block_sparse for c in sparse} == set(testing_sparse.CASES)
+    for c in sparse:
+        assert c.api == "public" and c.path.supports.block_sparse and c.case.is_dense
+        assert c.case.head_dim == c.case.head_dim_v and c.case.head_dim in testing_sparse.HEAD_DIMS
+        assert c.case.mask in (("none",) if c.case.backward else ("none", "causal"))
 
 
 def test_a_keep_twin_replaces_causal_as_upstream():

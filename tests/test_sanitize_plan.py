@@ -28,6 +28,7 @@ def test_every_path_gets_every_shape_and_cases_fit_the_path():
         extra = {"splitkv"} if p.supports.splits else set()
         extra |= {"paged"} if p.supports.paged else set()
         extra |= {name for name, _, _ in sanitize.BWD_SHAPES} if p.family == "dispatch" else set()
+        extra |= {name for name, _, _ in sanitize.SPARSE_SHAPES} if p.supports.block_sparse else set()
         # the sink fold and forward modifiers: once per kernel family
         extra |= {name for name, _, _ in sanitize.MOD_SHAPES} if first_of_family.get(p.family) == p.name else set()
         expected = {name for name, _, _ in sanitize.SHAPES} | extra if p.head_dims() else set()
