@@ -221,11 +221,12 @@ def report_row(
     upstream_class: bool = False,
     note: str = "",
     keep_sass: Optional[dict] = None,
+    block_sparse: Optional[tuple] = None,
 ) -> CodegenResult:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kernels: list = []
     cubin, smem_dyn = compile_fwd_cubin(config, head_dim, head_dim_v, causal=causal, dtype=dtype,
-                                        upstream_class=upstream_class, kernel_out=kernels)
+                                        upstream_class=upstream_class, kernel_out=kernels, block_sparse=block_sparse)
     # families with extra warps (the TMA producer warpgroup) launch more threads than config.num_threads
     threads = getattr(kernels[0], "num_threads_total", config.num_threads)
     return _row_of_cubin(cubin, smem_dyn, threads, config, keep_sass,
@@ -246,11 +247,13 @@ def bwd_report_row(
     qhead_per_kvhead: int = 1,
     note: str = "",
     keep_sass: Optional[dict] = None,
+    block_sparse: Optional[tuple] = None,
 ) -> CodegenResult:
-    """The sm_120a codegen row of one backward kernel (a kernels.bwd_sm120.BwdConfig)."""
+    """The sm_120a codegen row of one backward kernel (a kernels.bwd_sm120.BwdConfig); block_sparse:
+    (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
-                                        qhead_per_kvhead=qhead_per_kvhead)
+                                        qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse)
     mask = "-causal" if causal else "-local" if local else ""
     return _row_of_cubin(cubin, smem_dyn, config.num_threads, config, keep_sass,
                          name=name or f"{config.name}-d{head_dim}{mask}", shipped=shipped, head_dim=head_dim,
@@ -462,17 +465,15 @@ def compile_bwd_cubin(
      _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
     window = cutlass.Int32(0) if local else None
     sems = (None, None)
-    if deterministic:
-        import cutlass.cute as cute
-        from quack.compile_utils import make_fake_tensor
+    import cutlass.cute as cute
+    from quack.compile_utils import make_fake_tensor
 
+    if deterministic:
         sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))  # noqa: E731
         sems = (sem(), sem() if gqa else None)
     sparse = None
     if block_sparse is not None:  # (q_subtile, kv_subtile, has full lists): Q-direction lists
-        import cutlass.cute as cute
         from flash_attn.cute.block_sparsity import BlockSparseTensors
-        from quack.compile_utils import make_fake_tensor
 
         b, h, n, m = (cute.sym_int() for _ in range(4))
         sparse = BlockSparseTensors(*[make_fake_tensor(cutlass.Int32, shape, divisibility=1)

@@ -8,7 +8,9 @@ no mask) and block-sparse (128 x 128 blocks) with:
   * window+global: a sliding window of 512 keys each side plus 128 global tokens, lists from
                    PyTorch's create_block_mask, a mask_mod on the partial blocks.
 Computed FLOPs are 4 * b * h * d * (visited blocks * 128 * 128). Times are CUDA-event medians
-(bench.time_cuda), the dense and sparse calls timed A B B A so that clock drift cancels.
+(bench.time_cuda), the dense and sparse calls timed A B B A so that clock drift cancels. --bwd times
+the backward instead (autograd.grad of a kept forward; the sparse call with the Q-direction lists,
+block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -46,7 +48,7 @@ def _window_global_mod():
 
 
 def _masks(b, s, h):
-    """[(name, BlockSparseTensorsTorch, mask_mod, visited fraction)]."""
+    """[(name, BlockSparseTensorsTorch, its Q-direction twin, mask_mod, visited fraction)]."""
     import torch
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from torch.nn.attention.flex_attention import create_block_mask
@@ -54,13 +56,15 @@ def _masks(b, s, h):
     n = s // BLOCK[0]
     g = torch.Generator(device="cuda").manual_seed(0)
     kinds = testing_sparse.random_block_map(b, h, n, n, density=0.1, full_share=1.0, generator=g)
-    out = [("random10", testing_sparse.lists_from_map(kinds, BLOCK), None, testing_sparse.computed_fraction(kinds))]
+    out = [("random10", testing_sparse.lists_from_map(kinds, BLOCK),
+            testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), BLOCK), None,
+            testing_sparse.computed_fraction(kinds))]
     mod, twin = _window_global_mod()
     bm = create_block_mask(twin, b, h, s, s, device="cuda", BLOCK_SIZE=BLOCK)
-    _, _, kv_cnt, kv_idx, full_cnt, full_idx, *_ = bm.as_tuple()
+    _, _, kv_cnt, kv_idx, full_cnt, full_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = bm.as_tuple()
     visited = float((kv_cnt + full_cnt).sum()) / (b * h * n * n)
-    out.append(("window+global", BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK), mod,
-                visited))
+    out.append(("window+global", BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK),
+                BlockSparseTensorsTorch(q_cnt, q_idx, fq_cnt, fq_idx, block_size=BLOCK), mod, visited))
     return out
 
 
@@ -73,6 +77,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None, help="write the rows here (prepare.py-style header)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--bwd", action="store_true", help="time the backward (autograd.grad) instead of the forward")
     args = ap.parse_args(argv)
     info = device_info()
     if not info.uses_sm120_kernels:
@@ -80,11 +85,21 @@ def main(argv=None) -> int:
     rows = []
     for b, s, h, d in PROBLEMS:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
-        dense_flops = 4 * b * h * s * s * d
-        for name, sparse, mod, visited in _masks(b, s, h):
-            def call(i, use_sparse, x=x, sparse=sparse, mod=mod):
-                kw = dict(block_sparse_tensors=sparse, mask_mod=mod) if use_sparse else {}
-                return flash_attn_func(*x[i], **kw)
+        dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
+        dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        for name, sparse, sparse_bwd, mod, visited in _masks(b, s, h):
+            kept = {}  # the backward's forward, once per (input set, dense or sparse)
+
+            def call(i, use_sparse, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, kept=kept, dout=dout):
+                kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd, mask_mod=mod) \
+                    if use_sparse else {}
+                if not args.bwd:
+                    return flash_attn_func(*x[i], **kw)
+                if (i, use_sparse) not in kept:
+                    leaves = [t.detach().requires_grad_() for t in x[i]]
+                    kept[i, use_sparse] = (leaves, flash_attn_func(*leaves, **kw)[0])
+                leaves, out = kept[i, use_sparse]
+                return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
             ms = {False: [], True: []}
             for use in (False, True, True, False):
@@ -93,10 +108,13 @@ def main(argv=None) -> int:
             dense_tf = dense_flops / dense_ms / 1e9
             sparse_tf = dense_flops * visited / sparse_ms / 1e9
             problem = f"b{b}s{s}h{h}d{d}"
-            rows.append(dict(problem=problem, mask=name, visited=visited, dense_ms=dense_ms, sparse_ms=sparse_ms,
-                             dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf, ratio=sparse_tf / dense_tf))
-            print(f"[{info.mode}] {problem:18s} {name:14s} visited {100 * visited:5.1f}%  dense {dense_ms:7.3f} ms "
-                  f"{dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  ratio {sparse_tf / dense_tf:.3f}",
+            direction = "bwd" if args.bwd else "fwd"
+            rows.append(dict(problem=problem, direction=direction, mask=name, visited=visited, dense_ms=dense_ms,
+                             sparse_ms=sparse_ms, dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf,
+                             ratio=sparse_tf / dense_tf))
+            print(f"[{info.mode}] {direction} {problem:18s} {name:14s} visited {100 * visited:5.1f}%  dense "
+                  f"{dense_ms:7.3f} ms {dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  "
+                  f"ratio {sparse_tf / dense_tf:.3f}",
                   flush=True)
     if args.json:
         doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -2,7 +2,8 @@
 
 Compiles each entry of flash_attn_sm120/configs/sm120_fwd.toml, plus upstream's own SM120 default (4 warps,
 128x64, d=128, the reference row), and each entry of flash_attn_sm120/configs/sm120_bwd.toml and the backward's
-fallbacks, plus upstream's own SM120 backward at d=128, for sm_120a with fake tensors, then prints registers, spill
+fallbacks, plus upstream's own SM120 backward at d=128, and the block-sparse forward configs and backward walks
+(`sparse/` rows), for sm_120a with fake tensors, then prints registers, spill
 bytes, shared memory, CTAs per SM on SM120 (and what limits it) and a SASS opcode histogram.
 
   python scripts/sm120_report.py            # table
@@ -67,6 +68,28 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
     return _run(jobs, "sm_120a backward configs")
 
 
+def sparse_rows() -> list[dict]:
+    """Block sparsity: each forward config of block_sparse.CONFIGS and the backward walk on each head dim's
+    table config (one Q/dO stage, driver_bwd._block_sparse_plan), with mask and full lists of 128 x 128 blocks."""
+    from dataclasses import replace
+
+    from flash_attn_sm120 import block_sparse
+    from flash_attn_sm120.codegen import bwd_report_row, report_row
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    jobs = []
+    for d, configs in block_sparse.CONFIGS.items():
+        for cfg in configs:
+            factors = (128 // cfg.tile_m, 128 // cfg.tile_n, True)
+            jobs.append(lambda d=d, cfg=cfg, f=factors: report_row(cfg, d, name=f"sparse/{d}/{cfg.name}", shipped=True,
+                                                                   block_sparse=f))
+        bwd = replace(select_bwd_config(load_bwd_table(), d, d, False, False), stages_q=1, stages_do=1, v_in_regs=False)
+        factors = (128 // bwd.m_block, 128 // bwd.n_block, True)
+        jobs.append(lambda d=d, bwd=bwd, f=factors: bwd_report_row(bwd, d, name=f"sparse/bwd/{d}/{bwd.name}",
+                                                                   shipped=True, block_sparse=f))
+    return _run(jobs, "sm_120a block-sparse configs")
+
+
 def format_table(rs: list[dict]) -> str:
     head = f"{'name':46s} {'ship':>4s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'CTA/SM':>6s} {'limit':>7s} {'warps':>5s}  sass"
     lines = [head, "-" * len(head)]
@@ -85,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table", type=Path, default=None, help="config table (default flash_attn_sm120/configs/sm120_fwd.toml)")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's reference row")
     args = ap.parse_args(argv)
-    rs = rows(args.table, include_upstream=not args.no_upstream) + bwd_rows(not args.no_upstream)
+    rs = rows(args.table, include_upstream=not args.no_upstream) + bwd_rows(not args.no_upstream) + sparse_rows()
     if args.json:
         print(json.dumps(rs, indent=1))
     else:

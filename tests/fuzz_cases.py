@@ -42,7 +42,7 @@ APIS = ("driver", "driver", "public")
 MODS = ("", "", "", "", "position", "alibi", "scalar", "document", "prefix", "prefix+position")
 MASK_ONLY_MODS = ("document", "prefix")
 # testing_sparse.CASES names, "" (none) most often; drawn on paths with Supports.block_sparse
-SPARSE = ("", "", "", "random", "nofull", "q256")
+SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
 

@@ -92,3 +92,35 @@ def test_block_sparse_configs_compile_spill_free_for_sm120a(cfg, d, causal, dtyp
     res, _, sass = codegen.inspect_cubin(cubin)
     assert res["stack"] == 0 and res["local"] == 0, res
     assert kernels[0].kv_subtile_factor == 128 // cfg.tile_n
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_block_sparse_backward_walk_compiles_spill_free_for_sm120a(d):
+    """The backward walk (kernels/bwd_block_sparse.py) on each head dim's table config with one Q/dO stage, a
+    mask_mod and both lists, as driver_bwd._block_sparse_plan builds it: spill-free on sm_120a."""
+    from dataclasses import replace
+
+    from flash_attn_sm120 import codegen, driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+    from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
+    from flash_attn_sm120.testing_mods import prefix_lm
+
+    cfg = replace(select_bwd_config(load_bwd_table(), d, d, False, False), stages_q=1, stages_do=1, v_in_regs=False)
+    kernels = []
+    cubin, _ = codegen.compile_bwd_cubin(cfg, d, mods=driver_bwd.Mods(mask_mod=prefix_lm), kernel_out=kernels,
+                                         block_sparse=(128 // cfg.m_block, 128 // cfg.n_block, True))
+    res, _, _ = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert isinstance(kernels[0], FlashAttentionBackwardSm120BlockSparse) and kernels[0].has_full
+
+
+def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
+    import cutlass
+
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+    from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
+
+    cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False)
+    with pytest.raises(ValueError, match="stages_q = stages_do = 1"):
+        FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, cfg.__class__(**{**cfg.to_dict(),
+                                                                                            "stages_q": 2}))
