@@ -14,7 +14,8 @@ Here `m_tile` is read as a position in the CTA's list instead of a tile index:
   * positions < count (the listed Q tiles, mask list then full list, ascending, the last sparse
     block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,
     with the mask_mod on mask-list tiles only;
-  * positions >= count do nothing (a compare and a branch);
+  * positions >= count do nothing (a compare and a branch); with count == 0, position 0 waits for the
+    prologue's K/V loads, whose shared memory the epilogue reuses for dK/dV;
   * the step's "load the next tile" hooks load the next listed tile, and the prologue's loads of
     tile 0 are deferred to position 0, which loads its own listed tile (the loads go through the
     kernel's own load_Q_LSE / load_dO_dPsum; `_prologue` marks the prologue's calls at trace time).
@@ -169,6 +170,12 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
             full_tiles = _tiles_in_list(full_cnt, full_idx, F, num_m_tiles)
         count = mask_tiles + full_tiles
 
+        if position == 0:
+            if count == 0:
+                # no Q tile sees this K/V tile: the prologue's K and V loads must land before the epilogue
+                # writes dK/dV (zeros) into their shared memory (compute-sanitizer racecheck found it)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
         if position < count:
             m_block = _nth_listed(position, mask_idx, mask_tiles, full_idx, F)
             if position == 0:  # the prologue's loads, for the listed tile
