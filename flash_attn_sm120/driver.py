@@ -326,6 +326,10 @@ def choose_block_sparse(
 ) -> tuple[FwdStatics, object]:
     """(compile key, upstream's normalized sparse config) of a block-sparse forward: the given or forced
     config, else the first of block_sparse.forward_candidates that the TMA family serves."""
+    varlen = [n for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k") if build.get(n) is not None]
+    if varlen or q.dim() != 4:
+        raise NotImplementedError(f"block sparsity with varlen ({', '.join(varlen) or 'packed q'}) is not supported by "
+                                  "the SM120 kernels yet")
     block_size = block_sparse.sparse_block_size(tensors, q.shape[1], k.shape[1])
     if pack_gqa and not block_sparse.heads_broadcast(tensors):
         pack_gqa = False  # upstream's rule: packed GQA needs the same lists for every head

@@ -124,3 +124,14 @@ def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
     with pytest.raises(ValueError, match="stages_q = stages_do = 1"):
         FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, cfg.__class__(**{**cfg.to_dict(),
                                                                                             "stages_q": 2}))
+
+
+def test_varlen_block_sparsity_is_refused_by_name(monkeypatch):
+    """flash_attn_varlen_func with lists: NotImplementedError naming varlen, before any kernel work."""
+    from flash_attn_sm120 import driver
+
+    q = torch.empty(100, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        driver.choose_block_sparse(q, q, q, _tensors(block_size=(128, 128)), causal=False, local=False, pack_gqa=False,
+                                   pack_gqa_chosen=False, config=None, cu_seqlens_q=cu, cu_seqlens_k=cu)
