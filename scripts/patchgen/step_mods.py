@@ -54,6 +54,9 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "shared-memory hand-offs) restates FlashAttentionBackwardSm80's step for the configurations the\n"
      "tuned class admits\n"),
     ("else upstream's SM80 forward rule", "else the SM80 forward's rule"),
+    ("        # use_mask_mod=False: a block-sparse full tile (bwd_block_sparse.py), only the sequence bounds apply\n",
+     "        # use_mask_mod=False: a tile of a block-sparse full list (the mask_mod does not apply there),\n"
+     "        # only the sequence bounds do\n"),
     ("        # upstream's mask partial carries the CTA's indices",
      "        # the SM80 step's mask partial carries the CTA's indices"),
     ("the element lies outside the sequences (upstream's\n"
@@ -70,7 +73,7 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
     ("\n\nfrom flash_attn_sm120.kernels import bwd_mask\n"
      "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n", "\n"),
 )
-_PACKAGE_NAMES = ("bwd_mask", "bwd_sm120.py", "bwd_deterministic", "driver_bwd", "this package")  # none may be left
+_PACKAGE_NAMES = ("bwd_mask", "bwd_sm120.py", "bwd_deterministic", "bwd_block_sparse", "driver_bwd", "this package")  # none may be left
 _LIFTED = ("mod_vec_size", "FlashAttentionBackwardSm120Mods")  # the definitions the module must still hold
 
 
@@ -211,7 +214,8 @@ def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) ->
             "applies score_mod, mask_mod and score_mod_bwd there with softmax.py's and mask.py's "
             "helpers (apply_score_mod_inner, call_mask_mod, apply_score_mod_bwd_inner), and wraps the "
             "indices into the sequence with aux tensors as the SM90 backward does. Same configs, "
-            "padding and deterministic order as the tuned class.",
+            "padding and deterministic order as the tuned class. The step's use_mask_mod=False leaves "
+            "the mask_mod out of a tile (for the full tiles of block-sparse lists).",
             "interface.py: _flash_attn_bwd on SM120 builds the modifier class, with mask_mod and "
             "has_aux_tensors, when a call has a user score_mod/score_mod_bwd, a mask_mod or aux "
             "tensors; the aux data is compiled and passed as for the other archs (AuxData). The "

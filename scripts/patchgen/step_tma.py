@@ -2,24 +2,29 @@
 
 Lifts `flash_attn_sm120/kernels/fwd_tma.py` as upstream's `flash_fwd_sm120_tma.py` without what
 only the package needs (SM120 emulation padding, the driver's compile-key check, the search's
-proposed configs), registers the family in `flash_fwd_sm120_configs.py` so that the table's TMA
+proposed configs), with the block-sparse walk it imports (`kernels/fwd_block_sparse.py` as
+`flash_fwd_sm120_block_sparse.py`: the class takes upstream's lists, which the interface gives it
+only from patch 0006 on), registers the family in `flash_fwd_sm120_configs.py` so that the table's TMA
 entries appear, and lets `interface.py` run them for the calls the family takes (dense, unsplit,
-unpaged, GQA packed only in whole head groups per tile, no sink, no block sparsity); every other call gets the table's cp.async
-entry of the same key, as in the package's driver.
+unpaged, GQA packed only in whole head groups per tile, no sink, no block sparsity); every other
+call gets the table's cp.async entry of the same key, as in the package's driver.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+from typing import Optional
 
 from flash_attn_sm120 import hardware
+from flash_attn_sm120.kernels import fwd_block_sparse as pkg_fwd_block_sparse
 from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
 
 from patchgen.core import (
     CUTE,
     EMULATED_NOTE,
     UPSTREAM_DISTRIBUTION,
+    AnchorError,
     Context,
     _node_lines,
     apply_edits,
@@ -28,22 +33,27 @@ from patchgen.core import (
     measurement_table,
     rename,
     substitute,
+    upstream_wording,
 )
 from patchgen.step_fwd_table import FamilySpec, render_configs_module
 from patchgen.step_splitkv import patch_configs_for_decode
 
 WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
+BLOCK_SPARSE_WHERE = "flash_attn_sm120/kernels/fwd_block_sparse.py"
+BLOCK_SPARSE_REL = f"{CUTE}/flash_fwd_sm120_block_sparse.py"
 
 _TMA_DOC_EDITS = (
     ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
-     "sums, sink_fold.load_row_sinks). Refused with NotImplementedError (the driver routes these\n"
-     "to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a multiple of\n"
-     "qhead_per_kvhead, paged KV, block sparsity. `unsupported_reason(statics)` states\n"
+     "sums, sink_fold.load_row_sinks), block sparsity (the producer and the MMA warps walk the listed K/V\n"
+     "tiles instead of the n_block range: fwd_block_sparse.py). Refused with NotImplementedError (the\n"
+     "driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is\n"
+     "not a multiple of qhead_per_kvhead, paged KV. `unsupported_reason(statics)` states\n"
      "the rule for the driver.\n",
      "`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
-     "sums, flash_fwd_sm120_sink.load_row_sinks). Refused with NotImplementedError (the interface gives\n"
-     "these the cp.async entry instead): varlen (cu_seqlens / seqused), pack_gqa when tile_m is not a\n"
-     "multiple of qhead_per_kvhead, paged KV, block sparsity.\n"),
+     "sums, flash_fwd_sm120_sink.load_row_sinks), block sparsity (the producer and the MMA warps walk the\n"
+     "listed K/V tiles instead of the n_block range: flash_fwd_sm120_block_sparse.py). Refused with\n"
+     "NotImplementedError (the interface gives these the cp.async entry instead): varlen (cu_seqlens /\n"
+     "seqused), pack_gqa when tile_m is not a multiple of qhead_per_kvhead, paged KV.\n"),
     ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
      "show an SM120-only hang, so the first runs on a real SM120 must use a timeout\n"
      "(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128\n"
@@ -67,8 +77,9 @@ _TMA_DOC_EDITS = (
      "        self.launch_threads: Optional[int] = None\n", ""),
     ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
      "        return SharedStorageTma\n"),
-    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels import sink_fold\n"
+    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels import fwd_block_sparse, sink_fold\n"
      "from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
+     "from flash_attn.cute import flash_fwd_sm120_block_sparse as fwd_block_sparse\n"
      "from flash_attn.cute import flash_fwd_sm120_sink as sink_fold\n"
      "from flash_attn.cute.flash_fwd_sm120 import SM120_SMEM_PER_BLOCK_MAX, SM120_STATIC_SMEM\n"
      "from flash_attn.cute.flash_fwd_sm120_splits import REGS_PER_SM, sm120_occupancy\n"),
@@ -113,13 +124,16 @@ def _drop_definitions(text: str) -> str:
     return "".join(lines)
 
 
-def render_tma_module() -> str:
-    """flash_fwd_sm120_tma.py: the package's TMA kernel module in upstream's names."""
-    text = inspect.getsource(pkg_fwd_tma)
+def render_tma_module(source: Optional[str] = None) -> str:
+    """flash_fwd_sm120_tma.py: the package's TMA kernel module in upstream's names (`source`: the
+    package module's text, for tests; by default its current source)."""
+    text = inspect.getsource(pkg_fwd_tma) if source is None else source
     for old, new in _TMA_DOC_EDITS:
         text = substitute(text, old, new, where=WHERE)
     text = _drop_definitions(text)
     text = substitute(text, '    family = "tma"\n\n', "", where=WHERE)
+    # the comments name the block-sparse walk's module by its upstream name (the import keeps the alias)
+    text = substitute(text, "fwd_block_sparse.py)", "flash_fwd_sm120_block_sparse.py)", where=WHERE, count=2)
     for old, new in _TMA_RENAMES:
         text = rename(text, old, new, where=WHERE)
     text = text.replace("upstream's fwd ids", "FlashAttentionForwardSm80's ids")
@@ -129,6 +143,35 @@ def render_tma_module() -> str:
         "Same call convention as FlashAttentionForwardSm80.__call__.")
     check_no_package_refs(text, WHERE)
     compile(text, "flash_fwd_sm120_tma.py", "exec")
+    return text
+
+
+_BLOCK_SPARSE_MODULE_EDITS = (  # wording inside upstream (no package name is left to rewrite)
+    ("Upstream's block sparsity (flash_attn.cute.block_sparsity; FlexAttention's BlockMask) gives, for\n",
+     "Block sparsity (flash_attn.cute.block_sparsity; FlexAttention's BlockMask) gives, for\n"),
+    ("(as upstream's SM90 kernel\napplies it)", "(as the SM90 kernel\napplies it)"),
+    ("as `create_block_mask` and upstream's\n`compute_block_sparsity` write them and as upstream's SM90/SM100 kernels assume.",
+     "as `create_block_mask` and\n`compute_block_sparsity` write them and as the SM90/SM100 kernels assume."),
+    ("broadcast over heads, as upstream requires)", "broadcast over heads, as the interface requires)"),
+    ("(the sink's logit with a learnable sink), upstream's\nconvention for fully masked rows.",
+     "(the sink's logit with a learnable sink), the\nother kernels' convention for fully masked rows."),
+    ("(upstream's indexing helpers)", "(block_sparse_utils' indexing helpers)"),
+)
+
+
+def render_block_sparse_module(source: Optional[str] = None) -> str:
+    """flash_fwd_sm120_block_sparse.py: the TMA family's block-sparse walk (`source`: the package
+    module's text, for tests; by default its current source)."""
+    text = inspect.getsource(pkg_fwd_block_sparse) if source is None else source
+    for old, new in _BLOCK_SPARSE_MODULE_EDITS:
+        text = substitute(text, old, new, where=BLOCK_SPARSE_WHERE)
+    text = upstream_wording(text)  # any later "upstream" in the package's comments
+    imported = {n.module for n in ast.parse(text).body if isinstance(n, ast.ImportFrom)}
+    foreign = sorted(m for m in imported if m.split(".")[0] not in ("__future__", "typing", "cutlass", "flash_attn"))
+    if foreign:
+        raise AnchorError(f"{BLOCK_SPARSE_WHERE}: imports {foreign}, which {BLOCK_SPARSE_REL} cannot; revisit step_tma.py")
+    check_no_package_refs(text, BLOCK_SPARSE_REL)
+    compile(text, "flash_fwd_sm120_block_sparse.py", "exec")
     return text
 
 
@@ -274,6 +317,7 @@ def step_sm120_tma(ctx: Context) -> str:
         "flash_attn.cute.flash_fwd_sm120_tma", "FlashAttentionForwardSm120Tma", "tma_config_error",
         "sm120_tma_smem_bytes",
     )
+    ctx.write(BLOCK_SPARSE_REL, render_block_sparse_module())
     ctx.write(f"{CUTE}/flash_fwd_sm120_tma.py", render_tma_module())
     entries = patch_configs_for_tma(ctx)
     rel = f"{CUTE}/interface.py"
@@ -302,8 +346,13 @@ def step_sm120_tma(ctx: Context) -> str:
             "with the same call convention; head dims 64/96/128 (equal), causal, local, GQA and MQA "
             "(packed when tile_m is a multiple of the query heads per KV head: the Q/O TMA boxes then "
             "hold whole head groups, through pack_gqa.make_packgqa_tiled_tma_atom), softcap / score_mod, "
-            "mask_mod, LSE. It refuses varlen, paged KV, other packed GQA ratios, sinks and block "
-            "sparsity with NotImplementedError. One or more K/V slots (one frees the shared memory for "
+            "mask_mod, LSE, learnable sinks (flash_fwd_sm120_sink.py's fold, in the final softmax) and "
+            "block-sparse lists (flash_fwd_sm120_block_sparse.py, new: the producer warp loads only the "
+            "listed K/V tiles, mask-list tiles take the mask_mod and full-list tiles do not, a sparse "
+            "block may span several Q and K/V tiles). The interface routes neither to it here: a call "
+            "with a sink takes the cp.async entry, and block sparsity stays refused on SM120 until a later "
+            "patch of this series. It refuses varlen, paged KV and other packed GQA ratios with "
+            "NotImplementedError. One or more K/V slots (one frees the shared memory for "
             "256x48 tiles at d=128); float16 is refused where it spills (fp16_register_error).",
             "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
             "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
