@@ -72,6 +72,11 @@ from patchgen.step_bwd import (  # noqa: E402,F401
     step_sm120_bwd,
 )
 from patchgen.step_mods import _MODS_INTERFACE_EDITS, render_mods_module, step_sm120_mods  # noqa: E402,F401
+from patchgen.step_block_sparse import (  # noqa: E402,F401
+    _BS_INTERFACE_EDITS,
+    render_bwd_block_sparse_module,
+    step_sm120_block_sparse,
+)
 from patchgen.step_splitkv import (  # noqa: E402,F401
     _SPLITKV_INTERFACE_EDITS,
     render_splits_module,
@@ -96,6 +101,7 @@ STEPS: tuple[Step, ...] = (
     Step("sm120-tma-forward", step_sm120_tma),
     Step("sm120-bwd-table-deterministic", step_sm120_bwd),
     Step("sm120-bwd-score-mod-mask-mod", step_sm120_mods),
+    Step("sm120-block-sparse", step_sm120_block_sparse),
 )
 
 

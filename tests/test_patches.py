@@ -207,9 +207,10 @@ def test_patches_apply_in_order_to_pristine_source(tmp_path):
     log = mp.git(repo, "log", "--format=%an <%ae>%n%s").decode().splitlines()
     assert log[0] == f"{mp.AUTHOR_NAME} <{mp.AUTHOR_EMAIL}>"
     assert (repo / "flash_attn" / "cute" / "flash_fwd_sm120_configs.py").is_file()
-    # every step's patch is there and applied, the modifier backward (0005) last
+    # every step's patch is there and applied, block sparsity (0006) last
     assert [p.name for p in patches] == [f"{i:04d}-{s.name}.patch" for i, s in enumerate(mp.STEPS, 1)]
     assert (repo / "flash_attn" / "cute" / "flash_bwd_sm120_mods.py").is_file()
+    assert (repo / "flash_attn" / "cute" / "flash_bwd_sm120_block_sparse.py").is_file()
 
 
 def test_missing_anchor_fails_loudly(tmp_path):

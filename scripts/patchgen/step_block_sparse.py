@@ -1,0 +1,520 @@
+"""Patch 0006: block sparsity (FlexAttention's BlockMask lists) on SM120, forward and backward.
+
+Forward: the TMA family (patch 0003's `flash_fwd_sm120_tma.py`, with `flash_fwd_sm120_block_sparse.py`)
+already walks upstream's lists; this step lets `interface.py` give them to it. `_flash_attn_fwd`
+on SM120 with `block_sparse_tensors` runs the TMA class with a config whose tile divides the sparse
+block (the package's `block_sparse.CONFIGS` and its choice, lifted into `flash_fwd_sm120_configs.py`),
+the q/kv subtile factors from upstream's own `normalize_block_sparse_config` (allow_kv_subtile), and
+refuses what the family does not take (varlen, paged KV, stride-0 q/k/v, other head dims).
+
+Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
+`flash_bwd_sm120_block_sparse.py` (a subclass of patch 0005's modifier backward that walks the
+Q-direction lists) and makes `_flash_attn_bwd` on SM120 build it for `block_sparse_tensors`, with
+one Q/dO stage on the table's tile or SM120's earlier default tile, whichever divides the sparse
+block, as the package's `driver_bwd._block_sparse_plan` does (causal/local, deterministic and
+varlen refused by name: `driver_bwd.check_block_sparse`, lifted).
+
+The commit message quotes the session record of the GPU tests (`configs/measurements/
+2026-12-01_session11.md`) and refuses to be generated if that record no longer says what it quotes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Optional
+
+from flash_attn_sm120 import block_sparse as pkg_block_sparse
+from flash_attn_sm120 import config as pkg_config
+from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
+from flash_attn_sm120.kernels import bwd_block_sparse as pkg_bwd_block_sparse
+from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd_sm120
+
+from patchgen.core import (
+    CUTE,
+    ROOT,
+    UPSTREAM_DISTRIBUTION,
+    AnchorError,
+    Context,
+    _join_defs,
+    apply_edits,
+    check_no_package_refs,
+    commit_message,
+    rename,
+    substitute,
+    top_level_source,
+    upstream_wording,
+)
+from patchgen.step_bwd import _config_literal
+
+WHERE = "flash_attn_sm120/kernels/bwd_block_sparse.py"
+BWD_REL = f"{CUTE}/flash_bwd_sm120_block_sparse.py"
+FWD_CONFIGS_REL = f"{CUTE}/flash_fwd_sm120_configs.py"
+BWD_CONFIGS_REL = f"{CUTE}/flash_bwd_sm120_configs.py"
+# the session record the message quotes: the block-sparse GPU tests
+DEFAULT_SESSION_RECORD = ROOT / "configs" / "measurements" / "2026-12-01_session11.md"
+
+# ------------------------------------------------------------------------- the backward module
+_MODULE_EDITS = (  # on the package module's whole source: wording inside upstream, upstream's imports
+    ("The backward lists are upstream's Q-direction ones (`block_sparse_tensors_bwd`: FlexAttention's\n",
+     "The backward lists are the Q-direction ones (`block_sparse_tensors_bwd`: FlexAttention's\n"),
+    ("How the walk is made without a new mainloop. Upstream's SM80/SM120 backward kernel loops\n",
+     "How the walk is made without a new mainloop. The SM80/SM120 backward kernel loops\n"),
+    ("    block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,\n"
+     "    with the mask_mod on mask-list tiles only;\n",
+     "    block's tiles past seqlen_q dropped) run the modifier step (flash_bwd_sm120_mods.py) on the\n"
+     "    listed tile, with the mask_mod on mask-list tiles only;\n"),
+    ("    \"\"\"The modifier backward walking upstream's Q-direction block-sparse lists (module docstring).\"\"\"\n",
+     "    \"\"\"The modifier backward walking the Q-direction block-sparse lists (module docstring).\"\"\"\n"),
+    ("from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
+     "from flash_attn.cute.utils import AuxData\n"
+     "\n"
+     "from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods\n"
+     "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n"
+     "from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list\n",
+     "from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
+     "from flash_attn.cute.flash_bwd_sm120_mods import FlashAttentionBackwardSm120Mods\n"
+     "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n"
+     "from flash_attn.cute.flash_fwd_sm120_block_sparse import _tiles_in_list\n"
+     "from flash_attn.cute.utils import AuxData\n"),
+)
+_PACKAGE_NAMES = ("bwd_mods.py", "bwd_sm120.py", "fwd_block_sparse.py", "driver_bwd", "this package")  # none may be left
+_LIFTED = ("with_lists", "split_lists", "_nth_listed", "FlashAttentionBackwardSm120BlockSparse")
+
+
+def render_bwd_block_sparse_module(source: Optional[str] = None) -> str:
+    """flash_bwd_sm120_block_sparse.py: the package's block-sparse backward in upstream's names
+    (`source`: the package module's text, for tests; by default its current source)."""
+    text = inspect.getsource(pkg_bwd_block_sparse) if source is None else source
+    for old, new in _MODULE_EDITS:
+        text = substitute(text, old, new, where=WHERE)
+    text = upstream_wording(text)  # any later "upstream" in the package's comments
+    for name in _LIFTED:
+        if not re.search(rf"^(def|class) {name}\b", text, re.M):
+            raise AnchorError(f"{WHERE}: no top-level definition {name!r}")
+    for name in _PACKAGE_NAMES:
+        if name in text:
+            raise AnchorError(f"{WHERE}: package-only name {name!r} left in {BWD_REL}")
+    check_no_package_refs(text, BWD_REL)
+    compile(text, "flash_bwd_sm120_block_sparse.py", "exec")
+    return text
+
+
+# ------------------------------------------------------------- the forward's config (host side)
+_BS_WHERE = "flash_attn_sm120/block_sparse.py"
+# the package's block-sparse config choice, lifted in this order with these names
+_FWD_LIFTED = (
+    ("CONFIGS", "SM120_BLOCK_SPARSE_CONFIGS"),
+    ("_inferred", "_sm120_inferred_block"),
+    ("sparse_block_size", "sm120_sparse_block_size"),
+    ("divides", "sm120_tile_divides_block"),
+    ("forward_candidates", "sm120_block_sparse_candidates"),
+    ("no_config_error", "sm120_block_sparse_refusal"),
+)
+_FWD_LIFT_EDITS = (
+    ("(upstream's rule for Q; KV from a full-width index tensor)",
+     "(get_sparse_q_block_size's rule for Q; KV from a full-width index tensor)"),
+)
+_FWD_CONFIG_FIELDS = ("num_threads", "tile_m", "tile_n", "num_stages", "q_in_regs", "family")  # Sm120FwdConfig's
+_FWD_SELECT = '''
+
+def sm120_block_sparse_config(
+    head_dim: int,
+    head_dim_v: int,
+    block_size: Tuple[int, int],
+    fp16: bool = False,
+    tile_mn: Optional[Tuple[int, int]] = None,
+) -> Sm120FwdConfig:
+    """The TMA config of a block-sparse call on SM120 (flash_fwd_sm120_block_sparse.py walks the lists):
+    the first of SM120_BLOCK_SPARSE_CONFIGS for the head dim whose tile divides the sparse block (and is
+    tile_mn, when given) that runs these head dims and, in float16, does not spill (fp16_register_error).
+    NotImplementedError or ValueError (sm120_block_sparse_refusal) when none does."""
+    from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error
+
+    reasons = []
+    for cfg in sm120_block_sparse_candidates(head_dim, head_dim_v, block_size):
+        if tile_mn is not None and (cfg.tile_m, cfg.tile_n) != tuple(tile_mn):
+            reasons.append(f"tile_mn={tuple(tile_mn)} is not the tile of {cfg.name}")
+            continue
+        err = cfg.error(head_dim, head_dim_v)
+        if err is None and fp16:
+            err = fp16_register_error(max(head_dim, head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads)
+        if err is None:
+            return cfg
+        reasons.append(err)
+    raise sm120_block_sparse_refusal(block_size, head_dim, head_dim_v, reasons)
+'''
+
+
+def render_fwd_block_sparse_configs() -> str:
+    """The block-sparse section of flash_fwd_sm120_configs.py: the package's configs and their choice."""
+    names = [f.name for f in fields(pkg_config.FwdConfig)]
+    if tuple(names) != _FWD_CONFIG_FIELDS:  # CONFIGS writes them positionally
+        raise AnchorError(f"flash_attn_sm120/config.py: FwdConfig's fields are {names}, expected {_FWD_CONFIG_FIELDS}")
+    text = _join_defs(top_level_source(pkg_block_sparse, old) for old, _new in _FWD_LIFTED)
+    for old, new in _FWD_LIFT_EDITS:
+        text = substitute(text, old, new, where=_BS_WHERE)
+    text = rename(text, "FwdConfig", "Sm120FwdConfig", where=_BS_WHERE)
+    for old, new in _FWD_LIFTED:
+        pattern = rf"(?<![\w.]){re.escape(old)}(?=\()" if old[0].islower() or old[0] == "_" else rf"(?<![\w.]){old}\b"
+        if not re.search(pattern, text):
+            raise AnchorError(f"{_BS_WHERE}: {old!r} not found")
+        text = re.sub(pattern, new, text)
+    text = (
+        "\n\n\n# Block sparsity (flash_fwd_sm120_block_sparse.py): the TMA family walks the lists with a tile that\n"
+        "# divides the sparse block (tile_m | sparse_block_q, tile_n | sparse_block_kv); the interface takes its\n"
+        "# config from here instead of the table.\n#\n" + text + _FWD_SELECT.rstrip("\n")
+    )
+    check_no_package_refs(text, FWD_CONFIGS_REL)
+    return text
+
+
+_FWD_CONFIGS_EDITS = (
+    ("import of the block-sparse helpers",
+     "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120, sm120_config_error, sm120_fwd_smem_bytes\n",
+     "from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch, ceildiv, get_sparse_q_block_size\n"
+     "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120, sm120_config_error, sm120_fwd_smem_bytes\n"),
+)
+
+
+def patch_fwd_configs(ctx: Context) -> None:
+    text = apply_edits(ctx.read(FWD_CONFIGS_REL), _FWD_CONFIGS_EDITS, FWD_CONFIGS_REL)
+    anchor = "\n\n\nDECODE_MAX_SEQLEN_Q = 16\n"
+    text = substitute(text, anchor, render_fwd_block_sparse_configs() + anchor, where=FWD_CONFIGS_REL)
+    compile(text, FWD_CONFIGS_REL, "exec")
+    ctx.write(FWD_CONFIGS_REL, text)
+
+
+# ------------------------------------------------------------ the backward's config (host side)
+_PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sparse_config restates it
+    "check_block_sparse(causal, local, deterministic, varlen)",
+    "if tensors.block_size is None:",
+    "candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]",
+    "c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)",
+    "if bq % c.m_block or bk % c.n_block or bwd_config_error(",
+)
+
+
+def bwd_default_config():
+    """SM120's earlier default backward tile (the package's upstream_bwd_config) with one Q/dO stage:
+    the same for every head dim once the stages are one."""
+    one = {replace(pkg_bwd_sm120.upstream_bwd_config(d), stages_q=1, stages_do=1, v_in_regs=False)
+           for d in (32, 64, 96, 128, 192, 256)}
+    if len(one) != 1:
+        raise AnchorError("flash_attn_sm120/kernels/bwd_sm120.py: upstream_bwd_config's tile now depends on the head "
+                          "dim; revisit sm120_bwd_block_sparse_config in step_block_sparse.py")
+    return one.pop()
+
+
+def _wrapped_literal(cfg) -> str:
+    """Sm120BwdConfig(...) over lines of at most 100 characters."""
+    args = _config_literal(cfg)[len("Sm120BwdConfig("):-1]
+    return "Sm120BwdConfig(\n" + textwrap.fill(args, 100, initial_indent="    ", subsequent_indent="    ") + "\n)"
+
+
+def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
+    """The block-sparse section of flash_bwd_sm120_configs.py: the refusals (lifted) and the config rule
+    (`plan_source`: driver_bwd._block_sparse_plan's text, for tests; by default its current source)."""
+    rule = inspect.getsource(pkg_driver_bwd._block_sparse_plan) if plan_source is None else plan_source
+    for said in _PLAN_RULE:
+        if said not in rule:
+            raise AnchorError(f"flash_attn_sm120/driver_bwd.py: _block_sparse_plan no longer has {said!r}; revisit "
+                              "sm120_bwd_block_sparse_config in step_block_sparse.py")
+    check = rename(top_level_source(pkg_driver_bwd, "check_block_sparse"), "check_block_sparse",
+                   "sm120_check_block_sparse_bwd", where="flash_attn_sm120/driver_bwd.py")
+    text = (
+        "\n\n# Block sparsity (flash_bwd_sm120_block_sparse.py): the walk reads its loop counter as a list position,\n"
+        "# so it needs one Q and one dO stage (and V in shared memory) on a tile that divides the sparse block:\n"
+        "# the table's, else SM120's earlier default tile with one stage\n"
+        f"SM120_BWD_BLOCK_SPARSE_DEFAULT = {_wrapped_literal(bwd_default_config())}\n"
+        "\n\n" + check + '''
+
+def sm120_bwd_block_sparse_config(
+    cfg: Optional[Sm120BwdConfig], head_dim: int, head_dim_v: int, block_size: Optional[tuple]
+) -> Sm120BwdConfig:
+    """The config of a block-sparse backward on SM120: `cfg` (the table's, or None) with one Q and one
+    dO stage and V in shared memory, else SM120_BWD_BLOCK_SPARSE_DEFAULT, the first whose tile divides
+    the sparse block `block_size` (the lists' BlockMask BLOCK_SIZE, required) and runs the head dims."""
+    if block_size is None:
+        raise ValueError(
+            "the SM120 block-sparse backward needs block_sparse_tensors.block_size (the BlockMask's BLOCK_SIZE)"
+        )
+    bq, bk = (int(x) for x in block_size)
+    candidates = ([cfg] if cfg is not None else []) + [SM120_BWD_BLOCK_SPARSE_DEFAULT]
+    for c in candidates:
+        c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)
+        if bq % c.m_block == 0 and bk % c.n_block == 0 and bwd_config_error(head_dim, head_dim_v, c) is None:
+            return c
+    tiles = ", ".join(dict.fromkeys(f"({c.m_block}, {c.n_block})" for c in candidates))
+    raise ValueError(
+        f"block_sparse_tensors: sparse block {(bq, bk)} is not a multiple of an SM120 backward tile ({tiles})"
+    )
+''')
+    check_no_package_refs(text, BWD_CONFIGS_REL)
+    return text
+
+
+def patch_bwd_configs(ctx: Context) -> None:
+    text = ctx.read(BWD_CONFIGS_REL)
+    text = substitute(text, "from dataclasses import dataclass, field\n", "from dataclasses import dataclass, field, replace\n",
+                      where=BWD_CONFIGS_REL)
+    text = text.rstrip("\n") + "\n" + render_bwd_block_sparse_configs()
+    compile(text, BWD_CONFIGS_REL, "exec")
+    ctx.write(BWD_CONFIGS_REL, text)
+
+
+# ------------------------------------------------------------------------------ interface edits
+_BS_INTERFACE_EDITS = (
+    (
+        "import of the SM120 block-sparse config helpers",
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n",
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n"
+        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_block_sparse_config, sm120_sparse_block_size\n",
+    ),
+    (
+        "import of the SM120 block-sparse backward",
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n",
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n"
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_block_sparse_config, sm120_check_block_sparse_bwd\n"
+        "from flash_attn.cute.flash_bwd_sm120_block_sparse import FlashAttentionBackwardSm120BlockSparse\n",
+    ),
+    (
+        "_get_fwd_config takes the block-sparse config",
+        "    sm120_tma_ok: bool = False,\n"
+        ") -> FwdConfig:\n",
+        "    sm120_tma_ok: bool = False,\n"
+        "    sm120_block_sparse_cfg=None,\n"
+        ") -> FwdConfig:\n",
+    ),
+    (
+        "SM120 tiles of a block-sparse call",
+        "            sm120_cfg = sm120_fwd_config(\n"
+        "                head_dim, head_dim_v, causal, local, max_seqlen_q=max_seqlen_q, tma_ok=sm120_tma_ok\n"
+        "            )\n",
+        "            sm120_cfg = sm120_block_sparse_cfg  # block sparsity: the caller's TMA config\n"
+        "            if sm120_cfg is None:\n"
+        "                sm120_cfg = sm120_fwd_config(\n"
+        "                    head_dim, head_dim_v, causal, local, max_seqlen_q=max_seqlen_q, tma_ok=sm120_tma_ok\n"
+        "                )\n",
+    ),
+    (
+        "SM120 block-sparse calls get a TMA config",
+        "            pack_gqa = False\n"
+        "\n"
+        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n",
+        "            pack_gqa = False\n"
+        "\n"
+        "    # SM120 block sparsity: the TMA family walks the lists (flash_fwd_sm120_block_sparse.py), unsplit\n"
+        "    # (num_splits is a hint), with the first SM120_BLOCK_SPARSE_CONFIGS entry whose tile divides the\n"
+        "    # sparse block; GQA heads stay packed only where that tile holds whole head groups\n"
+        "    sm120_sparse_cfg = None\n"
+        "    if arch // 10 == 12 and block_sparse_tensors is not None:\n"
+        "        sm120_sparse_refused = [\n"
+        "            what\n"
+        "            for what, used in (\n"
+        "                (\"varlen (cu_seqlens / seqused)\",\n"
+        "                 any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))),\n"
+        "                (\"paged KV\", page_table is not None),\n"
+        "                (\"stride-0 (expanded) q/k/v\", any(any(get_broadcast_dims(t)) for t in (q, k, v) if t is not None)),\n"
+        "            )\n"
+        "            if used\n"
+        "        ]\n"
+        "        if sm120_sparse_refused:\n"
+        "            raise NotImplementedError(\n"
+        "                \"block sparsity on SM120 runs in the TMA family, which does not take \"\n"
+        "                + \", \".join(sm120_sparse_refused)\n"
+        "            )\n"
+        "        sm120_sparse_block = sm120_sparse_block_size(block_sparse_tensors, seqlen_q, seqlen_k)\n"
+        "        block_sparse_tensors = block_sparse_tensors._replace(block_size=sm120_sparse_block)\n"
+        "        sm120_sparse_cfg = sm120_block_sparse_config(\n"
+        "            head_dim, head_dim_v, sm120_sparse_block, fp16=q.dtype == torch.float16, tile_mn=tile_mn\n"
+        "        )\n"
+        "        num_splits = 1\n"
+        "        if pack_gqa and sm120_sparse_cfg.tile_m % qhead_per_kvhead != 0:\n"
+        "            pack_gqa = False  # the family's Q/O TMA boxes hold whole head groups\n"
+        "\n"
+        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n",
+    ),
+    (
+        "_get_fwd_config call passes the block-sparse config",
+        "        sm120_tma_ok=sm120_tma_ok,\n"
+        "    )\n"
+        "    mla_fwd_cls = None\n",
+        "        sm120_tma_ok=sm120_tma_ok,\n"
+        "        sm120_block_sparse_cfg=sm120_sparse_cfg,\n"
+        "    )\n"
+        "    mla_fwd_cls = None\n",
+    ),
+    (
+        "SM120 warps and stages of a block-sparse call",
+        "            tma_ok=sm120_tma_ok,\n"
+        "        )\n"
+        "        num_threads = sm120_fwd_cfg.num_threads\n",
+        "            tma_ok=sm120_tma_ok,\n"
+        "        )\n"
+        "        if sm120_sparse_cfg is not None:\n"
+        "            sm120_fwd_cfg = sm120_sparse_cfg  # block sparsity: the TMA config chosen above\n"
+        "        num_threads = sm120_fwd_cfg.num_threads\n",
+    ),
+    (
+        "SM120 takes K/V subtiles",
+        "            allow_kv_subtile=arch // 10 in [10, 11],\n",
+        "            # SM120: the TMA family walks every K/V tile of a sparse block (flash_fwd_sm120_block_sparse.py)\n"
+        "            allow_kv_subtile=arch // 10 in [10, 11, 12],\n",
+    ),
+    (
+        "SM120 forward takes block sparsity",
+        "            assert not use_block_sparsity, \"Block sparsity not supported on SM 12.0\"\n",
+        "",
+    ),
+    (
+        "SM120 TMA class with the subtile factors",
+        "            if sm120_fwd_cfg.family == \"tma\":\n"
+        "                sm120_fwd_cls = FlashAttentionForwardSm120Tma\n",
+        "            if sm120_fwd_cfg.family == \"tma\":\n"
+        "                sm120_fwd_cls = FlashAttentionForwardSm120Tma\n"
+        "            if use_block_sparsity:\n"
+        "                # the TMA family walks the lists: a sparse block spans q_subtile_factor Q tiles and\n"
+        "                # kv_subtile_factor K/V tiles (sm120_sparse_cfg is a TMA config)\n"
+        "                sm120_split_kwargs = dict(q_subtile_factor=q_subtile_factor, kv_subtile_factor=kv_subtile_factor)\n",
+    ),
+    (
+        "SM120 backward takes block sparsity",
+        "        assert not (block_sparse_tensors is not None), \"Block sparsity backward not supported on SM 12.0\"\n",
+        "",
+    ),
+    (
+        "SM120 block-sparse backward config",
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n",
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n"
+        "        if block_sparse_tensors is not None:\n"
+        "            # block sparsity: FlashAttentionBackwardSm120BlockSparse walks the Q-direction lists\n"
+        "            # (flash_bwd_sm120_block_sparse.py) with one Q and one dO stage, on the table's tile or\n"
+        "            # SM120's earlier default one, whichever divides the sparse block\n"
+        "            sm120_check_block_sparse_bwd(\n"
+        "                causal, local, deterministic,\n"
+        "                varlen=any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)),\n"
+        "            )\n"
+        "            sm120_bwd_cfg = sm120_bwd_block_sparse_config(\n"
+        "                sm120_bwd_cfg, head_dim, head_dim_v, block_sparse_tensors.block_size\n"
+        "            )\n"
+        "            kv_subtile_factor = block_sparse_tensors.block_size[1] // sm120_bwd_cfg.n_block\n",
+    ),
+    (
+        "the K/V subtile factor joins the compile key",
+        "            use_block_sparsity,\n"
+        "            q_subtile_factor,\n"
+        "            block_sparse_broadcast_pattern,\n",
+        "            use_block_sparsity,\n"
+        "            q_subtile_factor,\n"
+        "            kv_subtile_factor,\n"
+        "            block_sparse_broadcast_pattern,\n",
+    ),
+    (
+        "SM120 builds the block-sparse class",
+        "            if sm120_mods:\n"
+        "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
+        "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n",
+        "            if sm120_mods:\n"
+        "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
+        "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n"
+        "            if use_block_sparsity:\n"
+        "                sm120_bwd_cls = FlashAttentionBackwardSm120BlockSparse\n"
+        "                sm120_mod_kwargs = dict(\n"
+        "                    mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None,\n"
+        "                    q_subtile_factor=q_subtile_factor, kv_subtile_factor=kv_subtile_factor,\n"
+        "                    has_full=normalized_block_sparse_tensors.full_block_cnt is not None,\n"
+        "                )\n",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------ the record quoted
+def _quote(pattern: str, text: str, what: str, path: Path) -> re.Match:
+    m = re.search(pattern, text, re.S)
+    if m is None:
+        raise AnchorError(f"{path}: the record no longer says {what} (pattern {pattern!r}); revisit step_block_sparse.py")
+    return m
+
+
+def session_facts(path: Path = DEFAULT_SESSION_RECORD) -> dict:
+    """What the message quotes, read from the session record (AnchorError where it says otherwise)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AnchorError(f"{path}: the session record the block-sparsity patch quotes is missing")
+    text = path.read_text()
+    gpu = _quote(r"Every GPU number: (one NVIDIA H200 in SM120 emulation)", text, "the GPU and mode", path)
+    tests = _quote(r"GPU tests \(`(tests/test_block_sparse_gpu\.py)`, fp32 reference of the dense mask the lists mean, "
+                   r"poisoned outputs\s+and gradients\): (\d+) passed \(`([^`]+)`\)", text, "the GPU tests' result", path)
+    cover = _quote(r"They cover (.+?)\.\n- ", text, "what the GPU tests cover", path)
+    return dict(
+        gpu=gpu.group(1), test_file=tests.group(1), tests=int(tests.group(2)), log=tests.group(3),
+        cover=re.sub(r"\bupstream's\s+", "", " ".join(cover.group(1).split())),  # upstream's own names
+        record=path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name,
+    )
+
+
+def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) -> str:
+    """Patch 6: block-sparse lists on SM120, the forward in the TMA family and the backward's walk."""
+    f = session_facts(record_path)
+    ctx.write(BWD_REL, render_bwd_block_sparse_module())
+    patch_fwd_configs(ctx)
+    patch_bwd_configs(ctx)
+    rel = f"{CUTE}/interface.py"
+    ctx.write(rel, apply_edits(ctx.read(rel), _BS_INTERFACE_EDITS, rel))
+    dims = "/".join(str(d) for d in pkg_block_sparse.CONFIGS)
+    return commit_message(
+        "[Cute,Sm120] Block sparsity: the TMA forward walks the lists, the backward its Q-direction lists",
+        "FlexAttention's BlockMask lists (BlockSparseTensorsTorch) were refused on SM120 in both "
+        "directions. The TMA forward family already walks them (flash_fwd_sm120_block_sparse.py); this "
+        "patch lets the interface give them to it, and adds a backward that walks the Q-direction lists "
+        "inside the SM80/SM120 backward mainloop.",
+        "What changes:",
+        [
+            "interface.py, forward: on SM120 a call with block_sparse_tensors runs "
+            "FlashAttentionForwardSm120Tma, unsplit (num_splits is a hint), with the q/kv subtile factors "
+            "of normalize_block_sparse_config (allow_kv_subtile now includes SM120) and the first "
+            f"SM120_BLOCK_SPARSE_CONFIGS entry for the head dim ({dims}, head_dim == head_dim_v) whose "
+            "tile divides the sparse block and, in float16, does not spill; GQA heads stay packed "
+            "only where that tile holds whole head groups (and, as before, the lists are shared by "
+            "every head). Varlen, paged KV, stride-0 q/k/v and other head dims are refused by name.",
+            "flash_fwd_sm120_configs.py: SM120_BLOCK_SPARSE_CONFIGS (8 MMA warps of 16 rows, then 4 "
+            "warps on 64x64 for 64-row sparse blocks; the table's TMA entries are not used: the "
+            "block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=128 tiles "
+            "spill with it), sm120_block_sparse_config, and sm120_sparse_block_size (the lists' "
+            "block_size, else inferred from their shapes where that is unambiguous, else an error "
+            "asking for it).",
+            "flash_bwd_sm120_block_sparse.py (new): FlashAttentionBackwardSm120BlockSparse, a subclass "
+            "of FlashAttentionBackwardSm120Mods. It reads the mainloop's m_block counter as a position "
+            "in the CTA's list (mask list, then full list, ascending; the last sparse block's tiles "
+            "past seqlen_q dropped): a listed position runs the modifier step on the listed Q tile, "
+            "with the mask_mod on mask-list tiles only, and its next-tile loads fetch the next listed "
+            "tile; positions past the list do nothing. One Q and one dO stage. The lists travel as "
+            "the last aux tensors.",
+            "interface.py, backward: on SM120 block_sparse_tensors (the Q-direction lists) build that "
+            "class instead of the assertion \"Block sparsity backward not supported on SM 12.0\", on "
+            "the table's tile with one Q/dO stage, else SM120's earlier 4-warp 64x64 tile, whichever "
+            "divides the sparse block (flash_bwd_sm120_configs.sm120_bwd_block_sparse_config; the "
+            "lists must give block_size). Causal/local windows (express them as a mask_mod), "
+            "deterministic=True and varlen are refused with NotImplementedError. The K/V subtile "
+            "factor joins the compile key. Other archs are unchanged.",
+        ],
+        "Tested:",
+        [
+            f"Correctness (flash_attn_sm120's own forward and backward, the same kernel code, {f['gpu']}): "
+            f"{f['test_file']}, {f['tests']} tests against the fp32 reference of the dense mask the lists "
+            f"mean, with poisoned outputs and gradients, all passed ({f['log']}, recorded in "
+            f"{f['record']}). They cover {f['cover']}.",
+            f"This patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version}: the TMA class compiles "
+            "for sm_120a with fake tensors on a CPU for every SM120_BLOCK_SPARSE_CONFIGS entry with mask "
+            "and full lists and K/V subtiles, and the block-sparse backward with full lists, without local "
+            "memory; _flash_attn_fwd and _flash_attn_bwd run on fake CUDA tensors with block-sparse lists "
+            "and build those classes with the expected tiles and subtile factors, and refuse what they "
+            "do not take.",
+            "The patched upstream's block sparsity has not run on a GPU yet (its GPU test is written, not "
+            "run), and not on a real SM120: do that before merging.",
+        ],
+    )
