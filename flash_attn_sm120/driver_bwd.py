@@ -234,8 +234,8 @@ def check_block_sparse(causal: bool, local: bool, deterministic: bool, varlen: b
             raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
 
 
-def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, causal: bool, local: bool, deterministic: bool, varlen: bool,
-                       config_given: bool):
+def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal: bool, local: bool,
+                       deterministic: bool, varlen: bool, config_given: bool):
     """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
     one Q and one dO stage (kernels/bwd_block_sparse.py), else upstream's SM120 default tile when the chosen
     one does not divide the sparse block. NotImplementedError names what the walk does not cover."""
@@ -248,7 +248,7 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, causal: bool, local: bo
     candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]
     for c in candidates:
         c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)
-        if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], k.shape[-1], c) is not None:
+        if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], head_dim_v, c) is not None:
             continue
         norm, pattern = normalize_block_sparse_config_bwd(
             tensors, batch_size=q.shape[0], num_head=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
@@ -323,10 +323,10 @@ def backward(
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
-        cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, causal=causal, local=local,
-                                         deterministic=deterministic, varlen=varlen_q or varlen_k or
-                                         seqused_q is not None or seqused_k is not None, config_given=config is not None
-                                         or bool(_forced_config))
+        varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
+        cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
+                                         local=local, deterministic=deterministic, varlen=varlen,
+                                         config_given=config is not None or bool(_forced_config))
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
     seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]
