@@ -6,8 +6,9 @@ producer warp streams only the listed K/V tiles. The kernel tile must divide the
 (tile_m | sparse_block_q, tile_n | sparse_block_kv), so the config is the first of `CONFIGS` for
 the call's head dim whose tile divides the block. The dense table's TMA entries are not used: the
 block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=128 tiles spill with
-it on sm_120a (tests/test_block_sparse.py compiles every entry here spill-free). Normalization (shape checks, broadcasting over batch and heads, compact index
-tensors) is upstream's `normalize_block_sparse_config`, by import.
+it on sm_120a (tests/test_block_sparse.py compiles every entry here spill-free). Normalization (shape
+checks, broadcasting over batch and heads, compact index tensors) is upstream's
+`normalize_block_sparse_config`, by import.
 """
 
 from __future__ import annotations

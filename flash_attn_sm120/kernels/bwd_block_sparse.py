@@ -14,8 +14,10 @@ Here `m_tile` is read as a position in the CTA's list instead of a tile index:
   * positions < count (the listed Q tiles, mask list then full list, ascending, the last sparse
     block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,
     with the mask_mod on mask-list tiles only;
-  * positions >= count do nothing (a compare and a branch); with count == 0, position 0 waits for the
-    prologue's K/V loads, whose shared memory the epilogue reuses for dK/dV;
+  * positions >= count run no step; with count == 0, position 0 waits for the prologue's K/V loads,
+    whose shared memory the epilogue reuses for dK/dV. Every position still reads the CTA's list counts
+    (and, with Q subtiles, its last index) again, since upstream's loop carries no state of ours: for
+    seqlen_q / m_block positions per CTA, a cost the speed measurements include;
   * the step's "load the next tile" hooks load the next listed tile, and the prologue's loads of
     tile 0 are deferred to position 0, which loads its own listed tile (the loads go through the
     kernel's own load_Q_LSE / load_dO_dPsum; `_prologue` marks the prologue's calls at trace time).
