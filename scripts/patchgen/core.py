@@ -149,6 +149,15 @@ def make_pristine_repo(repo: Path, files: dict[str, bytes], version: str) -> Non
 
 
 # ------------------------------------------------------------------------- source-lifting helpers
+def quote_record(pattern: str, text: str, what: str, path: Path, step: str) -> re.Match:
+    """The match of `pattern` in a session record's text, whose groups a commit message quotes; AnchorError
+    naming the record and the step (a file under scripts/patchgen/) where the record no longer says it."""
+    m = re.search(pattern, text, re.S)
+    if m is None:
+        raise AnchorError(f"{path}: the record no longer says {what} (pattern {pattern!r}); revisit {step}")
+    return m
+
+
 def substitute(text: str, old: str, new: str, *, where: str, count: int = 1) -> str:
     """Replace `old` by `new`, which must occur exactly `count` times (AnchorError otherwise)."""
     found = text.count(old)

@@ -24,6 +24,7 @@ import inspect
 import re
 import textwrap
 from dataclasses import fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,7 @@ from patchgen.core import (
     apply_edits,
     check_no_package_refs,
     commit_message,
+    quote_record,
     rename,
     substitute,
     top_level_source,
@@ -433,11 +435,7 @@ _BS_INTERFACE_EDITS = (
 
 
 # ------------------------------------------------------------------------------ the record quoted
-def _quote(pattern: str, text: str, what: str, path: Path) -> re.Match:
-    m = re.search(pattern, text, re.S)
-    if m is None:
-        raise AnchorError(f"{path}: the record no longer says {what} (pattern {pattern!r}); revisit step_block_sparse.py")
-    return m
+_quote = partial(quote_record, step="step_block_sparse.py")
 
 
 def session_facts(path: Path = DEFAULT_SESSION_RECORD) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,7 @@ from patchgen.core import (
     apply_edits,
     check_no_package_refs,
     commit_message,
+    quote_record,
     substitute,
     upstream_wording,
 )
@@ -167,11 +169,7 @@ _MODS_INTERFACE_EDITS = (
 
 
 # ------------------------------------------------------------------------------ the record quoted
-def _quote(pattern: str, text: str, what: str, path: Path) -> re.Match:
-    m = re.search(pattern, text, re.S)
-    if m is None:
-        raise AnchorError(f"{path}: the record no longer says {what} (pattern {pattern!r}); revisit step_mods.py")
-    return m
+_quote = partial(quote_record, step="step_mods.py")
 
 
 def session_facts(path: Path = DEFAULT_SESSION_RECORD) -> dict:
