@@ -21,6 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from flash_attn_sm120.kernels import FAMILIES
+from flash_attn_sm120.kernels.fwd_tma import pingpong_error
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
@@ -42,6 +43,7 @@ class FwdConfig:
     num_stages: int = 1
     q_in_regs: bool = False
     family: str = "cpasync"
+    pingpong: bool = False  # TMA family, 8 MMA warps: the two warpgroups take turns at the tensor pipe
 
     @property
     def num_warps(self) -> int:
@@ -50,11 +52,18 @@ class FwdConfig:
     @property
     def name(self) -> str:
         q = "-qreg" if self.q_in_regs else ""
-        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}"
+        pp = "-pp" if self.pingpong else ""
+        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}"
 
     def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
         if self.family not in FAMILIES:
             return f"unknown kernel family {self.family!r} (known: {', '.join(FAMILIES)})"
+        if self.pingpong:
+            if self.family != "tma":
+                return f"pingpong is a TMA-family schedule, not one of family {self.family!r}"
+            err = pingpong_error(self.num_threads)
+            if err is not None:
+                return err
         return FAMILIES[self.family].config_error(
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.num_threads, self.q_in_regs
         )
@@ -77,6 +86,7 @@ class FwdConfig:
             num_stages=int(raw.get("num_stages", 1)),
             q_in_regs=bool(raw.get("q_in_regs", False)),
             family=str(raw.get("family", default_family)),
+            pingpong=bool(raw.get("pingpong", False)),
         )
 
 

@@ -78,6 +78,8 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
     cls = kernel_cls or FAMILIES[cfg.family].kernel_cls
     if statics.block_sparse is not None:
         extra = dict(extra, q_subtile_factor=statics.block_sparse[0], kv_subtile_factor=statics.block_sparse[1])
+    if cfg.pingpong:
+        extra = dict(extra, pingpong=True)
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,

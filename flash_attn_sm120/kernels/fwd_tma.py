@@ -120,6 +120,9 @@ _SMEM_ALIGN = 1024
 _MBARRIER_BYTES = 8
 # named barrier among the MMA warps (id 0 is __syncthreads; upstream's fwd ids are not used here)
 _EPILOGUE_BARRIER_ID = 1
+# ping-pong: warpgroup g waits on barrier _PINGPONG_BARRIER_ID + g before its MMA burst
+_PINGPONG_BARRIER_ID = 2
+WARPGROUP_THREADS = 128
 
 
 # Configs proposed for measurement, per head dim: (num_threads, tile_m, tile_n, num_stages,
@@ -269,6 +272,14 @@ def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: in
             f"float16 at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 "
             "spills on sm_120a in the TMA family (bfloat16 does not)"
         )
+    return None
+
+
+def pingpong_error(num_threads: int) -> Optional[str]:
+    """Why the ping-pong schedule cannot run with this many MMA threads, or None: it alternates
+    exactly two MMA warpgroups."""
+    if num_threads != 2 * WARPGROUP_THREADS:
+        return f"pingpong needs two MMA warpgroups (num_threads=256), got num_threads={num_threads}"
     return None
 
 
@@ -441,11 +452,14 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         emulate_host_smem: Optional[hardware.EmulationHost] = None,
         q_subtile_factor: int = 1,
         kv_subtile_factor: int = 1,
+        pingpong: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"SM120 TMA forward takes Float16 or BFloat16, got {dtype}")
         error = tma_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs)
+        if error is None and pingpong:
+            error = pingpong_error(num_threads)
         if error is not None:
             raise ValueError(f"SM120 TMA forward config not implementable: {error}")
         pack_gqa = pack_gqa and qhead_per_kvhead > 1
@@ -489,6 +503,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         self.q_subtile_factor = q_subtile_factor
         self.kv_subtile_factor = kv_subtile_factor
         self.emulate_host_smem = emulate_host_smem
+        # two MMA warpgroups take turns at the tensor pipe (pingpong_error, mma_one_n_block)
+        self.pingpong = pingpong
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -935,6 +951,11 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         # K and V rings advance in lockstep; with the overlap, V trails K by one n_block
         kv_k = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
         kv_v = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
+        mma_wg = warp_idx // 4  # this warp's MMA warpgroup (the ping-pong turn it takes)
+        if const_expr(self.pingpong):
+            if mma_wg == 1:
+                # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=_PINGPONG_BARRIER_ID, number_of_threads=2 * WARPGROUP_THREADS)
 
         common = dict(
             pipeline_k=pipeline_k, pipeline_v=pipeline_v, thr_mma_qk=thr_mma_qk,
@@ -942,7 +963,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, smem_thr_copy_Q=smem_thr_copy_Q,
             smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V, acc_O=acc_O, rP=rP,
             tOrP=tOrP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, head_idx=head_idx,
-            batch_idx=batch_idx, aux_data=aux_data, fastdiv_mods=fastdiv_mods,
+            batch_idx=batch_idx, aux_data=aux_data, fastdiv_mods=fastdiv_mods, mma_wg=mma_wg,
         )
         # one n_block: S = QK^T (+ the previous block's PV when overlapping), mask, softmax
         block = partial(self.mma_one_n_block, overlap=self.intra_warp_overlap, **common)
@@ -954,10 +975,12 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 sparse, partial(block, mask_causal_local=True), kv_k, kv_v, self.intra_warp_overlap,
                 self.kv_subtile_factor,
             )
-            if const_expr(self.intra_warp_overlap):
-                if fwd_block_sparse.total_tiles(sparse) > 0:
+            if fwd_block_sparse.total_tiles(sparse) > 0:
+                if const_expr(self.intra_warp_overlap):
                     self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
                     kv_v.advance()
+                else:
+                    self._pingpong_arrive(mma_wg)  # the turn taken by the last block's PV
         elif n_block_max > n_block_min:
             # the last n_block first: it holds the seqlen_k boundary and the causal diagonal
             block(kv_k, kv_v, n_block_max - 1, is_first=True, mask_seqlen=True, mask_causal_local=True)
@@ -987,6 +1010,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 # the PV product of the last n_block is still due
                 self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
                 kv_v.advance()
+            else:
+                self._pingpong_arrive(mma_wg)  # the turn taken by the last block's PV
 
         # with a sink, the final softmax counts it (one more column per row, no value)
         row_sinks = None
@@ -1031,6 +1056,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         batch_idx: Int32,
         aux_data: AuxData,
         fastdiv_mods,
+        mma_wg: Int32,
         overlap: cutlass.Constexpr[bool],
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
@@ -1043,6 +1069,13 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         back to back after both waits, then softmax_j; the straight-line body lets ptxas interleave
         the PV mma.sync of block j-1 with the exp2/max/sum of block j. O is rescaled after the
         PV product: P_{j-1} was taken against max_{j-1}, the scale moves all of O to max_j.
+
+        Ping-pong (self.pingpong): each MMA burst is one turn, taken after the other warpgroup's
+        turn ends, so one warpgroup's softmax runs under the other's mma.sync (FA3's scheduler
+        barrier). With overlap the burst is QK^T_j + PV_{j-1} (the first block's QK^T runs
+        untaken, as FA3's first half-block); without it the burst is PV_{j-1} + QK^T_j: the first
+        block takes a turn before its QK^T, every block ends the turn after its QK^T and takes one
+        before its PV, and the caller ends the last.
         """
         do_pv_first = const_expr(overlap and not is_first)
         acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -1050,6 +1083,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         pipeline_k.consumer_wait(kv_k, pipeline_k.consumer_try_wait(kv_k))
         if const_expr(do_pv_first):
             pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
+        if const_expr(do_pv_first or (is_first and not overlap)):
+            self._pingpong_sync(mma_wg)
         apply_causal_local = const_expr(mask_causal_local and (self.is_causal or self.is_local))
         if const_expr(apply_causal_local and self.qk_half_slices_when_masked):
             gemm_ss_by_half_slices(
@@ -1062,6 +1097,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             )
         if const_expr(do_pv_first):
             sm80_utils.gemm_rs(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
+        if const_expr(do_pv_first or not overlap):
+            self._pingpong_arrive(mma_wg)
         if const_expr(not overlap):
             self._release(pipeline_k, kv_k)
 
@@ -1102,7 +1139,20 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
             if const_expr(do_pv_first):
                 self._release(pipeline_v, kv_v)
         else:
-            self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
+            self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V, mma_wg)
+
+    @cute.jit
+    def _pingpong_sync(self, mma_wg: Int32):
+        """Ping-pong: wait for this warpgroup's turn at the tensor pipe (no-op without it)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_PINGPONG_BARRIER_ID + mma_wg, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def _pingpong_arrive(self, mma_wg: Int32):
+        """Ping-pong: end this warpgroup's turn, handing it to the other (no-op without it)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_PINGPONG_BARRIER_ID + 1 - mma_wg,
+                                     number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
     def mma_pv(
@@ -1115,9 +1165,13 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         tOrVt: cute.Tensor,
         tOsVt: cute.Tensor,
         smem_thr_copy_V: cute.TiledCopy,
+        pingpong_wg: Optional[Int32] = None,
     ):
-        """O += P V for the V slot of `kv_v`, then hand the slot back."""
+        """O += P V for the V slot of `kv_v`, then hand the slot back. `pingpong_wg`: take the
+        warpgroup's ping-pong turn first (the plain order's PV; the overlap's last PV takes none)."""
         pipeline_v.consumer_wait(kv_v, pipeline_v.consumer_try_wait(kv_v))
+        if const_expr(pingpong_wg is not None):
+            self._pingpong_sync(pingpong_wg)
         if const_expr(self.pv_by_ldmatrix):
             gemm_rs_by_ldmatrix(tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt[None, None, None, kv_v.index], smem_thr_copy_V)
         else:

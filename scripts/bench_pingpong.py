@@ -1,0 +1,70 @@
+"""Ping-pong consumers against the cooperative 8-warp TMA kernel, and the table's entries, side by side.
+
+Issue 18's ping-pong experiment: the TMA family's two MMA warpgroups either run together
+(cooperative, the shipped kernel) or take turns at the tensor pipe under named barriers
+(FwdConfig.pingpong, FA3's scheduler barrier), so one warpgroup's softmax runs under the other's
+mma.sync. Each group below times, on the seed problems of its (head dim, mask), the table's entries,
+8-warp TMA configs with and without ping-pong, and the causal d128 256x64 lead, in one prepare.py
+run with occupancy verified at every compile and every candidate gated against fp32:
+
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_pingpong.py --json out.json
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_pingpong.py --set real --subset s512 --json short.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import prepare  # noqa: E402
+
+from flash_attn_sm120.config import FwdConfig, load_fwd_table  # noqa: E402
+
+
+def _tma(m, n, s, qreg=False, pingpong=False):
+    return FwdConfig(256, m, n, s, qreg, family="tma", pingpong=pingpong)
+
+
+def _both(m, n, s, qreg=False):
+    return [_tma(m, n, s, qreg), _tma(m, n, s, qreg, True)]
+
+
+# (bucket, mask) -> configs besides the table's own entries
+GROUPS = {
+    (128, "none"): _both(256, 48, 1) + _both(128, 64, 2) + _both(128, 48, 2) + [_tma(128, 64, 2, True, True)],
+    (128, "causal"): _both(256, 64, 1) + _both(256, 48, 1) + _both(128, 64, 2, True) + _both(128, 64, 2),
+    (96, "none"): _both(128, 64, 2, True) + _both(128, 64, 3, True) + _both(256, 32, 2) + _both(128, 96, 2, True),
+    (96, "causal"): _both(256, 64, 2) + _both(128, 64, 2, True) + _both(128, 64, 3, True),
+    (64, "none"): _both(128, 128, 2, True) + _both(128, 128, 2) + _both(256, 64, 2) + _both(128, 64, 3, True)
+    + _both(256, 128, 1),
+    (64, "causal"): _both(256, 64, 3, True) + _both(128, 128, 2, True) + _both(128, 64, 3, True),
+}
+
+
+def candidates(info) -> list:
+    impls = []
+    for (bucket, mask), extra in GROUPS.items():
+        shipped = [e.config for e in load_fwd_table() if e.head_dim == bucket and e.mask == mask]
+        seen = set()
+        for cfg in shipped + extra:
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            tag = "table" if cfg in shipped else "cand"
+            impl = prepare.sm120_impl(f"{bucket}-{mask}-{tag}-{cfg.name}", lambda p, cfg=cfg: cfg, info)
+            impl.supports = lambda p, b=bucket, m=mask: max(p.head_dim, p.dv) == b and p.causal == (m == "causal")
+            impls.append(impl)
+    return impls
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--set" not in argv:
+        argv = ["--set", "seed"] + argv
+    if "--references" not in argv:
+        argv = ["--references", "upstream_sm120"] + argv
+    prepare.run(candidates, argv, description=__doc__)
