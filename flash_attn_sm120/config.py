@@ -44,6 +44,9 @@ class FwdConfig:
     q_in_regs: bool = False
     family: str = "cpasync"
     pingpong: bool = False  # TMA family, 8 MMA warps: the two warpgroups take turns at the tensor pipe
+    # TMA family tile order: None = longest-first (LPT) for causal masks, grid order otherwise;
+    # True/False force it (the scheduling half of a causal gain, measured apart from TMA)
+    lpt: Optional[bool] = None
 
     @property
     def num_warps(self) -> int:
@@ -53,11 +56,14 @@ class FwdConfig:
     def name(self) -> str:
         q = "-qreg" if self.q_in_regs else ""
         pp = "-pp" if self.pingpong else ""
-        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}"
+        lpt = "" if self.lpt is None else "-lpt" if self.lpt else "-nolpt"
+        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}{lpt}"
 
     def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
         if self.family not in FAMILIES:
             return f"unknown kernel family {self.family!r} (known: {', '.join(FAMILIES)})"
+        if self.lpt is not None and self.family != "tma":
+            return f"lpt is a TMA-family option (upstream's cp.async kernel has its own grid order), not one of {self.family!r}"
         if self.pingpong:
             if self.family != "tma":
                 return f"pingpong is a TMA-family schedule, not one of family {self.family!r}"
@@ -87,6 +93,7 @@ class FwdConfig:
             q_in_regs=bool(raw.get("q_in_regs", False)),
             family=str(raw.get("family", default_family)),
             pingpong=bool(raw.get("pingpong", False)),
+            lpt=None if raw.get("lpt") is None else bool(raw["lpt"]),
         )
 
 

@@ -80,6 +80,8 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
         extra = dict(extra, q_subtile_factor=statics.block_sparse[0], kv_subtile_factor=statics.block_sparse[1])
     if cfg.pingpong:
         extra = dict(extra, pingpong=True)
+    if cfg.lpt is not None:
+        extra = dict(extra, lpt=cfg.lpt)
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,

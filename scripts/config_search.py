@@ -358,7 +358,9 @@ def entry_text(best: dict, ups: dict | None, command: str) -> str:
         f"[[fwd]]\nhead_dim = {best['bucket']}\nmask = \"{best['mask']}\"\nfamily = \"{c['family']}\"\n"
         f"num_threads = {c['num_threads']}\ntile_m = {c['tile_m']}\ntile_n = {c['tile_n']}\n"
         f"num_stages = {c['num_stages']}\nq_in_regs = {str(c['q_in_regs']).lower()}\n"
-        f"[fwd.provenance]\ngpu = \"{best['gpu']}\"\nmode = \"{best['mode']}\"\ndate = \"{best['date']}\"\n"
+        + ("pingpong = true\n" if c.get("pingpong") else "")
+        + ("" if c.get("lpt") is None else f"lpt = {str(c['lpt']).lower()}\n")
+        + f"[fwd.provenance]\ngpu = \"{best['gpu']}\"\nmode = \"{best['mode']}\"\ndate = \"{best['date']}\"\n"
         f"tflops = {best['geomean_tflops']:.1f}\n"
         + (f"upstream_tflops = {ups['geomean_tflops']:.1f}\n" if ups else "")
         + f"problems = {json.dumps([p['name'] for p in best['problems']])}\n"

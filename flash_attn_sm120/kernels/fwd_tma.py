@@ -453,6 +453,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         q_subtile_factor: int = 1,
         kv_subtile_factor: int = 1,
         pingpong: bool = False,
+        lpt: Optional[bool] = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -505,6 +506,8 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
         self.emulate_host_smem = emulate_host_smem
         # two MMA warpgroups take turns at the tensor pipe (pingpong_error, mma_one_n_block)
         self.pingpong = pingpong
+        # longest-processing-time tile order; None: for causal (not local) masks, where tiles differ in work
+        self.lpt = lpt
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -651,7 +654,7 @@ class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):
                 mLSE = pack_gqa_layout(mLSE, self.qhead_per_kvhead, nheads_kv, head_idx=1)
 
         # causal tiles differ in work: longest first, with heads grouped for L2 reuse (as upstream sm90)
-        use_lpt = self.is_causal and not self.is_local
+        use_lpt = (self.is_causal and not self.is_local) if self.lpt is None else self.lpt
         TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
             num_block=cute.ceil_div(cute.size(mQ_rows.shape[0]), self.tile_m),
