@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from flash_attn_sm120.kernels import FAMILIES
-from flash_attn_sm120.kernels.fwd_tma import pingpong_error
+from flash_attn_sm120.kernels.fwd_tma import fp16_register_error, pingpong_error
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
@@ -74,6 +74,12 @@ class FwdConfig:
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.num_threads, self.q_in_regs
         )
 
+    def dtype_error(self, dtype: str, head_dim: int) -> Optional[str]:
+        """Why this config cannot run `dtype` ("float16"/"bfloat16") at `head_dim` without spills, or None."""
+        if self.family == "tma" and dtype == "float16":
+            return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)
+        return None
+
     def smem_bytes(self, head_dim: int, head_dim_v: int) -> int:
         return FAMILIES[self.family].smem_bytes(
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs
@@ -118,6 +124,12 @@ class TableEntry:
     mask: str
     config: FwdConfig
     provenance: dict = field(default_factory=dict, compare=False, hash=False)
+    # the entry serves only calls with seqlen_q <= this (None: any); short sequences fill fewer tiles
+    seqlen_q_max: Optional[int] = None
+
+    def serves(self, seqlen_q: Optional[int]) -> bool:
+        """Whether a call of `seqlen_q` query rows (None: unknown, e.g. varlen) may use this entry."""
+        return self.seqlen_q_max is None or (seqlen_q is not None and seqlen_q <= self.seqlen_q_max)
 
 
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int:
@@ -166,12 +178,16 @@ def parse_fwd_table(data: dict) -> list[TableEntry]:
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
         prov = checked_provenance(where, raw)
-        # a (bucket, mask) may list one entry per kernel family: the first is the measured fastest,
-        # later ones serve the calls an earlier family refuses (e.g. varlen on the TMA family)
-        if (head_dim, mask, cfg.family) in seen:
-            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}, family {cfg.family})")
-        seen.add((head_dim, mask, cfg.family))
-        entries.append(TableEntry(head_dim, mask, cfg, prov))
+        seqlen_q_max = raw.get("seqlen_q_max")
+        if seqlen_q_max is not None and (not isinstance(seqlen_q_max, int) or seqlen_q_max < 1):
+            raise ValueError(f"{where}: seqlen_q_max must be a positive integer, got {seqlen_q_max!r}")
+        # a (bucket, mask) lists entries in order: the first that a call can run is chosen, so later
+        # ones serve the calls an earlier one refuses (a dtype, varlen on the TMA family, a longer
+        # sequence than a short-sequence entry's seqlen_q_max)
+        if (head_dim, mask, seqlen_q_max, cfg) in seen:
+            raise ValueError(f"{where}: duplicate entry {cfg.name} for ({head_dim}, {mask}, seqlen_q_max={seqlen_q_max})")
+        seen.add((head_dim, mask, seqlen_q_max, cfg))
+        entries.append(TableEntry(head_dim, mask, cfg, prov, seqlen_q_max))
     return entries
 
 
@@ -218,36 +234,46 @@ def select_fwd_config(
     head_dim_v: int,
     causal: bool,
     local: bool,
+    dtype: Optional[str] = None,
+    seqlen_q: Optional[int] = None,
 ) -> FwdConfig:
     """The table's config for this problem, or the first fallback that fits; pure (memoized for tuples).
 
     Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
     entry; then the fallbacks (spill-free on sm_120a). Within a key, entries are tried in table
-    order; a config that cannot run the actual head dims is skipped.
+    order; an entry is skipped when its config cannot run the actual head dims, when `dtype` is
+    given and the config cannot run it (FwdConfig.dtype_error), or when its seqlen_q_max is below
+    `seqlen_q` (an entry with seqlen_q_max needs a known seqlen_q).
     """
     if not isinstance(table, tuple):
-        return _select_uncached(table, head_dim, head_dim_v, causal, local)
-    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local))
+        return _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q)
+    # the seqlen part of the key: the smallest seqlen_q_max that serves the call (bounded memo)
+    limits = [e.seqlen_q_max for e in table if e.seqlen_q_max is not None and e.serves(seqlen_q)]
+    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local), dtype, min(limits, default=None))
     hit = _SELECT_MEMO.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
-    cfg = _select_uncached(table, head_dim, head_dim_v, causal, local)
+    cfg = _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q)
     if len(_SELECT_MEMO) > 4096:
         _SELECT_MEMO.clear()
     _SELECT_MEMO[key] = (table, cfg)
     return cfg
 
 
-def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool) -> FwdConfig:
+def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                     dtype: Optional[str] = None, seqlen_q: Optional[int] = None) -> FwdConfig:
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
     by_key: dict = {}
-    for e in table:  # entries of one key in table order: the first that runs these dims is chosen
-        by_key.setdefault((e.head_dim, e.mask), []).append(e.config)
+    for e in table:  # entries of one key in table order: the first that runs this call is chosen
+        if e.serves(seqlen_q):
+            by_key.setdefault((e.head_dim, e.mask), []).append(e.config)
     order = [kind] + (["causal"] if kind == "local" else []) + ["none"]
     for m in order:
         for cfg in by_key.get((bucket, m), ()):
-            if cfg.error(head_dim, head_dim_v) is None:
+            if cfg.error(head_dim, head_dim_v) is None and (
+                dtype is None or cfg.dtype_error(dtype, max(head_dim, head_dim_v)) is None
+            ):
                 return cfg
     for cfg in _FALLBACKS:
         if cfg.error(head_dim, head_dim_v) is None:

@@ -120,7 +120,8 @@ def explain(
     causal_r, local, left, right = driver._resolve_causal_local_window(causal, left, right, None)
     pack_chosen = pack_gqa is not None
     pack = driver.resolve_pack_gqa(pack_gqa, num_heads // num_heads_kv)
-    table_first = config or driver.select_fwd_config(driver.load_fwd_table(), q.shape[-1], v.shape[-1], causal_r, local)
+    table_first = config or driver.table_config(q, v, causal_r, local, common.get("cu_seqlens_q"),
+                                                common.get("seqused_q"))
     statics = driver.choose_statics(
         q, k, v, causal=causal_r, local=local, pack_gqa=pack, pack_gqa_chosen=pack_chosen, has_lse=return_lse,
         window_size_left=left, window_size_right=right, score_mod=driver.softcap_score_mod(softcap, None),

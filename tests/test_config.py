@@ -174,3 +174,59 @@ def test_tables_ship_inside_the_package():
     assert {p.name for p in CONFIG_DIR.glob("*.toml")} >= {"sm120_fwd.toml", "sm120_bwd.toml", "sm120_decode.toml"}
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert "configs/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["flash_attn_sm120"]
+
+
+def test_selection_by_dtype_and_seqlen():
+    """Entries are tried in table order: a float16 call skips a TMA tile that spills in float16
+    (FwdConfig.dtype_error), and a short-sequence entry serves only dense calls with seqlen_q <= its
+    seqlen_q_max (a call of unknown seqlen, e.g. varlen, skips it)."""
+    tma = dict(family="tma", num_threads=256, tile_m=256, tile_n=64, num_stages=1)
+    table = tuple(parse_fwd_table({"schema": 1, "fwd": [
+        entry(128, "causal", num_threads=128, tile_m=64, tile_n=64, seqlen_q_max=1024),
+        entry(128, "causal", **tma),
+        entry(128, "causal", family="tma", num_threads=256, tile_m=256, tile_n=48, num_stages=1),
+        entry(128, "causal", num_threads=128, tile_m=64, tile_n=32),
+    ]}))
+    assert FwdConfig(256, 256, 64, 1, family="tma").dtype_error("float16", 128) is not None
+    assert FwdConfig(256, 256, 64, 1, family="tma").dtype_error("bfloat16", 128) is None
+    pick = lambda **kw: select_fwd_config(table, 128, 128, True, False, **kw)  # noqa: E731
+    assert pick(dtype="bfloat16", seqlen_q=8192).tile_n == 64 and pick(seqlen_q=8192).family == "tma"
+    assert pick(dtype="float16", seqlen_q=8192).tile_n == 48
+    assert pick(dtype="bfloat16", seqlen_q=1024).family == "cpasync"  # the short-sequence entry
+    assert pick(dtype="bfloat16", seqlen_q=1025).family == "tma"
+    assert pick(dtype="bfloat16").family == "tma"  # unknown seqlen: not the short-sequence entry
+    # memoized per seqlen bucket, not per seqlen: both sides of the limit stay right on a second call
+    assert pick(dtype="bfloat16", seqlen_q=512).family == "cpasync" and pick(dtype="bfloat16", seqlen_q=4096).family == "tma"
+    with pytest.raises(ValueError, match="seqlen_q_max"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(128, "none", seqlen_q_max=0)]})
+    # the same config may be listed once per seqlen_q_max, not twice for the same one
+    parse_fwd_table({"schema": 1, "fwd": [entry(128, "none", seqlen_q_max=512), entry(128, "none")]})
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_fwd_table({"schema": 1, "fwd": [entry(128, "none", seqlen_q_max=512), entry(128, "none", seqlen_q_max=512)]})
+
+
+def test_driver_table_choice_reads_dtype_and_dense_seqlen():
+    import torch
+
+    from flash_attn_sm120 import driver
+
+    bf, fp = (torch.zeros(2, 4096, 4, 128, dtype=dt) for dt in (torch.bfloat16, torch.float16))
+    want_bf = select_fwd_config(load_fwd_table(), 128, 128, True, False, dtype="bfloat16", seqlen_q=4096)
+    want_fp = select_fwd_config(load_fwd_table(), 128, 128, True, False, dtype="float16", seqlen_q=4096)
+    assert driver.table_config(bf, bf, True, False) == want_bf
+    assert driver.table_config(fp, fp, True, False) == want_fp
+    assert want_fp.dtype_error("float16", 128) is None
+    packed = torch.zeros(4096, 4, 128, dtype=torch.bfloat16)  # varlen: seqlen unknown
+    assert driver.table_config(packed, packed, True, False, cu_seqlens_q=torch.zeros(3, dtype=torch.int32)) == \
+        select_fwd_config(load_fwd_table(), 128, 128, True, False, dtype="bfloat16")
+
+
+def test_pingpong_and_lpt_are_tma_options():
+    assert FwdConfig(256, 128, 64, 2, family="tma", pingpong=True).error(128, 128) is None
+    assert "two MMA warpgroups" in FwdConfig(128, 64, 64, 2, family="tma", pingpong=True).error(128, 128)
+    assert "TMA-family schedule" in FwdConfig(256, 128, 64, 2, pingpong=True).error(128, 128)
+    assert "TMA-family option" in FwdConfig(128, 64, 64, 1, lpt=False).error(128, 128)
+    assert FwdConfig(256, 128, 64, 2, family="tma", pingpong=True, lpt=False).name == "tma-w8-128x64-s2-pp-nolpt"
+    row = entry(128, "none", family="tma", num_threads=256, tile_m=128, tile_n=64, num_stages=2, pingpong=True, lpt=True)
+    (e,) = parse_fwd_table({"schema": 1, "fwd": [row]})
+    assert e.config.pingpong and e.config.lpt is True
