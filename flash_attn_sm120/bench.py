@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
 
@@ -75,6 +75,11 @@ def attention_flops(p: Problem) -> float:
         else:
             pairs.append(sq * sk / 2 if p.causal else sq * sk)
     return 2.0 * p.nheads * (p.head_dim + p.dv) * sum(pairs)
+
+
+def gemm_flops(m: int, n: int, k: int) -> float:
+    """FLOPs of one (m, k) x (k, n) matrix product: a multiply and an add per term."""
+    return 2.0 * m * n * k
 
 
 def backward_flops(p: Problem) -> float:
@@ -358,7 +363,7 @@ def time_cuda_graph(
             fn(i % rotations)
     graph.replay()
     torch.cuda.synchronize()
-    times = event_times(lambda i: graph.replay(), reps)
+    times = event_times(lambda i, g=graph: g.replay(), reps)
     del graph
     return summarize_times([t / calls for t in times])
 
@@ -369,6 +374,12 @@ def rotations_for(p: Problem, l2_bytes: int = 60 * 2**20) -> int:
     per_set = (p.batch * (p.seqlen_q * p.nheads * (p.head_dim + p.dv)) + kv_bytes(p) // elem) * elem
     if p.is_varlen:
         per_set = (sum(p.seqlens_q) * p.nheads * (p.head_dim + p.dv) + kv_bytes(p) // elem) * elem
+    return rotations_for_bytes(per_set, l2_bytes)
+
+
+def rotations_for_bytes(per_set: int, l2_bytes: int = 60 * 2**20) -> int:
+    """How many copies of a `per_set`-byte input set make the rotated working set at least 3x the
+    L2 (2 to 8 copies): the rule of rotations_for, for inputs that are not an attention problem."""
     return max(2, min(8, math.ceil(3 * l2_bytes / max(per_set, 1))))
 
 

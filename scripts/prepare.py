@@ -5,6 +5,7 @@ Not edited by the loop (scripts/experiment.py is). Run directly for baselines:
   python scripts/prepare.py --set seed --baseline            # references only, table + summary
   python scripts/prepare.py --set seed --dry-run             # no GPU: problems + sm_120a report
   python scripts/prepare.py --set real --plot out.png        # shipped table vs references, plot
+  python scripts/prepare.py --set seed --no-ceiling          # skip the GEMM ceiling (scripts/gemm_ceiling.py)
 
 Every line states the mode: `sm120` (a real SM120 GPU) or `emulated` (SM120 kernels on another GPU,
 shared memory padded to SM120 occupancy; set FLASH_ATTN_SM120_EMULATE=1 or pass --emulate). The
@@ -14,12 +15,19 @@ time is not used. The grep-able summary lines at the end are what the loop reads
 
   mode: / correct: / fwd_tflops_peak: / fwd_tflops_geomean: / bwd_tflops_peak: / bwd_tflops_geomean:
   / peak_vram_mib:
+
+The same-class ceiling (--ceiling, on by default): quack's SM120 GEMM (mma.sync, the instruction
+class of the SM120 kernels) timed once per run at 8192^3 in a child process (scripts/gemm_ceiling.py),
+labelled in the same modes. The JSON gets `ceiling` at the top level and `of_ceiling` (TFLOPS /
+ceiling TFLOPS; NaN without a ceiling) and `bwd_of_ceiling` in every row; the table an "of ceiling"
+column per implementation. A failed ceiling is reported (status, error) and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -177,11 +185,71 @@ def dry_run(problems: list[Problem], configs=None) -> None:
     print(sm120_report.format_table(rs))
 
 
-def save(rows: list[Row], summary: dict, info, args, path: Path) -> None:
+def save(rows: list[Row], summary: dict, info, args, path: Path, ceiling: dict | None = None) -> None:
     from flash_attn_sm120.harness import measurement_doc
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(measurement_doc(rows, summary, info, args.set), indent=1))
+    doc = with_ceiling(measurement_doc(rows, summary, info, args.set), ceiling)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+# ------------------------------------------------------------------------------------- ceiling
+CEILING_KEYS = ("status", "tflops", "ms", "spread", "size", "tile", "pingpong", "class")
+
+
+def ceiling_tflops(ceiling: dict | None) -> float:
+    """The ceiling's TFLOPS when it was measured and checked (status ok), else NaN."""
+    if not ceiling or ceiling.get("status") != "ok":
+        return float("nan")
+    t = ceiling.get("tflops")
+    return float(t) if isinstance(t, (int, float)) and t > 0 and math.isfinite(t) else float("nan")
+
+
+def of_ceiling(tflops: float, ceiling: dict | None) -> float:
+    """A row's TFLOPS as a fraction of the ceiling; NaN without a ceiling or a time."""
+    c = ceiling_tflops(ceiling)
+    return tflops / c if c == c and tflops == tflops else float("nan")
+
+
+def skipped_ceiling() -> dict:
+    return {"status": "skipped", "tflops": float("nan"), "ms": float("nan"), "spread": float("nan"),
+            "size": None, "tile": None, "pingpong": None, "class": None}
+
+
+def with_ceiling(doc: dict, ceiling: dict | None) -> dict:
+    """A measurement_doc with the ceiling at the top level and `of_ceiling` / `bwd_of_ceiling` in
+    every row (NaN without a ceiling). Existing keys are kept as they are."""
+    doc["ceiling"] = dict(ceiling) if ceiling else skipped_ceiling()
+    for k in CEILING_KEYS:
+        doc["ceiling"].setdefault(k, None)
+    for r in doc.get("rows", []):
+        r["of_ceiling"] = of_ceiling(r.get("tflops", float("nan")), ceiling)
+        r["bwd_of_ceiling"] = of_ceiling(r.get("bwd_tflops", float("nan")), ceiling)
+    return doc
+
+
+def run_ceiling(args, info) -> dict:
+    """The run's ceiling (scripts/gemm_ceiling.py, in a child process); never raises."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gemm_ceiling
+
+    c = gemm_ceiling.measure_ceiling(size=args.ceiling_size)
+    if c.get("mode") and c["mode"] != info.mode:
+        c["note"] = f"the ceiling ran as {c['mode']}, the attention run as {info.mode}"
+    print(gemm_ceiling.format_result(c))
+    if c.get("status") != "ok" and c.get("stderr_tail"):
+        print("gemm ceiling stderr (tail):\n" + c["stderr_tail"][-1200:])
+    return c
+
+
+def format_ceiling_summary(ceiling: dict | None, rows: list[Row], kind: str, field: str = "tflops") -> str:
+    """Grep-able lines after the summary: the ceiling and the kind's best / geomean fraction of it."""
+    c = ceiling_tflops(ceiling)
+    fr = [of_ceiling(getattr(r, field), ceiling) for r in rows if r.kind == kind and r.status == "ok"]
+    fr = [x for x in fr if x == x]
+    return "\n".join([f"ceiling_tflops: {c:.2f}",
+                      f"{'bwd' if field == 'bwd_tflops' else 'fwd'}_of_ceiling_peak: {max(fr, default=float('nan')):.3f}",
+                      f"{'bwd' if field == 'bwd_tflops' else 'fwd'}_of_ceiling_geomean: {bench.geomean(fr):.3f}"])
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -221,6 +289,10 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     ap.add_argument("--subset", default="", help="only problems whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="write all rows and the summary here")
     ap.add_argument("--plot", type=Path, default=None, help="bar chart of TFLOPS per shape (matplotlib)")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the same-class GEMM ceiling (quack's SM120 GEMM, scripts/gemm_ceiling.py) once "
+                         "in this run and report each row's of_ceiling (default on; --no-ceiling skips it)")
+    ap.add_argument("--ceiling-size", type=int, default=8192, help="the ceiling GEMM's M = N = K (default 8192)")
     ap.add_argument("--bwd-configs", type=Path, default=None,
                     help="--set bwd: JSON file {name: BwdConfig fields [+ head_dims]} timed next to the table's")
     args = ap.parse_args(argv)
@@ -230,8 +302,9 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
         return {}
     info = detect(args.emulate)
     print(f"mode: {info.mode} -- {info.label()}")
+    ceiling = run_ceiling(args, info) if args.ceiling else None
     if args.set == "bwd":
-        return _run_bwd(args, problems, info)
+        return _run_bwd(args, problems, info, ceiling)
     impls = [] if args.baseline else candidates(info)
     if not args.no_references or args.baseline:
         refs = reference_impls(info)
@@ -244,17 +317,18 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     rows = evaluate(impls, problems, info, reps=args.reps, with_bwd=args.set in ("bwd", "all"))
     kind = "reference" if args.baseline else "candidate"
     summary = summarize(rows, info, kind)
-    _print_table(rows)
+    _print_table(rows, ceiling=ceiling)
     print(format_summary(summary))
+    print(format_ceiling_summary(ceiling, rows, kind))
     print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
     if args.json:
-        save(rows, summary, info, args, args.json)
+        save(rows, summary, info, args, args.json, ceiling)
     if args.plot:
         plot(rows, args.plot, f"{info.label()} -- {args.set} set")
     return summary
 
 
-def _run_bwd(args, problems: list[Problem], info) -> dict:
+def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -> dict:
     """--set bwd: the backward alone, candidates and references side by side (scripts/prepare_bwd.py)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import prepare_bwd
@@ -275,28 +349,37 @@ def _run_bwd(args, problems: list[Problem], info) -> dict:
     summary["vs_upstream_sm120"] = prepare_bwd.summary_ratios(rows, "sm120_bwd_table")
     summary["deterministic_vs_table"] = prepare_bwd.summary_ratios(rows, "sm120_bwd_table_deterministic",
                                                                    "sm120_bwd_table")
-    _print_table(rows, "bwd_tflops")
+    _print_table(rows, "bwd_tflops", ceiling)
     print(format_summary(summary))
+    print(format_ceiling_summary(ceiling, rows, "reference" if args.baseline else "candidate", "bwd_tflops"))
     ratios = summary["vs_upstream_sm120"]
     print(f"bwd_vs_upstream_sm120_geomean: {ratios['geomean']:.3f} (min {ratios['min']:.3f})")
     det = summary["deterministic_vs_table"]
     print(f"bwd_deterministic_vs_table_geomean: {det['geomean']:.3f} (min {det['min']:.3f})")
     print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
     if args.json:
-        save(rows, summary, info, args, args.json)
+        save(rows, summary, info, args, args.json, ceiling)
     return summary
 
 
-def _print_table(rows: list[Row], field: str = "tflops") -> None:
+def _print_table(rows: list[Row], field: str = "tflops", ceiling: dict | None = None) -> None:
+    """TFLOPS per problem (rows) and implementation (columns); with a measured ceiling, each
+    implementation's column is followed by an "of ceiling" column (its TFLOPS / the ceiling's)."""
     problems = list(dict.fromkeys(r.problem for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
-    print(f"\n{'backward ' if field == 'bwd_tflops' else ''}TFLOPS (" + rows[0].mode + ")" if rows else "")
-    print(f"{'problem':34s}" + "".join(f"{i[:18]:>19s}" for i in impls))
+    c = ceiling_tflops(ceiling)
+    title = f"\n{'backward ' if field == 'bwd_tflops' else ''}TFLOPS (" + rows[0].mode + ")" if rows else ""
+    print(title + (f"; of ceiling = / {c:.1f} TFLOPS GEMM ceiling" if rows and c == c else ""))
+    print(f"{'problem':34s}" + "".join(f"{i[:18]:>19s}" + (f"{'of ceiling':>11s}" if c == c else "") for i in impls))
     for p in problems:
         cells = []
         for i in impls:
             r = next((r for r in rows if r.problem == p and r.impl == i), None)
-            cells.append(f"{getattr(r, field):19.1f}" if r and r.status == "ok" else f"{(r.status if r else '-'):>19s}")
+            ok = r is not None and r.status == "ok"
+            cells.append(f"{getattr(r, field):19.1f}" if ok else f"{(r.status if r else '-'):>19s}")
+            if c == c:
+                frac = of_ceiling(getattr(r, field), ceiling) if ok else float("nan")
+                cells.append(f"{100 * frac:10.1f}%" if frac == frac else f"{'-':>11s}")
         print(f"{p:34s}" + "".join(cells))
 
 
