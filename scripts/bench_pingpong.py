@@ -8,7 +8,7 @@ mma.sync. Each group below times, on the seed problems of its (head dim, mask), 
 run with occupancy verified at every compile and every candidate gated against fp32:
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_pingpong.py --json out.json
-  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_pingpong.py --set real --subset s512 --json short.json
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_pingpong.py --wide --subset h32d64 --json wide.json  # WIDE groups
 """
 
 from __future__ import annotations
@@ -45,9 +45,16 @@ GROUPS = {
 }
 
 
-def candidates(info) -> list:
+# --wide: 32-row-warp (256-row) TMA tiles for the non-causal d64/d96 gap (spill-free on sm_120a)
+WIDE = {
+    (96, "none"): [_tma(256, 64, 2), _tma(256, 64, 2, pingpong=True), _tma(256, 64, 1), _tma(256, 48, 2)],
+    (64, "none"): [_tma(256, 64, 3), _tma(256, 80, 2), _tma(256, 64, 3, True)],
+}
+
+
+def candidates(info, groups=None) -> list:
     impls = []
-    for (bucket, mask), extra in GROUPS.items():
+    for (bucket, mask), extra in (groups or GROUPS).items():
         shipped = [e.config for e in load_fwd_table() if e.head_dim == bucket and e.mask == mask]
         seen = set()
         for cfg in shipped + extra:
@@ -67,4 +74,8 @@ if __name__ == "__main__":
         argv = ["--set", "seed"] + argv
     if "--references" not in argv:
         argv = ["--references", "upstream_sm120"] + argv
-    prepare.run(candidates, argv, description=__doc__)
+    groups = GROUPS
+    if "--wide" in argv:
+        argv.remove("--wide")
+        groups = WIDE
+    prepare.run(lambda info: candidates(info, groups), argv, description=__doc__)
