@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -27,8 +28,18 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 12:
 from flash_attn_sm120 import bench, driver  # noqa: E402
 from flash_attn_sm120.config import FwdConfig  # noqa: E402
 from flash_attn_sm120.device import device_info  # noqa: E402
-from flash_attn_sm120.kernels import fwd_tma  # noqa: E402
+from flash_attn_sm120.kernels import FAMILIES  # noqa: E402
 from flash_attn_sm120.kernels.fwd_tma import ALL_MASKS, PROPOSED_CONFIGS  # noqa: E402
+
+
+def _plain_order(kernel_cls: type) -> type:
+    """`kernel_cls` with the intra-warp overlap off: every tile runs the plain FA2 order."""
+
+    class PlainOrder(kernel_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, intra_warp_overlap=False, **kwargs)
+
+    return PlainOrder
 
 
 class Watchdog:
@@ -118,7 +129,8 @@ def main() -> int:
                     help="A/B experiment: every config runs the plain FA2 order (no intra-warp overlap)")
     args = ap.parse_args()
     if args.no_overlap:
-        fwd_tma.INTRA_WARP_OVERLAP = False  # read when each kernel object is built; this process only
+        # this process only: the driver builds the TMA family's kernels with intra_warp_overlap=False
+        FAMILIES["tma"] = replace(FAMILIES["tma"], kernel_cls=_plain_order(FAMILIES["tma"].kernel_cls))
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1

@@ -184,6 +184,37 @@ def test_constructor_refusals():
     assert k.num_threads_total == 256 + 128 and k.producer_warp_idx == 8
 
 
+def test_intra_warp_overlap_is_a_constructor_flag():
+    """None follows the tile's rule (16-row warps overlap), False or True overrides it per kernel."""
+    r1 = dict(tile_m=128, tile_n=64, num_threads=256)  # 16-row warps
+    r2 = dict(tile_m=256, tile_n=32, num_threads=256)  # 32-row warps
+    assert FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, **r1).intra_warp_overlap
+    assert not FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, **r2).intra_warp_overlap
+    assert not FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, intra_warp_overlap=False, **r1).intra_warp_overlap
+    assert FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, intra_warp_overlap=True, **r2).intra_warp_overlap
+
+
+def test_module_split_keeps_the_public_names_and_pure_rules():
+    """fwd_tma re-exports what its users import; the rules module imports no CuTe DSL."""
+    import ast
+    import inspect
+
+    from flash_attn_sm120.kernels import fwd_tma_rules
+
+    for name in fwd_tma.__all__:
+        assert hasattr(fwd_tma, name), name
+    for name in ("tma_config_error", "smem_bytes", "unsupported_reason", "register_split", "fp16_register_error",
+                 "pack_gqa_error", "pingpong_error", "PROPOSED_CONFIGS", "ALL_MASKS", "SUPPORTED_HEAD_DIMS"):
+        assert name in fwd_tma.__all__, name
+    imported = set()
+    for node in ast.parse(inspect.getsource(fwd_tma_rules)).body:
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    assert imported <= {"dataclasses", "typing", "flash_attn_sm120"}, imported
+
+
 def test_driver_builds_tma_kernel():
     k = driver.make_kernel(_statics(FwdConfig(256, 128, 64, 2, True, family="tma"), qhead_per_kvhead=2))
     assert isinstance(k, FlashAttentionForwardSm120Tma) and k.Q_in_regs and k.qhead_per_kvhead == 2

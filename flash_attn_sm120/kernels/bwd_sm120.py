@@ -21,7 +21,7 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
     `can_implement` counts Q, dO, K and V only, not sP, sdS, sLSE and sdPsum;
   * SM120 feasibility rules with a reason for each refusal (`bwd_config_error`);
   * SM120 emulation padding through the same checked mechanism as the forward
-    (`fwd_cpasync.emulation_storage`, verified per compile by occupancy.py).
+    (`emulation.emulation_storage`, verified per compile by occupancy.py).
   * a causal/local mask that is right for any S/dP warp layout (bwd_mask.py): upstream's assumes one
     warp along N, which only its own SM120 config has;
   * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`);
@@ -46,7 +46,8 @@ from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
 from flash_attn_sm120.kernels import bwd_deterministic, bwd_mask
-from flash_attn_sm120.kernels.fwd_cpasync import _round_up, emulation_storage
+from flash_attn_sm120.kernels.emulation import emulation_storage
+from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 
 _HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
 _SMEM_ALIGN = 1024  # sK, sV, sQ, sdO are 1 KB aligned

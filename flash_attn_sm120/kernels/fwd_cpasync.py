@@ -14,7 +14,7 @@ upstream's register spills on sm_120a (255 registers + 104 B of stack at 4 warps
 This module adds, by subclassing upstream's `FlashAttentionForwardSm120`:
   * SM120 feasibility rules with a reason for each refusal (`sm120_config_error`);
   * the exact shared-memory footprint (`smem_bytes`), checked against the 99 KB per-block limit;
-  * optional shared-memory padding for SM120 emulation on bigger GPUs (see hardware.py);
+  * optional shared-memory padding for SM120 emulation on bigger GPUs (emulation.py);
   * learnable sinks, folded into the output tile before upstream's epilogue (sink_fold.py):
     upstream's SM80/SM120 kernel refuses them.
 Everything else (mainloop, masking, softmax, epilogue, GQA packing, varlen) is upstream's.
@@ -35,6 +35,7 @@ from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
 from flash_attn_sm120.kernels import sink_fold
+from flash_attn_sm120.kernels.emulation import emulation_storage
 
 _SMEM_ALIGN = 1024  # upstream aligns each of sQ, sK, sV to 1 KB
 
@@ -249,41 +250,3 @@ class FlashAttentionForwardSm120CpAsync(FlashAttentionForwardSm120):
 
     def _get_shared_storage_cls(self):
         return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)
-
-
-def emulation_storage(kernel, storage, num_threads: int):
-    """Record `storage`'s size on `kernel` and, in SM120 emulation, return it padded.
-
-    Sets kernel.smem_bytes_unpadded / smem_bytes_launched and kernel.launch_threads (read by the
-    occupancy check, the codegen report and tests). With kernel.emulate_host_smem set (a
-    hardware.EmulationHost), the struct gets a trailing pad so that the host GPU keeps no more CTAs
-    of `num_threads` threads per SM than SM120 would (hardware.emulation_padded_smem).
-    """
-    kernel.smem_bytes_unpadded = storage.size_in_bytes()
-    kernel.smem_bytes_launched = kernel.smem_bytes_unpadded
-    kernel.launch_threads = num_threads
-    if kernel.emulate_host_smem is None:
-        return storage
-    padded = hardware.emulation_padded_smem(kernel.smem_bytes_unpadded, num_threads, kernel.emulate_host_smem)
-    if padded == kernel.smem_bytes_unpadded:
-        return storage
-    storage = _padded_struct(storage, padded)
-    kernel.smem_bytes_launched = storage.size_in_bytes()
-    return storage
-
-
-def _padded_struct(storage, total_bytes: int):
-    """A copy of a cute.struct with a trailing byte array so that its size is at least `total_bytes`.
-
-    The struct's size is rounded to its alignment (1 KB here), so the pad is grown until it lands.
-    """
-    fields = dict(storage._annotations)
-    pad = total_bytes - storage.size_in_bytes()
-    for _ in range(4):
-        fields["emulation_pad"] = cute.struct.MemRange[cutlass.Uint8, pad]
-        padded = cute.struct(type("SharedStoragePadded", (), {"__annotations__": fields}))
-        short = total_bytes - padded.size_in_bytes()
-        if short <= 0:
-            return padded
-        pad += short
-    raise RuntimeError(f"could not pad shared storage to {total_bytes} B")

@@ -1,0 +1,150 @@
+"""The TMA forward's kernel entry: what the whole CTA sets up before its warps split into roles.
+
+Every warp of the CTA runs `kernel` from the top:
+
+  1. the producer warp prefetches the four TMA descriptors (Q, K, V loads and the O store);
+  2. shared memory is carved as the SharedStorage struct (fwd_tma.py: sQ/sO, sK, sV, mbarriers);
+  3. three mbarrier pipelines are made (`make_tma_pipeline`, cutlass' PipelineTmaAsync): Q with one
+     slot, K and V with `num_stages` slots each. A full barrier expects one producer arrive plus
+     the operand's TMA transaction bytes; an empty barrier expects one arrive per MMA warp (lane 0
+     after the warp converges). The inits are deferred and made visible once for all three
+     (pipeline_init_arrive / pipeline_init_wait: one CTA sync);
+  4. the tile scheduler names this CTA's (m_block, head, batch) tile and BlockInfo its n_block
+     range (or, with block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py);
+  5. the roles split: warps from `producer_warp_idx` on drop their registers (setmaxnreg.dec) and
+     the first of them runs `load` (fwd_tma_producer.py); the MMA warps raise theirs
+     (setmaxnreg.inc) and run `mma` (fwd_tma_mainloop.py), which ends in `epilogue`
+     (fwd_tma_epilogue.py).
+
+A mixin of FlashAttentionForwardSm120Tma: it reads the attributes that the class's constructor and
+host side set (tile sizes, `registers`, `tma_copy_bytes`, `num_mma_warps`).
+"""
+
+from functools import partial
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as cpipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+from flash_attn.cute.block_info import BlockInfo
+from flash_attn.cute.block_sparsity import BlockSparseTensors
+from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.utils import AuxData
+
+from flash_attn_sm120.kernels import fwd_block_sparse
+
+
+class TmaKernelMixin:
+    """The kernel entry of FlashAttentionForwardSm120Tma: pipelines, tile, role split (module docstring)."""
+
+    def make_tma_pipeline(self, barriers, num_stages: int, operand: str, producer, consumers):
+        """One mbarrier ring (trace-time helper): full barriers expect one TMA arrive plus the
+        operand's transaction bytes, empty barriers one arrive per MMA warp. Barrier init is
+        deferred to the kernel's single pipeline_init_arrive / pipeline_init_wait."""
+        return cpipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers.data_ptr(),
+            num_stages=num_stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.tma_copy_bytes[operand],
+            defer_sync=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        softmax_scale_log2: Float32,
+        softmax_scale: Optional[Float32],
+        window_size_left: Optional[Int32],
+        window_size_right: Optional[Int32],
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        tile_sched_params,
+        TileScheduler: cutlass.Constexpr[Callable],
+        aux_data: AuxData = AuxData(),
+        fastdiv_mods=None,
+        blocksparse_tensors: Optional[BlockSparseTensors] = None,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == self.producer_warp_idx:
+            for tma_atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(tma_atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        # full barriers: one TMA arrive + transaction bytes; empty barriers: one arrive per MMA warp
+        producer = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, 1)
+        consumers = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, self.num_mma_warps)
+        pipeline_q = self.make_tma_pipeline(storage.mbar_Q, 1, "Q", producer, consumers)
+        pipeline_k = self.make_tma_pipeline(storage.mbar_K, self.num_stages, "K", producer, consumers)
+        pipeline_v = self.make_tma_pipeline(storage.mbar_V, self.num_stages, "V", producer, consumers)
+        # make the mbarrier inits visible to the async proxy, then sync the CTA once
+        cpipeline.pipeline_init_arrive()
+        cpipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        tile_scheduler = TileScheduler.create(tile_sched_params)
+        work_tile = tile_scheduler.initial_work_tile_info()
+        if work_tile.is_valid_tile:
+            m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
+            seqlen = SeqlenInfoQK.create(batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0])
+            block_info = BlockInfo(
+                self.tile_m,
+                self.tile_n,
+                self.is_causal,
+                self.is_local,
+                False,  # is_split_kv
+                window_size_left,
+                window_size_right,
+                qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
+            )
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            # with block sparsity, each role reads this Q tile's lists after its first wait or load
+            lists = partial(
+                fwd_block_sparse.tile_lists, blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
+                self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
+            ) if const_expr(blocksparse_tensors is not None) else None
+            if warp_idx >= self.producer_warp_idx:
+                if const_expr(self.registers.producer_regs is not None):
+                    cute.arch.setmaxregister_decrease(self.registers.producer_regs)
+                if warp_idx == self.producer_warp_idx:
+                    self.load(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipeline_q, pipeline_k, pipeline_v,
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
+                    )
+            else:
+                if const_expr(self.registers.mma_regs is not None):
+                    cute.arch.setmaxregister_increase(self.registers.mma_regs)
+                tidx, _, _ = cute.arch.thread_idx()
+                self.mma(
+                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+                    tiled_mma_qk, tiled_mma_pv, tidx, warp_idx,
+                    softmax_scale_log2, softmax_scale, block_info, seqlen,
+                    window_size_left, window_size_right,
+                    m_block, head_idx, batch_idx, n_block_min, n_block_max,
+                    aux_data, fastdiv_mods, lists,
+                )

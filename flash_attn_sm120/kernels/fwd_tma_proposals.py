@@ -1,0 +1,35 @@
+"""TMA forward configs proposed for measurement, per head dim, with the masks each compiles for.
+
+Each entry is ((num_threads, tile_m, tile_n, num_stages, q_in_regs), masks): the mask kinds the
+config compiles for without spills on sm_120a in bf16 and fp16 (tests/test_fwd_tma_codegen.py
+checks them; scripts/smoke_tma.py and the GPU tests run them). R = rows per warp / 16. R=1 tiles
+(8 warps x 16 rows) run the intra-warp overlap; R=2 tiles halve the ldmatrix traffic per mma.sync
+(shared memory bandwidth bounds R=1 on an H200 in emulation) at the price of registers, so they
+run the plain FA2 order (fwd_tma_rules.use_intra_warp_overlap). Search data, not kernel code: the
+upstream patch leaves it out.
+"""
+
+ALL_MASKS = ("none", "causal", "local")
+PROPOSED_CONFIGS: dict[int, tuple] = {
+    128: (
+        ((256, 128, 64, 2, False), ALL_MASKS),
+        ((256, 128, 64, 2, True), ("none", "causal")),  # bf16 local spills with Q in registers
+        ((256, 256, 32, 2, False), ("none",)),  # R=2
+        ((256, 256, 48, 1, False), ("none", "causal")),  # R=2, one K and one V slot: 48 keys fit 99 KB
+        # R=2, one slot each, 96 KB: causal only (non-causal bf16 spills 16 B); bf16 only (fp16_register_error)
+        ((256, 256, 64, 1, False), ("causal",)),
+        ((128, 128, 32, 2, False), ALL_MASKS),  # R=2, 4 warps
+    ),
+    96: (
+        ((256, 128, 64, 3, True), ALL_MASKS),
+        ((256, 128, 64, 2, True), ALL_MASKS),
+        ((256, 256, 32, 2, False), ALL_MASKS),  # R=2
+    ),
+    64: (
+        ((256, 128, 128, 2, True), ALL_MASKS),
+        ((256, 128, 64, 3, True), ALL_MASKS),
+        ((256, 256, 64, 2, False), ALL_MASKS),  # R=2
+        ((128, 64, 64, 2, True), ALL_MASKS),  # 2 CTAs/SM (41 KB each): two tiles interleave per SM
+    ),
+}
+

@@ -1,0 +1,211 @@
+"""The TMA forward family's rules: which configs it takes, their shared memory and register budgets.
+
+Pure Python (no CuTe DSL import), so the config table, the driver's routing and the search can ask
+without building a kernel; the kernel class (fwd_tma.py) applies the same functions.
+
+  * `tma_config_error`: why a (head dims, tile, stages, MMA threads) config cannot run, or None;
+    `fp16_register_error`, `pack_gqa_error` and `pingpong_error` refuse a dtype, a GQA packing or
+    the ping-pong schedule on a tile that could otherwise run.
+  * `smem_bytes`: the CTA's dynamic shared memory: sQ (reused as sO), sK[num_stages] and
+    sV[num_stages], each 1 KB aligned, then the full/empty mbarriers of the Q slot and both rings.
+  * `register_split`: the setmaxnreg budget. ptxas gives every thread the same registers at launch;
+    the producer warpgroup then drops to PRODUCER_REGS and the MMA warps take what it released
+    (up to MAX_MMA_REGS), within the CTA's launch allocation.
+  * `use_intra_warp_overlap`: which tiles issue block j's QK^T next to block j-1's PV.
+  * `unsupported_reason`: the driver's question, for a whole compile key (dtype, varlen, GQA
+    packing, stride-0 inputs on top of the config).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from flash_attn_sm120 import hardware
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_NUM_THREADS = (128, 256)  # MMA warps: 4 or 8
+# The producer is a whole warpgroup (setmaxnreg acts on warpgroups): warp 0 of it issues the
+# TMA loads, the other three exit at once. ptxas sizes registers per 128 threads anyway, so the
+# idle warps cost no registers that a single producer warp would not.
+PRODUCER_THREADS = 128
+PRODUCER_REGS = 24  # after setmaxnreg.dec; the producer only computes coordinates
+MAX_MMA_REGS = 240
+WARPGROUP_THREADS = 128
+_SMEM_ALIGN = 1024
+_MBARRIER_BYTES = 8
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def num_mbarriers(num_stages: int) -> int:
+    """full+empty for Q (1 slot) and for each of the K and V rings."""
+    return 2 * (1 + 2 * num_stages)
+
+
+def smem_bytes(
+    head_dim: int,
+    head_dim_v: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    q_in_regs: bool = False,
+    elem_bytes: int = 2,
+) -> int:
+    """Dynamic shared memory of one CTA (unpadded), as `_get_shared_storage_cls` lays it out.
+
+    sQ (also sO), sK, sV, each 1 KB aligned, then the mbarriers; the struct is 1 KB aligned so
+    its size rounds up to a multiple of 1 KB.
+    """
+    hd, hdv = _round_up(head_dim, 16), _round_up(head_dim_v, 16)
+    q = _round_up(tile_m * max(hd, hdv) * elem_bytes, _SMEM_ALIGN)
+    k = _round_up(tile_n * hd * num_stages * elem_bytes, _SMEM_ALIGN)
+    v = _round_up(tile_n * hdv * num_stages * elem_bytes, _SMEM_ALIGN)
+    return _round_up(q + k + v + num_mbarriers(num_stages) * _MBARRIER_BYTES, _SMEM_ALIGN)
+
+
+@dataclass(frozen=True)
+class RegisterSplit:
+    """How one CTA's registers are shared between the producer warpgroup and the MMA warps."""
+
+    ctas_per_sm: int  # on SM120, from shared memory and threads (ptxas is told this)
+    launch_regs: int  # per thread, what ptxas gives every thread at launch
+    producer_regs: Optional[int]  # after setmaxnreg.dec, None without rebalancing
+    mma_regs: Optional[int]  # after setmaxnreg.inc, None without rebalancing
+
+
+def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
+    """setmaxnreg budget: give the MMA warps what the producer warpgroup does not need.
+
+    ptxas caps a thread at 64K / (CTAs per SM * threads rounded up to 128), rounded down to a
+    multiple of 8, and at 255.
+    setmaxnreg.inc only succeeds with registers another warpgroup released, so the rebalanced
+    total must stay within the launch allocation (launch_regs * threads).
+    """
+    threads = num_mma_threads + PRODUCER_THREADS
+    ctas = max(1, hardware.sm120_occupancy(smem_total, threads).ctas_per_sm)
+    per_cta = hardware.REGS_PER_SM // ctas
+    launch = min(hardware.MAX_REGS_PER_THREAD, per_cta // _round_up(threads, 128) // 8 * 8)
+    mma = min(MAX_MMA_REGS, (launch * threads - PRODUCER_THREADS * PRODUCER_REGS) // num_mma_threads // 8 * 8)
+    if mma <= launch:
+        return RegisterSplit(ctas, launch, None, None)
+    return RegisterSplit(ctas, launch, PRODUCER_REGS, mma)
+
+
+def rows_per_warp(tile_m: int, num_threads: int) -> int:
+    """Rows of the M tile each MMA warp owns (warps are stacked along M)."""
+    return tile_m // (num_threads // 32)
+
+
+def use_intra_warp_overlap(tile_m: int, num_threads: int) -> bool:
+    """Overlap keeps S_j and P_{j-1} live together. Warps with 32 rows (R=2) hold twice the
+    accumulators and spill with it at d=128 on sm_120a (8 warps at the 240-register cap, 4 warps at
+    255), so they run the plain FA2 order; 16-row warps overlap."""
+    return rows_per_warp(tile_m, num_threads) == 16
+
+
+def tma_config_error(
+    head_dim: int,
+    head_dim_v: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    num_threads: int,
+    q_in_regs: bool = False,
+) -> Optional[str]:
+    """Why a TMA-family config cannot run on SM120, or None if it can."""
+    if num_threads not in SUPPORTED_NUM_THREADS:
+        return (
+            f"num_threads={num_threads}: the TMA family takes 128 or 256 MMA-warp threads "
+            f"(4 or 8 MMA warps; the kernel adds its own producer warpgroup)"
+        )
+    if head_dim != head_dim_v:
+        return f"head dims ({head_dim}, {head_dim_v}) must be equal in the TMA family"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim}: the TMA family supports {SUPPORTED_HEAD_DIMS}"
+    rows_per_step = (num_threads // 32) * 16  # warps stacked along M, 16 rows each
+    if tile_m <= 0 or tile_m % rows_per_step:
+        return f"tile_m={tile_m} must be a positive multiple of {rows_per_step} for {num_threads // 32} MMA warps"
+    if tile_m > 256:
+        return f"tile_m={tile_m} must be at most 256 (TMA box limit)"
+    if tile_n <= 0 or tile_n % 16 or tile_n > 256:
+        return f"tile_n={tile_n} must be a multiple of 16 in [16, 256]"
+    if not 1 <= num_stages <= 4:
+        return f"num_stages={num_stages}: the K and V rings take 1 to 4 stages"
+    smem = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages) + hardware.DSL_STATIC_SMEM
+    if smem > hardware.SMEM_PER_BLOCK_MAX:
+        return f"needs {smem} B of shared memory, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
+    return None
+
+
+def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
+    """Why fp16 cannot run this tile without spills, or None. fp16 takes more registers than bf16 in
+    this kernel: at d=128, warps of 32 rows with more than 48 keys per block spill on sm_120a in fp16
+    (256x64: 24-40 B of stack) while bf16 fits the 240-register budget; 256x48 fits both since the PV
+    product loads V one ldmatrix ahead (tests/test_fwd_tma_codegen.py compiles both dtypes against
+    this rule)."""
+    rows = rows_per_warp(tile_m, num_threads)
+    if head_dim > 96 and rows == 32 and tile_n > 48:
+        return (
+            f"float16 at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 "
+            "spills on sm_120a in the TMA family (bfloat16 does not)"
+        )
+    return None
+
+
+def pingpong_error(num_threads: int) -> Optional[str]:
+    """Why the ping-pong schedule cannot run with this many MMA threads, or None: it alternates
+    exactly two MMA warpgroups."""
+    if num_threads != 2 * WARPGROUP_THREADS:
+        return f"pingpong needs two MMA warpgroups (num_threads=256), got num_threads={num_threads}"
+    return None
+
+
+def pack_gqa_error(tile_m: int, qhead_per_kvhead: int) -> Optional[str]:
+    """Why this family cannot pack `qhead_per_kvhead` query heads into a tile_m tile, or None."""
+    if qhead_per_kvhead > 1 and tile_m % qhead_per_kvhead:
+        return (
+            f"pack_gqa with {qhead_per_kvhead} query heads per KV head needs tile_m={tile_m} to be a "
+            f"multiple of {qhead_per_kvhead} in the TMA family (the Q/O TMA box holds whole head groups)"
+        )
+    return None
+
+
+def unsupported_reason(statics) -> Optional[str]:
+    """Why the TMA family cannot serve a driver.FwdStatics compile key, or None if it can.
+
+    The driver routes a refused key to the cp.async family.
+    """
+    cfg = statics.config
+    err = tma_config_error(
+        statics.head_dim, statics.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.num_threads, cfg.q_in_regs
+    )
+    if err is not None:
+        return err
+    if statics.dtype not in ("float16", "bfloat16"):
+        return f"dtype {statics.dtype} (float16 / bfloat16 only)"
+    if statics.dtype == "float16":
+        err = fp16_register_error(max(statics.head_dim, statics.head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads)
+        if err is not None:
+            return err
+    varlen = [
+        name
+        for name, flag in (
+            ("cu_seqlens_q", statics.has_cu_seqlens_q),
+            ("cu_seqlens_k", statics.has_cu_seqlens_k),
+            ("seqused_q", statics.has_seqused_q),
+            ("seqused_k", statics.has_seqused_k),
+        )
+        if flag
+    ]
+    if varlen:
+        return f"varlen ({', '.join(varlen)}) is not supported by the TMA family"
+    if statics.pack_gqa:
+        err = pack_gqa_error(cfg.tile_m, statics.qhead_per_kvhead)
+        if err is not None:
+            return err
+    if any(any(dims) for dims in statics.broadcast):
+        return "stride-0 (expanded) q/k/v are not supported by the TMA family (TMA descriptors need real strides)"
+    return None
+
+
