@@ -16,7 +16,8 @@ Regenerating gives byte-identical files (fixed identity and dates, no git signat
 commit ids in the mbox header, git run without user or system config). Measurement numbers in
 the commit messages come from the config table's provenance (flash_attn_sm120/configs/sm120_fwd.toml), a committed
 benchmark JSON (0002) and codegen facts from the sm_120a prune results, never from this script.
-The steps live in scripts/patchgen/ (one module per patch; the shared machinery in core.py).
+The steps live in scripts/patchgen/ (one module per patch; the shared machinery in core.py, and
+fold.py for a kernel the package splits across modules that upstream gets as one).
 
 An anchor that is not found (upstream moved code after a pin bump) or a package function that
 changed shape raises AnchorError naming the file and the anchor.

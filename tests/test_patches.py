@@ -539,7 +539,8 @@ for e in configs.SM120_FWD_TABLE:
         configs.sm120_fwd_config(e.head_dim, e.head_dim, e.mask == "causal", False).tile_m,
         configs.sm120_fwd_config(e.head_dim, e.head_dim, e.mask == "causal", False).tile_n,
     ]
-    out["tiles"][f"{e.head_dim}/{e.mask}/tma"] = [cfg.tile_m, cfg.tile_n]
+    # a key may list several TMA entries (one per dtype they run): the interface takes the first
+    out["tiles"].setdefault(f"{e.head_dim}/{e.mask}/tma", [cfg.tile_m, cfg.tile_n])
 out["packs"] = {r: configs.sm120_tma_packs(r) for r in (1, 2, 3, 4, 6, 8, 16)}
 out["fp16_ok"] = {f"{e.head_dim}/{e.mask}": configs.sm120_tma_fp16_ok(e.head_dim, e.head_dim, e.mask == "causal", False)
                   for e in configs.SM120_FWD_TABLE if e.config.family == "tma"}
@@ -581,9 +582,31 @@ def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp
 def test_tma_module_is_lifted_without_package_parts():
     text = mp.render_tma_module()
     mp.check_no_package_refs(text, "flash_fwd_sm120_tma.py")
-    for gone in ("def unsupported_reason", "PROPOSED_CONFIGS", "emulation_storage", "emulate_host_smem"):
+    for gone in ("def unsupported_reason", "PROPOSED_CONFIGS", "emulation_storage", "emulate_host_smem", "__all__",
+                 "Mixin", "Where the code lives"):
         assert gone not in text, gone
-    assert "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120)" in text
+    # the package's modules folded into one class: the rules, the GEMM helpers and every role's methods
+    assert text.count("\nclass ") == 2  # RegisterSplit and the kernel
+    assert "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):" in text
+    for there in ("def tma_config_error(", "def gemm_rs_by_ldmatrix(", "    def __call__(", "    def kernel(",
+                  "    def load(", "    def mma_one_n_block(", "    def _pingpong_sync(", "    def epilogue("):
+        assert there in text, there
+    assert text.index("def register_split(") < text.index("def gemm_rs_by_ldmatrix(") < text.index("    def kernel(")
+
+
+def test_tma_fold_refuses_what_it_cannot_fold():
+    """A mixin module with more than its class, or a mixin the class does not name, fails the step."""
+    import inspect
+
+    from flash_attn_sm120.kernels import fwd_tma, fwd_tma_epilogue
+
+    epilogue = inspect.getsource(fwd_tma_epilogue)
+    with pytest.raises(mp.AnchorError, match="exactly one class"):
+        mp.render_tma_module({"fwd_tma_epilogue": epilogue + "\n\nLATE = 1\n"})
+    with pytest.raises(mp.AnchorError, match="is not among the bases"):
+        mp.render_tma_module({"fwd_tma_epilogue": epilogue.replace("class TmaEpilogueMixin:", "class Other:")})
+    with pytest.raises(mp.AnchorError, match="Where the code lives"):
+        mp.render_tma_module({"fwd_tma": inspect.getsource(fwd_tma).replace("Where the code lives:", "Code:")})
 
 
 _GPU_TMA_PROBE = r"""

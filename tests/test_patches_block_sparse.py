@@ -385,11 +385,22 @@ def test_block_sparse_patch_needs_every_anchor(tmp_path, monkeypatch):
             "from flash_attn.cute.seqlen_info import SeqlenInfoQK\n",
             "from flash_attn.cute.seqlen_info import SeqlenInfoQK\nfrom flash_attn_sm120 import hardware\n"))
     tma = inspect.getsource(fwd_tma)
+
+    def render_tma(text=None):  # the TMA module lifted with fwd_tma.py's text replaced
+        return mp.render_tma_module(None if text is None else {"fwd_tma": text})
+
     block_sparse_anchors = [old for old, _new in step_tma._TMA_DOC_EDITS if "block" in old]
-    assert len(block_sparse_anchors) == 2  # the docstring's sentence and the import
-    without(mp.render_tma_module, tma, [(old,) for old in block_sparse_anchors])
+    assert len(block_sparse_anchors) == 1  # the docstring's sentence
+    without(render_tma, tma, [(old,) for old in block_sparse_anchors])
     with pytest.raises(mp.AnchorError, match="fwd_block_sparse.py"):  # each comment naming the walk's module
-        mp.render_tma_module(tma.replace("# block sparsity (fwd_block_sparse.py)", "# block sparsity", 1))
+        render_tma(tma.replace("# block sparsity (fwd_block_sparse.py)", "# block sparsity", 1))
+    # the walk's import becomes upstream's module (the folded modules import it from the package)
+    upstream_imports = step_tma._UPSTREAM_IMPORTS
+    monkeypatch.setattr(step_tma, "_UPSTREAM_IMPORTS", {
+        k: v for k, v in upstream_imports.items() if k != ("flash_attn_sm120.kernels", "fwd_block_sparse")})
+    with pytest.raises(mp.AnchorError, match="import fwd_block_sparse` has no upstream counterpart"):
+        render_tma()
+    monkeypatch.setattr(step_tma, "_UPSTREAM_IMPORTS", upstream_imports)
     without(mp.render_bwd_block_sparse_module, inspect.getsource(bwd_block_sparse), step_block_sparse._MODULE_EDITS)
 
     plan = inspect.getsource(driver_bwd._block_sparse_plan)

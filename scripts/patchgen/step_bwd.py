@@ -120,6 +120,7 @@ _RENAMES = (
 _REPLACED_IMPORTS = {  # package module -> what upstream imports instead (None: lifted into the file)
     "flash_attn_sm120": None,
     "flash_attn_sm120.kernels": None,
+    "flash_attn_sm120.kernels.emulation": None,  # the padding goes with _get_shared_storage_cls
     "flash_attn_sm120.kernels.fwd_cpasync": ("flash_attn.cute.flash_fwd_sm120",
                                              ("SM120_SMEM_PER_BLOCK_MAX", "SM120_STATIC_SMEM", "_round_up")),
 }

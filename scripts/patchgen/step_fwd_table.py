@@ -58,6 +58,17 @@ _CONFIG_RENAMES = (
     ("upstream_fwd_config", "sm120_default_fwd_config"),
 )
 _KERNEL_RENAMES = (("smem_bytes", "sm120_fwd_smem_bytes"),)
+# FwdConfig's TMA-family checks call the family's rules, which the package imports at the top of
+# config.py; upstream imports them where they are used, from the family's module (patch 0003)
+_CONFIG_EDITS = (
+    ("            err = pingpong_error(self.num_threads)\n",
+     "            from flash_attn.cute.flash_fwd_sm120_tma import pingpong_error\n\n"
+     "            err = pingpong_error(self.num_threads)\n"),
+    ("            return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n",
+     "            from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error\n\n"
+     "            return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n"),
+    ("(upstream's cp.async kernel has its own grid order)", "(the cp.async kernel has its own grid order)"),
+)
 
 
 def _lift_sm120_rules() -> str:
@@ -195,6 +206,8 @@ def render_configs_module(ctx: Context) -> tuple[str, list]:
         "# SM120's choice before the table (4 warps, 1 stage): used where the table has no entry\n",
         where=where,
     )
+    for old, new in _CONFIG_EDITS:
+        code = substitute(code, old, new, where=where)
     code = upstream_wording(code)
     check_no_package_refs(code, where)
     table, kept = _table_literal(ctx)

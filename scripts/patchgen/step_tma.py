@@ -1,25 +1,37 @@
 """Patch 0003: the TMA forward family on SM120 (a producer warpgroup feeding mma.sync warps).
 
-Lifts `flash_attn_sm120/kernels/fwd_tma.py` as upstream's `flash_fwd_sm120_tma.py` without what
-only the package needs (SM120 emulation padding, the driver's compile-key check, the search's
-proposed configs), with the block-sparse walk it imports (`kernels/fwd_block_sparse.py` as
+Lifts the package's TMA family as upstream's `flash_fwd_sm120_tma.py`. The package splits it by
+job: `kernels/fwd_tma.py` (the docstring, the class's constructor and host side), its pure rules
+(`fwd_tma_rules.py`), its GEMM helpers (`mma_sync_utils.py`) and one mixin per role of the kernel
+(`fwd_tma_kernel.py`, `fwd_tma_producer.py`, `fwd_tma_mainloop.py`, `fwd_tma_epilogue.py`).
+Upstream keeps one module per kernel with one class (flash_fwd_sm90.py), so this step folds them
+(fold.py): one import block, the rules and helpers at module level, and each mixin's methods
+appended to the class body under a section comment, in role order. What only the package needs is
+left out: SM120 emulation padding (`emulation.py`), the driver's compile-key check, the search's
+proposed configs (`fwd_tma_proposals.py`), the re-export list.
+
+With it go the block-sparse walk it imports (`kernels/fwd_block_sparse.py` as
 `flash_fwd_sm120_block_sparse.py`: the class takes upstream's lists, which the interface gives it
-only from patch 0006 on), registers the family in `flash_fwd_sm120_configs.py` so that the table's TMA
-entries appear, and lets `interface.py` run them for the calls the family takes (dense, unsplit,
-unpaged, GQA packed only in whole head groups per tile, no sink, no block sparsity); every other
-call gets the table's cp.async entry of the same key, as in the package's driver.
+only from patch 0006 on); the family is registered in `flash_fwd_sm120_configs.py` so that the
+table's TMA entries appear, and `interface.py` runs them for the calls the family takes (dense,
+unsplit, unpaged, GQA packed only in whole head groups per tile, no sink, no block sparsity); every
+other call gets the table's cp.async entry of the same key, as in the package's driver.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 from typing import Optional
 
 from flash_attn_sm120 import hardware
 from flash_attn_sm120.kernels import fwd_block_sparse as pkg_fwd_block_sparse
 from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
+from flash_attn_sm120.kernels import fwd_tma_epilogue, fwd_tma_kernel, fwd_tma_mainloop, fwd_tma_producer
+from flash_attn_sm120.kernels import fwd_tma_rules, mma_sync_utils
 
+from patchgen import fold
 from patchgen.core import (
     CUTE,
     EMULATED_NOTE,
@@ -41,6 +53,41 @@ from patchgen.step_splitkv import patch_configs_for_decode
 WHERE = "flash_attn_sm120/kernels/fwd_tma.py"
 BLOCK_SPARSE_WHERE = "flash_attn_sm120/kernels/fwd_block_sparse.py"
 BLOCK_SPARSE_REL = f"{CUTE}/flash_fwd_sm120_block_sparse.py"
+
+# The package modules folded into flash_fwd_sm120_tma.py (fold.py): the rules and the GEMM helpers
+# as module-level code before the class, in this order; the class of fwd_tma.py; then the methods of
+# each role's mixin appended to the class body, in this order (kernel entry, producer, MMA warps,
+# epilogue), so that upstream gets one class in one module as flash_fwd_sm90.py is.
+LIBRARY_MODULES = (fwd_tma_rules, mma_sync_utils)
+MIXIN_MODULES = (fwd_tma_kernel, fwd_tma_producer, fwd_tma_mainloop, fwd_tma_epilogue)
+FOLDED_MODULES = LIBRARY_MODULES + (pkg_fwd_tma,) + MIXIN_MODULES
+# package imports of the folded modules -> what flash_fwd_sm120_tma.py imports instead; () for the
+# package-only parts whose use the edits below remove (emulation padding, the search's proposals)
+_UPSTREAM_IMPORTS = {
+    ("flash_attn_sm120", "hardware"): (
+        ("flash_attn.cute.flash_fwd_sm120", "SM120_SMEM_PER_BLOCK_MAX"),
+        ("flash_attn.cute.flash_fwd_sm120", "SM120_STATIC_SMEM"),
+        ("flash_attn.cute.flash_fwd_sm120_splits", "REGS_PER_SM"),
+        ("flash_attn.cute.flash_fwd_sm120_splits", "sm120_occupancy"),
+    ),
+    ("flash_attn_sm120.kernels", "fwd_block_sparse"): (("flash_attn.cute", "flash_fwd_sm120_block_sparse as fwd_block_sparse"),),
+    ("flash_attn_sm120.kernels", "sink_fold"): (("flash_attn.cute", "flash_fwd_sm120_sink as sink_fold"),),
+    ("flash_attn_sm120.kernels.emulation", "emulation_storage"): (),
+    ("flash_attn_sm120.kernels.fwd_tma_proposals", "ALL_MASKS"): (),
+    ("flash_attn_sm120.kernels.fwd_tma_proposals", "PROPOSED_CONFIGS"): (),
+}
+# the docstring's map of the package modules: upstream has one module
+_CODE_MAP_PARAGRAPH = "Where the code lives:"
+# the class body's pointer to the mixins, where their methods are folded in
+_DEVICE_SIDE_POINTER = (
+    "    # device side: `kernel` (TmaKernelMixin), `load` (TmaProducerMixin), `mma` and its blocks\n"
+    "    # (TmaMainloopMixin), `epilogue` (TmaEpilogueMixin)\n"
+)
+_MIXIN_BASES = (
+    "class FlashAttentionForwardSm120Tma(\n"
+    "    TmaKernelMixin, TmaProducerMixin, TmaMainloopMixin, TmaEpilogueMixin, FlashAttentionForwardSm120\n"
+    "):\n"
+)
 
 _TMA_DOC_EDITS = (
     ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
@@ -70,21 +117,14 @@ _TMA_DOC_EDITS = (
      "    Constructor: the same as FlashAttentionForwardSm120. `num_threads` counts the MMA warps'\n"
      "    threads; the launch adds a producer warpgroup (128 threads).\n"),
     ("        emulate_host_smem: Optional[hardware.EmulationHost] = None,\n", ""),
-    ("        self.emulate_host_smem = emulate_host_smem\n"
-     "        # filled in at trace time, read by the codegen report and the tests\n"
+    ("        self.emulate_host_smem = emulate_host_smem\n", ""),
+    ("        # filled in at trace time, read by the codegen report and the tests\n"
      "        self.smem_bytes_unpadded: Optional[int] = None\n"
      "        self.smem_bytes_launched: Optional[int] = None\n"
      "        self.launch_threads: Optional[int] = None\n", ""),
     ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
      "        return SharedStorageTma\n"),
-    ("from flash_attn_sm120 import hardware\nfrom flash_attn_sm120.kernels import fwd_block_sparse, sink_fold\n"
-     "from flash_attn_sm120.kernels.fwd_cpasync import emulation_storage\n",
-     "from flash_attn.cute import flash_fwd_sm120_block_sparse as fwd_block_sparse\n"
-     "from flash_attn.cute import flash_fwd_sm120_sink as sink_fold\n"
-     "from flash_attn.cute.flash_fwd_sm120 import SM120_SMEM_PER_BLOCK_MAX, SM120_STATIC_SMEM\n"
-     "from flash_attn.cute.flash_fwd_sm120_splits import REGS_PER_SM, sm120_occupancy\n"),
     ("PRODUCER_REGS = 24", f"MAX_REGS_PER_THREAD = {hardware.MAX_REGS_PER_THREAD}\nPRODUCER_REGS = 24"),
-    ("# memory bandwidth bounds R=1 on an H200 in emulation)", "# memory bandwidth bounds R=1)"),
 )
 _TMA_RENAMES = (
     ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
@@ -95,9 +135,12 @@ _TMA_RENAMES = (
     ("smem_bytes", "sm120_tma_smem_bytes"),
     ("FwdConfig", "Sm120FwdConfig"),  # the config type of flash_fwd_sm120_configs.py
 )
-# package-only definitions left out: the driver's compile-key check and the search's proposals
-_DROP_TOP_LEVEL = ("unsupported_reason", "ALL_MASKS", "PROPOSED_CONFIGS")
+# package-only definitions left out: the driver's compile-key check and the re-export list
+_DROP_TOP_LEVEL = ("unsupported_reason", "__all__")
 _DROP_METHODS = ("unsupported_reason", "supports")
+# the package's modules, which the folded module's comments must not name (as files or qualified names)
+_PACKAGE_MODULE_REFS = re.compile(r"(?<![\w/])(fwd_tma\w*|mma_sync_utils|fwd_cpasync|emulation|sink_fold|hardware)\.py\b"
+                                  r"|\b(fwd_tma\w*|mma_sync_utils)\.\w")
 
 
 def _drop_definitions(text: str) -> str:
@@ -124,10 +167,50 @@ def _drop_definitions(text: str) -> str:
     return "".join(lines)
 
 
-def render_tma_module(source: Optional[str] = None) -> str:
-    """flash_fwd_sm120_tma.py: the package's TMA kernel module in upstream's names (`source`: the
-    package module's text, for tests; by default its current source)."""
-    text = inspect.getsource(pkg_fwd_tma) if source is None else source
+def _drop_paragraph(doc: str, first_words: str, where: str) -> str:
+    """The docstring without the paragraph (up to the next blank line or the end) that opens with
+    `first_words`."""
+    start = doc.find("\n\n" + first_words)
+    if start < 0:
+        raise AnchorError(f"{where}: no docstring paragraph opening with {first_words!r}")
+    end = doc.find("\n\n", start + 2)
+    return doc[:start] + (doc[end:] if end >= 0 else "\n")
+
+
+def _where(module) -> str:
+    return f"flash_attn_sm120/kernels/{module.__name__.rsplit('.', 1)[1]}.py"
+
+
+def fold_tma_modules(sources: Optional[dict] = None) -> str:
+    """The TMA family's package modules as one module, still in the package's names: fwd_tma's
+    docstring (less its map of the package modules), one import block, the rules and the GEMM
+    helpers, and the class with each mixin's methods in its body (`sources`: {module name: text}
+    replacing a module's current source, for tests)."""
+    sources = sources or {}
+    text_of = {m: sources.get(m.__name__.rsplit(".", 1)[1]) or inspect.getsource(m) for m in FOLDED_MODULES}
+    parts = {m: fold.split_module(text_of[m], _where(m)) for m in FOLDED_MODULES}
+    doc = _drop_paragraph(parts[pkg_fwd_tma][0], _CODE_MAP_PARAGRAPH, WHERE)
+    imports = fold.merge_imports(
+        [(_where(m), parts[m][1]) for m in FOLDED_MODULES],
+        folded=tuple(m.__name__ for m in FOLDED_MODULES), replaced=_UPSTREAM_IMPORTS, package="flash_attn_sm120",
+    )
+    library = [fold.banner(fold.summary(parts[m][0])) + "\n\n" + parts[m][2] for m in LIBRARY_MODULES]
+    methods = []
+    for m in MIXIN_MODULES:
+        cls_name, source = fold.mixin_methods(text_of[m], _where(m))
+        if cls_name not in _MIXIN_BASES:
+            raise AnchorError(f"{_where(m)}: {cls_name} is not among the bases {_MIXIN_BASES.strip()!r}; revisit step_tma.py")
+        methods.append(fold.banner(fold.summary(parts[m][0]), indent="    ") + "\n" + source)
+    cls = substitute(parts[pkg_fwd_tma][2], _MIXIN_BASES, "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):\n",
+                     where=WHERE)
+    cls = substitute(cls, _DEVICE_SIDE_POINTER, "\n".join(methods), where=WHERE)
+    return f'"""{doc}"""\n\n{imports}\n\n' + "\n\n".join(p.rstrip("\n") + "\n" for p in library + [cls])
+
+
+def render_tma_module(sources: Optional[dict] = None) -> str:
+    """flash_fwd_sm120_tma.py: the package's TMA kernel modules folded into one (fold_tma_modules)
+    in upstream's names, without the package-only parts (`sources`: as fold_tma_modules takes)."""
+    text = fold_tma_modules(sources)
     for old, new in _TMA_DOC_EDITS:
         text = substitute(text, old, new, where=WHERE)
     text = _drop_definitions(text)
@@ -136,12 +219,14 @@ def render_tma_module(source: Optional[str] = None) -> str:
     text = substitute(text, "fwd_block_sparse.py)", "flash_fwd_sm120_block_sparse.py)", where=WHERE, count=2)
     for old, new in _TMA_RENAMES:
         text = rename(text, old, new, where=WHERE)
-    text = text.replace("upstream's fwd ids", "FlashAttentionForwardSm80's ids")
     text = text.replace("(as upstream sm90)", "(as FlashAttentionForwardSm90)")
     text = text.replace(
         "Same call convention as upstream's FlashAttentionForwardSm80.__call__.",
         "Same call convention as FlashAttentionForwardSm80.__call__.")
     check_no_package_refs(text, WHERE)
+    left = sorted({m.group(0) for m in _PACKAGE_MODULE_REFS.finditer(text)})
+    if left:
+        raise AnchorError(f"{WHERE}: the folded module still names the package's modules: {left}")
     compile(text, "flash_fwd_sm120_tma.py", "exec")
     return text
 
@@ -353,7 +438,10 @@ def step_sm120_tma(ctx: Context) -> str:
             "with a sink takes the cp.async entry, and block sparsity stays refused on SM120 until a later "
             "patch of this series. It refuses varlen, paged KV and other packed GQA ratios with "
             "NotImplementedError. One or more K/V slots (one frees the shared memory for "
-            "256x48 tiles at d=128); float16 is refused where it spills (fp16_register_error).",
+            "256x48 tiles at d=128); float16 is refused where it spills (fp16_register_error). Causal "
+            "tiles run longest first (SingleTileLPTScheduler, as FlashAttentionForwardSm90; lpt forces "
+            "either order), and pingpong (off by default, 8 MMA warps) lets the two MMA warpgroups take "
+            "turns at the tensor pipe under NamedBarrierFwd's warp scheduler barriers, as FA3 does.",
             "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
             "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
             "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
