@@ -138,3 +138,140 @@ def reference_forward(inputs: Inputs, case: AttnCase, problem: AttnProblem, upca
     return outs, lses
 
 
+
+
+def fa_backward_ref(q, k, v, dout, *, causal=False, window=(None, None), softmax_scale=None, softcap=0.0,
+                    learnable_sink=None, score_fn=None, keep_fn=None, dlse=None, out=None):
+    """FlashAttention's backward algorithm in the inputs' precision: (dq, dk, dv, dsink or None).
+
+    Why: the backward rule compares a kernel's error with the error of a computation in the inputs'
+    precision. Autograd of `attention_ref(upcast=False)` is one such computation, but not the one a
+    FlashAttention backward performs: FA takes D = rowsum(dO * O) from the output O as stored (rounded
+    to the dtype), and with few keys (one key: dP - D = (1 - P) dO.V) that rounding dominates dS where
+    P is near 1, e.g. when a learnable sink takes little of the row (scripts/sim_sink_bwd_tolerance.py).
+    This function is that algorithm, with every matmul accumulated in fp32 (fp64 for fp64 inputs, where
+    it is exact) and a rounding to q.dtype wherever FA stores: P for the P V product, O, dO, P for dV,
+    dS, and dq / dk / dv at the end.
+      forward  O = round(round(exp(S - m)) V / l), m the row max over keys and sink, l the row sum
+               (sink included), S the scaled scores after softcap / score_fn, masked to -inf;
+      backward P = exp(S - LSE) (the fp32 LSE, sink column included), D = rowsum(dO O) - dLSE,
+               dS = round(P (dO V^T - D)) (through softcap / score_fn's derivative in fp32 first),
+               dq = round(dS K scale), dk = round(sum over a KV head's query heads of dS^T Q scale),
+               dv = round(sum of round(P)^T dO), dsink = sum over rows of p_sink (dLSE - rowsum(dO O)).
+    Masks, windows, keep_fn (replacing causal / window), sink and empty rows as `attention_ref`: an empty
+    row gives zero gradients (with a sink: p_sink = 1, its dsink term dLSE). dout: the gradient of out
+    (b, sq, h, dv), rounded to q.dtype as the kernel receives it; dlse: (b, h, sq) or None.
+    out: the forward's stored output, which FA's backward takes D from (the harness passes the kernel's,
+    already held to the forward rule: the forward kernels round O in different orders, sink folds
+    included, and each order moves D differently); None: the forward model above.
+    """
+    dtype = q.dtype
+    wide = torch.promote_types(dtype, torch.float32)
+    rnd = lambda t: t.to(dtype).to(wide)  # noqa: E731  (a store in the inputs' precision)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qw = q.detach().to(wide)
+    kw, vw = (t.detach().to(wide).repeat_interleave(g, dim=2) for t in (k, v))
+    raw = torch.einsum("bthd,bshd->bhts", qw, kw) * scale
+    dev = q.device
+    hi, qi, ki = (torch.arange(n, device=dev).view(*shape) for n, shape in
+                  ((h, (1, h, 1, 1)), (sq, (1, 1, sq, 1)), (sk, (1, 1, 1, sk))))
+    modified = bool(softcap) or score_fn is not None
+    with torch.enable_grad():  # the elementwise score transform, differentiated on its own (a VJP below)
+        raw_leaf = raw.requires_grad_(modified)
+        scores = softcap * torch.tanh(raw_leaf / softcap) if softcap else raw_leaf
+        if score_fn is not None:
+            scores = score_fn(scores, hi, qi, ki)
+    if keep_fn is not None:
+        mask = ~keep_fn(hi, qi, ki).expand(1, h, sq, sk)
+    else:
+        mask = attention_mask(sq, sk, causal, window, dev)
+    s = scores.detach() if mask is None else scores.detach().masked_fill(mask, float("-inf"))
+    neg_inf = torch.full((b, h, sq), float("-inf"), dtype=wide, device=dev)
+    m = s.amax(dim=-1) if sk else neg_inf
+    sink = None
+    if learnable_sink is not None:
+        sink = learnable_sink.detach().to(wide)[None, :, None].expand(b, h, sq)
+        m = torch.maximum(m, sink)
+        lse = torch.logsumexp(torch.stack([torch.logsumexp(s, -1) if sk else neg_inf, sink]), 0)
+    else:
+        lse = torch.logsumexp(s, -1) if sk else neg_inf
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    p_un = torch.exp(s - m[..., None])
+    denom = p_un.sum(-1) + (torch.exp(sink - m) if sink is not None else 0.0)
+    o = torch.einsum("bhts,bshd->bthd", rnd(p_un), vw) / torch.where(denom > 0, denom, 1.0).transpose(1, 2)[..., None]
+    o = rnd(o) if out is None else rnd(out.detach().to(wide))
+    do = rnd(dout.detach().to(wide))
+    rowsum = (do * o).sum(-1).transpose(1, 2)  # (b, h, sq)
+    dsum = rowsum - (dlse.detach().to(wide) if dlse is not None else 0.0)
+    live = torch.isfinite(lse)[..., None]
+    p = torch.where(live, torch.exp(s - torch.where(live, lse[..., None], 0.0)), 0.0)
+    ds = p * (torch.einsum("bthd,bshd->bhts", do, vw) - dsum[..., None])
+    if modified:
+        ds = torch.autograd.grad(scores, raw_leaf, ds)[0]
+    ds = rnd(ds)
+
+    def per_kv_head(t):  # (b, sk, h, x) -> (b, sk, hk, x): the query heads of a group summed
+        return t.view(b, sk, hk, g, t.shape[-1]).sum(3)
+
+    dq = rnd(torch.einsum("bhts,bshd->bthd", ds, kw) * scale)
+    dk = rnd(per_kv_head(torch.einsum("bhts,bthd->bshd", ds, qw) * scale))
+    dv = rnd(per_kv_head(torch.einsum("bhts,bthd->bshd", rnd(p), do)))
+    dsink = None
+    if learnable_sink is not None:
+        p_sink = torch.where(live[..., 0], torch.exp(sink - torch.where(live[..., 0], lse, 0.0)), 0.0)
+        dsink = (-p_sink * dsum).sum(dim=(0, 2)).to(learnable_sink.dtype)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsink
+
+
+def _loss(outs, lses, g_out, g_lse):
+    """sum(out * g) (+ sum(lse * g_lse)) over the sequences: the loss every backward check differentiates."""
+    total = 0.0
+    for i, o in enumerate(outs):
+        total = total + (o.float() * g_out[i].float()).sum()
+        if g_lse is not None:
+            total = total + (lses[i] * g_lse[i]).sum()
+    return total
+
+
+def reference_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, wrt, g_out, g_lse, out=None) -> dict:
+    """The backward references for the gradients of `_loss` wrt `wrt` (q, k, v[, sink]), in their storage:
+    "ref" fp32 autograd of `attention_ref`, "pt" its autograd in the inputs' precision, "fa"
+    `fa_backward_ref` (FlashAttention's algorithm in the inputs' precision, D from `out`, the kernel's
+    output in q's storage, when given), for every case (softcap, score_mod and mask_mod twins, block-sparse
+    keep masks included)."""
+    results = {}
+    window = problem.window(case)
+    nq = range(problem.batch)
+    for name, upcast in (("ref", True), ("pt", False)):
+        # fp32 leaves for the reference (fp32 gradients), input-precision leaves for PyTorch's own
+        leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in wrt]
+        ref_inputs = type(inputs)(*leaves[:3], inputs.q_layout, inputs.k_layout)
+        sink = leaves[3] if case.sink else None
+        r_outs, r_lses = [], []
+        for i in nq:
+            q_i, k_i, v_i = (ref_inputs.q_layout.seq(leaves[0], i), ref_inputs.k_seq(i), ref_inputs.v_seq(i))
+            o, l = attention_ref(q_i, k_i, v_i, causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
+                                 softcap=case.softcap, upcast=upcast, reorder_ops=not upcast, learnable_sink=sink,
+                                 **_mod_twins(case, inputs, i))
+            r_outs.append(o)
+            r_lses.append(l)
+        loss = _loss(r_outs, r_lses if case.return_lse else None, g_out, g_lse)
+        results[name] = torch.autograd.grad(loss, leaves, allow_unused=True)
+    fa = [torch.zeros_like(t, memory_format=torch.contiguous_format).detach() for t in wrt]
+    for i in nq:
+        q_i, k_i, v_i = inputs.q_layout.seq(inputs.q, i), inputs.k_seq(i), inputs.v_seq(i)
+        dq, dk, dv, dsink = fa_backward_ref(
+            q_i, k_i, v_i, g_out[i], causal=case.causal, window=window, softmax_scale=problem.softmax_scale,
+            softcap=case.softcap, learnable_sink=inputs.sink if case.sink else None,
+            dlse=g_lse[i] if g_lse is not None else None, out=None if out is None else inputs.q_layout.seq(out, i),
+            **_mod_twins(case, inputs, i))
+        inputs.q_layout.seq(fa[0], i).copy_(dq)
+        inputs.k_layout.seq(fa[1], i).add_(dk)
+        inputs.k_layout.seq(fa[2], i).add_(dv)
+        if dsink is not None:
+            fa[3] += dsink
+    results["fa"] = tuple(fa)
+    return results
