@@ -248,8 +248,10 @@ def select_fwd_config(
     if not isinstance(table, tuple):
         return _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q)
     # the seqlen part of the key: the smallest seqlen_q_max that serves the call (bounded memo)
-    limits = [e.seqlen_q_max for e in table if e.seqlen_q_max is not None and e.serves(seqlen_q)]
-    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local), dtype, min(limits, default=None))
+    serving = None
+    if seqlen_q is not None:
+        serving = next((m for m in _seqlen_limits(table) if seqlen_q <= m), None)
+    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local), dtype, serving)
     hit = _SELECT_MEMO.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
@@ -258,6 +260,22 @@ def select_fwd_config(
         _SELECT_MEMO.clear()
     _SELECT_MEMO[key] = (table, cfg)
     return cfg
+
+
+# id(table) -> (table, its entries' seqlen_q_max values, ascending): read on every forward call, so
+# computed once per table rather than by a scan of the table per call
+_LIMITS_MEMO: dict = {}
+
+
+def _seqlen_limits(table: tuple) -> tuple[int, ...]:
+    hit = _LIMITS_MEMO.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    limits = tuple(sorted({e.seqlen_q_max for e in table if e.seqlen_q_max is not None}))
+    if len(_LIMITS_MEMO) > 64:
+        _LIMITS_MEMO.clear()
+    _LIMITS_MEMO[id(table)] = (table, limits)
+    return limits
 
 
 def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool,

@@ -189,7 +189,7 @@ def render_configs_module(ctx: Context) -> tuple[str, list]:
     family_cls = top_level_source(pkg_kernels, "KernelFamily")
     cfg_defs = [top_level_source(pkg_config, n) for n in
                 ("FwdConfig", "upstream_fwd_config", "_FALLBACKS", "TableEntry", "head_dim_bucket", "mask_kind",
-                 "_SELECT_MEMO", "select_fwd_config", "_select_uncached")]
+                 "_SELECT_MEMO", "select_fwd_config", "_LIMITS_MEMO", "_seqlen_limits", "_select_uncached")]
     code = "".join(p + "\n" for p in cfg_parts) + "\n" + family_cls + "\n\n"
     imports = {}
     fam_lines = ["FAMILIES: dict[str, KernelFamily] = {"]
