@@ -440,11 +440,14 @@ def compile_bwd_cubin(
     dq_descending: bool = False,
     mods=None,
     block_sparse: Optional[tuple] = None,
+    ordering: Optional[dict] = None,
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
     deterministic adds the ordering semaphores (int32, batch x heads x blocks). mods: a driver_bwd.Mods
-    (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step."""
+    (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step.
+    ordering: the deterministic ordering's other kernel flags (dq_rotated, reverse_n_blocks, fetch_early,
+    barrier_release; driver_bwd.deterministic_plan)."""
     import cutlass
     from flash_attn.cute.interface import make_fake_bwd_tensors
     from flash_attn.cute.utils import AuxData
@@ -458,7 +461,7 @@ def compile_bwd_cubin(
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
                         block_sparse_key=None if block_sparse is None else (*block_sparse, None), is_causal=causal,
                         is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
-                        dq_descending=dq_descending)
+                        **{"dq_descending": dq_descending, **(ordering or {})})
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,

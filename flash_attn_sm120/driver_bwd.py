@@ -41,6 +41,7 @@ from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import block_sparse, driver, occupancy
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
@@ -82,6 +83,10 @@ class BwdStatics:
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
     deterministic: bool = False
     dq_descending: bool = False  # deterministic dQ turn order (kernels/bwd_deterministic.py)
+    dq_rotated: bool = False  # the rest of the deterministic ordering (deterministic_plan)
+    reverse_n_blocks: bool = False
+    fetch_early: bool = False
+    barrier_release: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -179,7 +184,12 @@ def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> Flash
     return kernel_for(_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
                       statics.qhead_per_kvhead, statics.config, mods, block_sparse_key=statics.block_sparse,
                       is_causal=statics.causal, is_local=statics.local,
-                      emulate_host_smem=host, deterministic=statics.deterministic, dq_descending=statics.dq_descending)
+                      emulate_host_smem=host, deterministic=statics.deterministic, **ordering_flags(statics))
+
+
+def ordering_flags(statics: BwdStatics) -> dict:
+    """The deterministic ordering's kernel keywords (kernels/bwd_sm120.py) of a compile key."""
+    return {f: getattr(statics, f) for f in _ORDERING_FLAGS}
 
 
 def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, config: BwdConfig, mods: Mods,
@@ -341,7 +351,8 @@ def backward(
         single_k_block=_round_up(seqlen_k, cfg.n_block) == cfg.n_block,
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
-        dq_descending=bool(deterministic) and causal and _all_n_blocks_resident(q.device, seqlen_k, cfg, varlen_k),
+        **(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)) if deterministic else {}),
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
@@ -418,15 +429,66 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
     return dq_accum, dpsum, lse_log2, dk_accum, dv_accum
 
 
-def _all_n_blocks_resident(device, seqlen_k: int, cfg: BwdConfig, varlen_k: bool) -> bool:
-    """Whether every n_block CTA of one head fits on the GPU at once (1 CTA per SM, the least any
-    shipped config runs): the condition for the deadlock-free descending dQ order of causal
-    attention. Varlen keeps the ascending order (its scheduler's launch order differs)."""
-    if varlen_k:
-        return False
-    from flash_attn_sm120.device import device_info
+_ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release")
+_forced_plan: list[dict] = []
 
-    return -(-seqlen_k // cfg.n_block) <= device_info(device).num_sms
+
+class force_deterministic_plan:
+    """Context manager: deterministic backwards inside use these ordering flags (benchmarks and tests
+    of the orderings; the flags' rules are the caller's to respect, see deterministic_plan)."""
+
+    def __init__(self, **flags: bool):
+        unknown = set(flags) - set(_ORDERING_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown deterministic ordering flags {sorted(unknown)}; known: {_ORDERING_FLAGS}")
+        self.flags = flags
+
+    def __enter__(self):
+        _forced_plan.append(self.flags)
+        return self
+
+    def __exit__(self, *exc):
+        _forced_plan.pop()
+
+
+def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
+                       index_tensors: tuple = (None, None, None, None)) -> dict:
+    """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
+
+    * Causal, dense: descending turns with the n_blocks launched shortest first, so that every wait is
+      for a CTA launched earlier (no residency condition).
+    * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
+      most its m_blocks: no CTA waits in steady state.
+    * Otherwise (varlen, seqused): causal varlen keeps descending turns when a head's n_blocks are
+      resident, else everything ascending, as the n_block CTAs launch.
+    Every plan releases a turn as CUTLASS's semaphore does (CTA barrier, one release increment) and
+    reads its flag at the m_block's start. num_sms: the GPU's (a head's n_blocks are resident when they
+    number at most that: 1 CTA per SM, the least any shipped config runs). `index_tensors`:
+    cu_seqlens_q/k, seqused_q/k."""
+    cu_q, cu_k, used_q, used_k = (t is not None for t in index_tensors)
+    dense = not (cu_q or cu_k or used_q or used_k)
+    n_blocks, m_blocks = -(-seqlen_k // cfg.n_block), -(-seqlen_q // cfg.m_block)
+    resident = not cu_k and n_blocks <= num_sms  # varlen: the scheduler's launch order differs
+    if _forced_plan:
+        plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
+    else:
+        plan = dict.fromkeys(_ORDERING_FLAGS, False)
+        plan.update(fetch_early=True, barrier_release=True)
+        if causal and not cu_k:
+            plan.update(dq_descending=True, reverse_n_blocks=True)
+        elif not causal and dense and n_blocks <= m_blocks and resident:
+            plan.update(dq_rotated=True)
+    # an order that can deadlock is refused, forced or not (a hang is the one failure with no message)
+    if plan["dq_rotated"] and (causal or not dense or n_blocks > m_blocks or not resident):
+        raise ValueError("the rotated dQ order needs a dense problem without a causal mask whose n_blocks are "
+                         f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
+    if plan["reverse_n_blocks"] and (cu_k or not (plan["dq_descending"] or resident)):
+        raise ValueError("the reversed n_block launch needs a dense problem and descending turns or resident n_blocks")
+    if plan["dq_descending"] and not causal:
+        plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
+    if plan["dq_descending"] and not plan["reverse_n_blocks"] and not resident:
+        raise ValueError("descending dQ turns with the ascending launch need a head's n_blocks resident")
+    return plan
 
 
 def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: int):

@@ -295,6 +295,10 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     ap.add_argument("--ceiling-size", type=int, default=8192, help="the ceiling GEMM's M = N = K (default 8192)")
     ap.add_argument("--bwd-configs", type=Path, default=None,
                     help="--set bwd: JSON file {name: BwdConfig fields [+ head_dims]} timed next to the table's")
+    ap.add_argument("--det-variants", default="",
+                    help="--set bwd: also time these deterministic orderings (comma-separated names of "
+                         "prepare_bwd.DET_VARIANTS, or all), on the problems whose name contains --det-subset")
+    ap.add_argument("--det-subset", default="", help="--det-variants: only problems whose name contains this")
     args = ap.parse_args(argv)
     problems = [p for p in bench.problem_set(args.set) if args.subset in p.name]
     if args.dry_run:
@@ -341,6 +345,11 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
         configs = {n: (BwdConfig(**{k: v for k, v in c.items() if k != "head_dims"}), c.get("head_dims"))
                    for n, c in raw.items()}
         impls += prepare_bwd.config_candidates(info, configs)
+    if args.det_variants and not args.baseline:
+        names = None if args.det_variants == "all" else set(args.det_variants.split(","))
+        for impl in prepare_bwd.deterministic_variants(info, names):
+            impl.supports = (lambda p, _s=impl.supports: _s(p) and args.det_subset in p.name)
+            impls.append(impl)
     if not args.no_references or args.baseline:
         refs = prepare_bwd.reference_bwd_impls(info)
         impls += [r for r in refs if args.references == "all" or r.name in args.references.split(",")]
@@ -356,6 +365,10 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
     print(f"bwd_vs_upstream_sm120_geomean: {ratios['geomean']:.3f} (min {ratios['min']:.3f})")
     det = summary["deterministic_vs_table"]
     print(f"bwd_deterministic_vs_table_geomean: {det['geomean']:.3f} (min {det['min']:.3f})")
+    for name in prepare_bwd.DET_VARIANTS:
+        if any(r.impl == name and r.status == "ok" for r in rows):
+            summary[f"{name}_vs_table"] = v = prepare_bwd.summary_ratios(rows, name, "sm120_bwd_table")
+            print(f"bwd_{name}_vs_table_geomean: {v['geomean']:.3f} (min {v['min']:.3f})")
     print(f"occupancy_verified: {occupancy.all_verified()} ({len(occupancy.records())} kernels checked)")
     if args.json:
         save(rows, summary, info, args, args.json, ceiling)

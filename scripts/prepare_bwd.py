@@ -207,6 +207,37 @@ def table_candidate(info) -> list[BwdImpl]:
             sm120_bwd_impl("sm120_bwd_table_deterministic", lambda p: None, info, deterministic=True)]
 
 
+# The deterministic orderings of kernels/bwd_deterministic.py, for attribution (--det-variants): per
+# mask, the flags forced through driver_bwd.force_deterministic_plan. The table's own deterministic
+# row runs driver_bwd.deterministic_plan's choice.
+DET_VARIANTS = {
+    # session 8's: descending turns when resident (every seed problem), per-thread release fences
+    "det_session8": {"causal": dict(dq_descending=True), "none": {}},
+    "det_session8_barrier_release": {"causal": dict(dq_descending=True, barrier_release=True),
+                                     "none": dict(barrier_release=True)},
+    "det_order_barrier_release": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True),
+                                  "none": dict(dq_rotated=True, barrier_release=True)},
+}
+
+
+def deterministic_variants(info, names=None) -> list[BwdImpl]:
+    """The table's configs, deterministic, with each DET_VARIANTS ordering forced."""
+    from flash_attn_sm120 import driver_bwd
+
+    out = []
+    for name, flags in DET_VARIANTS.items():
+        if names is not None and name not in names:
+            continue
+        inner = sm120_bwd_impl(name, lambda p: None, info, deterministic=True)
+
+        def run(p, x, poisoned, _inner=inner, _flags=flags):
+            with driver_bwd.force_deterministic_plan(**_flags["causal" if p.causal else "none"]):
+                return _inner.run(p, x, poisoned)
+
+        out.append(BwdImpl(name, run, "candidate", supports=lambda p: not p.is_varlen and p.window == (None, None)))
+    return out
+
+
 def config_candidates(info, configs: dict) -> list[BwdImpl]:
     """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
     dim the config can run)."""

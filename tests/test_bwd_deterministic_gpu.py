@@ -3,16 +3,18 @@
 Each case runs the public API's forward and autograd backward three times on the same inputs and
 output gradient; the three gradients must be equal bit for bit (torch.equal), and the first within
 upstream's rule of fp32 autograd through the reference (2x the input-precision reference's error,
-plus an atol). Covered: GQA causal d128 (the descending dQ order), varlen GQA (the ascending order
-and the ordered dK/dV), the d64 and d96 table entries, and a causal sequence with more n_block CTAs
-than the GPU holds at once (the ascending order that cannot deadlock).
+plus an atol). Covered: GQA causal d128 (descending turns, shortest-first launch), the rotated order
+without a mask (m_blocks a multiple of the n_blocks, equal, and neither), varlen GQA (the ascending
+order and the ordered dK/dV), the d64 and d96 table entries, sequences with more n_block CTAs than
+the GPU holds at once (causal: the reversed launch; no mask: the ascending fallback), and every
+ordering forced through driver_bwd.force_deterministic_plan.
 """
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_attn_sm120 import flash_attn_func, flash_attn_varlen_func, testing  # noqa: E402
+from flash_attn_sm120 import driver_bwd, flash_attn_func, flash_attn_varlen_func, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +51,9 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (1, 777, 900, 4, 4, 128, False),
     (2, 513, 513, 8, 2, 64, True),      # the d64 entry (Q/dO 2 stages)
     (1, 600, 700, 6, 3, 96, False),     # the d96 entry (upstream's 4-warp config)
+    (1, 1000, 700, 4, 2, 128, False),   # rotated: 16 m_blocks, 11 n_blocks (neither divides), GQA
+    (2, 1024, 1024, 4, 4, 128, False),  # rotated: as many m_blocks as n_blocks
+    (2, 2048, 1030, 4, 4, 64, False),   # rotated, the d64 entry's 64x128 tile: 32 m_blocks, 9 n_blocks
 ])
 def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
     q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=sq + d)
@@ -87,3 +92,33 @@ def test_more_n_blocks_than_resident_ctas():
     for a, c in zip(*runs):
         assert torch.equal(a, c)
     _check(runs[0], *_reference_grads(q, k, v, g, True))
+
+
+def test_more_n_blocks_than_resident_ctas_no_mask():
+    """Without a mask, more n_blocks than SMs: the rotated order is refused, the ascending one runs."""
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s = (n_sms + 9) * 64
+    q, k, v, g = _inputs(1, s, s, 1, 1, 128, seed=12)
+    runs = [_grads(flash_attn_func, q, k, v, g, causal=False, deterministic=True) for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+    _check(runs[0], *_reference_grads(q, k, v, g, False))
+
+
+@pytest.mark.parametrize("causal,flags", [
+    (True, dict(dq_descending=True)),  # session 8's orders
+    (False, dict()),
+    (True, dict(dq_descending=True, barrier_release=True)),
+    (False, dict(barrier_release=True, fetch_early=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True)),
+    (False, dict(dq_rotated=True)),
+    (False, dict(dq_rotated=True, fetch_early=True)),
+])
+def test_every_forced_ordering_is_bitwise_and_correct(causal, flags):
+    q, k, v, g = _inputs(2, 900, 900, 4, 2, 128, seed=21 + len(flags) + causal)
+    with driver_bwd.force_deterministic_plan(**flags):
+        runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert torch.equal(a, c)
+    _check(runs[0], *_reference_grads(q, k, v, g, causal))

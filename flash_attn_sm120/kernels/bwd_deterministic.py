@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from flash_attn.cute import barrier
 from flash_attn.cute.block_info import BlockInfo
+from flash_attn.cute.tile_scheduler import SingleTileScheduler
 
 
 @cute.jit
@@ -53,9 +54,18 @@ def acquire(flag: cute.Pointer, turn: Int32) -> None:
 
 
 @cute.jit
-def acquire_if(pred, flag: cute.Pointer, turn: Int32) -> None:
-    if pred:
+def wait_turn(flag: cute.Pointer, turn: Int32, state: Int32, fetched: cutlass.Constexpr[bool]) -> None:
+    """acquire(), or acquire_fetched() from the early read `state` when `fetched`."""
+    if const_expr(fetched):
+        acquire_fetched(flag, turn, state)
+    else:
         acquire(flag, turn)
+
+
+@cute.jit
+def wait_turn_if(pred, flag: cute.Pointer, turn: Int32, state: Int32, fetched: cutlass.Constexpr[bool]) -> None:
+    if pred:
+        wait_turn(flag, turn, state, fetched)
 
 
 @cute.jit
@@ -63,5 +73,81 @@ def release(flag: cute.Pointer) -> None:
     """After this CTA's atomics: make them visible, then pass the turn on (flag += 1)."""
     tidx, _, _ = cute.arch.thread_idx()
     cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier()
+    barrier.arrive_inc(flag, tidx, 0, 1)
+
+
+class ReversedNBlockScheduler(SingleTileScheduler):
+    """Upstream's one-tile-per-CTA scheduler with the n_blocks launched last to first.
+
+    For causal attention the last n_blocks see the fewest m_blocks, so this is shortest-first (SPT)
+    launch order. With the descending dQ turns it makes every wait a wait for a CTA launched earlier:
+    deadlock-free without the head's CTAs all being resident, and no CTA of a later head waits for
+    the stragglers of its own head to start (what stalled the ascending launch, measured)."""
+
+    @staticmethod
+    def create(params, ctx=None, *, loc=None, ip=None):
+        block_idx, head_idx, batch_idx = cute.arch.block_idx()
+        return ReversedNBlockScheduler(params, (params.num_block - 1 - block_idx, head_idx, batch_idx), loc=loc, ip=ip)
+
+
+def rotated_m_block(step, n_block, m_blocks, n_blocks):
+    """The m_block CTA n_block visits at `step` of its walk in the rotated order: it starts at
+    n_block * m_blocks // n_blocks and walks the m_blocks cyclically. Plain arithmetic, so that the
+    kernel (Int32) and the tests (int) run the same formula."""
+    return (step + n_block * m_blocks // n_blocks) % m_blocks
+
+
+def rotated_turn_of(m_block, n_block, m_blocks, n_blocks):
+    """CTA n_block's turn at m_block in the rotated order (n_blocks <= m_blocks; kernel and tests alike).
+
+    CTA n starts at s(n) = n * M // N, so at m_block i the CTAs arrive in the order of their distance
+    (i - s(n)) mod M: first the last CTA to start at or before i, n*(i) = ceil((i + 1) * N / M) - 1,
+    then n*(i) - 1, ..., wrapping to N - 1. Turn = (n*(i) - n) mod N. Every CTA's first block is its
+    turn 0, and a CTA at step t waits only for CTAs at steps < t: with all of a head's CTAs resident
+    no deadlock, and in steady state no wait at all."""
+    last_started = ((m_block + 1) * n_blocks + m_blocks - 1) // m_blocks - 1
+    return (last_started - n_block + n_blocks) % n_blocks
+
+
+@cute.jit
+def rotated(step: Int32, m_blocks: Int32) -> Int32:
+    """This CTA's m_block at `step` (n_block: the CTA's x index, n_blocks: the grid's x size, as
+    upstream's dense scheduler lays them out)."""
+    return rotated_m_block(step, cute.arch.block_idx()[0], m_blocks, cute.arch.grid_dim()[0])
+
+
+@cute.jit
+def rotated_turn(m_block: Int32, m_blocks: Int32) -> Int32:
+    return rotated_turn_of(m_block, cute.arch.block_idx()[0], m_blocks, cute.arch.grid_dim()[0])
+
+
+@cute.jit
+def fetch(flag: cute.Pointer) -> Int32:
+    """Thread 0 reads the flag early, with acquire semantics (CUTLASS's Semaphore::fetch); others get -1."""
+    tidx, _, _ = cute.arch.thread_idx()
+    state = Int32(-1)
+    if tidx == 0:
+        state = barrier.ld_acquire(flag)
+    return state
+
+
+@cute.jit
+def acquire_fetched(flag: cute.Pointer, turn: Int32, state: Int32) -> None:
+    """acquire(), starting from an early fetch: no second read when the turn had already come."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        while state != turn:
+            state = barrier.ld_acquire(flag)
+    cute.arch.barrier()
+
+
+@cute.jit
+def release_after_barrier(flag: cute.Pointer) -> None:
+    """release() as CUTLASS's Semaphore::release: a CTA barrier, then thread 0's release increment.
+
+    Release is cumulative over the barrier, so the other threads' atomics need no fence of their own
+    (release() fences every thread, which makes ptxas turn their REDs into returning ATOMGs)."""
+    tidx, _, _ = cute.arch.thread_idx()
     cute.arch.barrier()
     barrier.arrive_inc(flag, tidx, 0, 1)

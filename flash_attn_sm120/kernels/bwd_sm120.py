@@ -42,6 +42,7 @@ from cutlass import Int32, const_expr
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
+from flash_attn.cute.tile_scheduler import SingleTileScheduler
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
@@ -191,6 +192,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         emulate_host_smem: Optional[hardware.EmulationHost] = None,
         deterministic: bool = False,
         dq_descending: bool = False,
+        dq_rotated: bool = False,
+        reverse_n_blocks: bool = False,
+        fetch_early: bool = False,
+        barrier_release: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -210,6 +215,12 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.emulate_host_smem = emulate_host_smem
         self.deterministic = deterministic
         self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order
+        if dq_rotated and (is_causal or is_local):
+            raise ValueError("the rotated dQ order is for attention without a causal or local mask")
+        self.dq_rotated = deterministic and dq_rotated
+        self.reverse_n_blocks = reverse_n_blocks  # shortest-first launch (bwd_deterministic.ReversedNBlockScheduler)
+        self.fetch_early = fetch_early  # read the dQ turn flag at the m_block's start
+        self.barrier_release = barrier_release  # release: CTA barrier + one release increment, no per-thread fence
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -265,6 +276,32 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         sems = [dq_sem] + ([dkv_sem] if self.qhead_per_kvhead > 1 else [])
         return AuxData(list(aux_data.tensors or []) + sems, aux_data.scalars)
 
+    def kernel(self, *args):
+        # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch
+        # swaps in the same scheduler with the n_blocks reversed (dense problems only)
+        if self.reverse_n_blocks:
+            if args[-2] is not SingleTileScheduler:
+                raise ValueError("reverse_n_blocks needs upstream's dense tile scheduler (no cu_seqlens_k)")
+            args = (*args[:-2], bwd_deterministic.ReversedNBlockScheduler, args[-1])
+        return super().kernel(*args)
+
+    @cute.jit
+    def load_Q_LSE(self, gmem_tiled_copy_Q, gmem_tiled_copy_LSE, tQgQ, tQsQ, tQcQ, t0QcQ, tQpQ, tLSEgLSE, tLSEsLSE,
+                   tLSEcLSE, block: Int32, smem_pipe_write_q: Int32, seqlen: Int32):
+        if const_expr(self.dq_rotated):  # the walk's step -> its m_block (prologue and in-loop loads alike)
+            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size))
+        FlashAttentionBackwardSm120.load_Q_LSE(self, gmem_tiled_copy_Q, gmem_tiled_copy_LSE, tQgQ, tQsQ, tQcQ, t0QcQ,
+                                               tQpQ, tLSEgLSE, tLSEsLSE, tLSEcLSE, block, smem_pipe_write_q, seqlen)
+
+    @cute.jit
+    def load_dO_dPsum(self, gmem_tiled_copy_dO, gmem_tiled_copy_dPsum, tdOgdO, tdOsdO, tdOcdO, t0dOcdO, tdOpdO,
+                      tdPsumgdPsum, tdPsumsdPsum, tdPsumcdPsum, block: Int32, smem_pipe_write_q: Int32, seqlen: Int32):
+        if const_expr(self.dq_rotated):
+            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size))
+        FlashAttentionBackwardSm120.load_dO_dPsum(self, gmem_tiled_copy_dO, gmem_tiled_copy_dPsum, tdOgdO, tdOsdO,
+                                                  tdOcdO, t0dOcdO, tdOpdO, tdPsumgdPsum, tdPsumsdPsum, tdPsumcdPsum,
+                                                  block, smem_pipe_write_q, seqlen)
+
     def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
         ordered = mask_fn  # upstream's partial(AttentionMask.apply_mask, n_block=..., ...): the CTA's indices
         mask_fn = self._mask_for_layout(mask_fn)
@@ -274,23 +311,39 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self._dkv_semaphore = sems[-1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
         dq_sem = sems[-2] if self.qhead_per_kvhead > 1 else sems[-1]
         mask, kw = ordered.func.__self__, ordered.keywords
-        block_info = BlockInfo(self.m_block_size, self.n_block_size, self.is_causal, self.is_local, False,
-                               mask.window_size_left, mask.window_size_right)
-        turn = bwd_deterministic.dq_turn(block_info, mask.seqlen_info, m_block, kw["n_block"], self.dq_descending)
+        step, m_block_max = m_block, kwargs["m_block_max"]  # the walk's step and its end
+        if const_expr(self.dq_rotated):
+            # upstream's step sees the rotated m_block; its "next" loads (m_block + k < m_block_max) are
+            # shifted back to steps, which load_Q_LSE / load_dO_dPsum rotate again
+            m_block = bwd_deterministic.rotated(step, m_block_max)
+            shift = m_block - step
+            kwargs["m_block_max"] = m_block_max + shift
+            for name in ("load_Q_LSE", "load_dO_dPsum"):
+                kwargs[name] = _shifted_load(kwargs[name], shift)
+            turn = bwd_deterministic.rotated_turn(m_block, m_block_max)
+        else:
+            block_info = BlockInfo(self.m_block_size, self.n_block_size, self.is_causal, self.is_local, False,
+                                   mask.window_size_left, mask.window_size_right)
+            turn = bwd_deterministic.dq_turn(block_info, mask.seqlen_info, m_block, kw["n_block"],
+                                             self.dq_descending)
         flag = fa_utils.elem_pointer(dq_sem, (kw["batch_idx"], kw["head_idx"], m_block))
+        state = bwd_deterministic.fetch(flag) if const_expr(self.fetch_early) else Int32(-1)
         # the wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
         # on the last m_blocks that load does not happen, and the wait comes first
         name, ahead = ("load_Q_LSE", 1) if self.num_stages_Q == 1 else ("load_dO_dPsum", self.num_stages_dO)
         load = kwargs[name]
 
         def load_after_turn(*a, **k):
-            bwd_deterministic.acquire(flag, turn)
+            bwd_deterministic.wait_turn(flag, turn, state, self.fetch_early)
             return load(*a, **k)
 
         kwargs[name] = load_after_turn
-        bwd_deterministic.acquire_if(m_block + ahead >= kwargs["m_block_max"], flag, turn)
+        bwd_deterministic.wait_turn_if(step + ahead >= m_block_max, flag, turn, state, self.fetch_early)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
-        bwd_deterministic.release(flag)
+        if const_expr(self.barrier_release):
+            bwd_deterministic.release_after_barrier(flag)
+        else:
+            bwd_deterministic.release(flag)
 
     def _mask_for_layout(self, mask_fn):
         # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
@@ -318,3 +371,12 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                          tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
         if ordered:
             bwd_deterministic.release(flag)
+
+
+def _shifted_load(load, shift):
+    """load(m_block, ...) called by upstream's step with rotated m_blocks: back to walk steps."""
+
+    def shifted(m_block, *args, **kwargs):
+        return load(m_block - shift, *args, **kwargs)
+
+    return shifted
