@@ -87,6 +87,8 @@ class BwdStatics:
     reverse_n_blocks: bool = False
     fetch_early: bool = False
     barrier_release: bool = False
+    release_deferred: bool = False
+    fetch_relaxed: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -429,7 +431,8 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
     return dq_accum, dpsum, lse_log2, dk_accum, dv_accum
 
 
-_ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release")
+_ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
+                   "release_deferred", "fetch_relaxed")
 _forced_plan: list[dict] = []
 
 
@@ -461,8 +464,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       most its m_blocks: no CTA waits in steady state.
     * Otherwise (varlen, seqused): causal varlen keeps descending turns when a head's n_blocks are
       resident, else everything ascending, as the n_block CTAs launch.
-    Every plan releases a turn as CUTLASS's semaphore does (CTA barrier, one release increment) and
-    reads its flag at the m_block's start. num_sms: the GPU's (a head's n_blocks are resident when they
+    Every plan releases a turn as CUTLASS's semaphore does (CTA barrier, one release increment), in
+    the next m_block where the loads its fence would wait for have landed. num_sms: the GPU's (a head's n_blocks are resident when they
     number at most that: 1 CTA per SM, the least any shipped config runs). `index_tensors`:
     cu_seqlens_q/k, seqused_q/k."""
     cu_q, cu_k, used_q, used_k = (t is not None for t in index_tensors)
@@ -473,7 +476,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
-        plan.update(fetch_early=True, barrier_release=True)
+        plan.update(barrier_release=True, release_deferred=True)
         if causal and not cu_k:
             plan.update(dq_descending=True, reverse_n_blocks=True)
         elif not causal and dense and n_blocks <= m_blocks and resident:

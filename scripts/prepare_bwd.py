@@ -213,10 +213,16 @@ def table_candidate(info) -> list[BwdImpl]:
 DET_VARIANTS = {
     # session 8's: descending turns when resident (every seed problem), per-thread release fences
     "det_session8": {"causal": dict(dq_descending=True), "none": {}},
-    "det_session8_barrier_release": {"causal": dict(dq_descending=True, barrier_release=True),
-                                     "none": dict(barrier_release=True)},
     "det_order_barrier_release": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True),
                                   "none": dict(dq_rotated=True, barrier_release=True)},
+    "det_deferred_fetch": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                          release_deferred=True, fetch_early=True),
+                           "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True)},
+    "det_deferred_fetch_relaxed": {
+        "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
+                       fetch_early=True, fetch_relaxed=True),
+        "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True,
+                     fetch_relaxed=True)},
 }
 
 

@@ -103,7 +103,7 @@ def test_plan_per_problem():
     assert not plan["reverse_n_blocks"] and not plan["dq_descending"]
     assert not driver_bwd.deterministic_plan(132, CFG, False, 8192, 8192, (None, None, object(), None))["dq_rotated"]
     assert all(driver_bwd.deterministic_plan(132, CFG, c, 4096, 4096, NONE)[f]
-               for c in (True, False) for f in ("fetch_early", "barrier_release"))
+               for c in (True, False) for f in ("barrier_release", "release_deferred"))
 
 
 @pytest.mark.parametrize("causal,flags,sq,sk,match", [
@@ -122,8 +122,9 @@ def test_forced_orders_that_can_deadlock_are_refused(causal, flags, sq, sk, matc
 
 @pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
 @pytest.mark.parametrize("causal,ordering", [
-    (False, dict(dq_rotated=True, fetch_early=True, barrier_release=True)),
-    (True, dict(dq_descending=True, reverse_n_blocks=True, fetch_early=True, barrier_release=True)),
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True)),
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True, fetch_relaxed=True)),
 ])
 def test_orderings_compile_for_sm120a_without_spills_and_keep_reds(causal, ordering):
     """The barrier release keeps the dQ adds fire-and-forget REDs (a fence per thread makes ptxas

@@ -29,6 +29,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import barrier
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.tile_scheduler import SingleTileScheduler
@@ -63,9 +65,10 @@ def wait_turn(flag: cute.Pointer, turn: Int32, state: Int32, fetched: cutlass.Co
 
 
 @cute.jit
-def wait_turn_if(pred, flag: cute.Pointer, turn: Int32, state: Int32, fetched: cutlass.Constexpr[bool]) -> None:
+def call_if(pred, fn) -> None:
+    """fn() when the (CTA-uniform) predicate holds: a wait or release off upstream's hooks."""
     if pred:
-        wait_turn(flag, turn, state, fetched)
+        fn()
 
 
 @cute.jit
@@ -122,13 +125,30 @@ def rotated_turn(m_block: Int32, m_blocks: Int32) -> Int32:
     return rotated_turn_of(m_block, cute.arch.block_idx()[0], m_blocks, cute.arch.grid_dim()[0])
 
 
+@dsl_user_op
+def ld_relaxed(flag: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """A relaxed gpu-scope read of a flag: no acquire, so no wait for it at the read (LDG.STRONG.GPU
+    without the CCTL.IVALL and the scoreboard wait that an acquire adds)."""
+    value = llvm.inline_asm(T.i32(), [flag.toint(loc=loc, ip=ip).ir_value()], "ld.relaxed.gpu.global.b32 $0, [$1];",
+                            "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(value)
+
+
 @cute.jit
-def fetch(flag: cute.Pointer) -> Int32:
-    """Thread 0 reads the flag early, with acquire semantics (CUTLASS's Semaphore::fetch); others get -1."""
+def fetch(flag: cute.Pointer, relaxed: cutlass.Constexpr[bool] = False) -> Int32:
+    """Thread 0 reads the flag early (CUTLASS's Semaphore::fetch, with acquire); others get -1.
+
+    `relaxed`: a relaxed read, consumed later by acquire_fetched. When it already shows the turn, the
+    adds that follow are ordered after the predecessor's only by their control dependency on the
+    value read (GPUs perform no store or reduction speculatively); a read that does not show it falls
+    back to acquire reads."""
     tidx, _, _ = cute.arch.thread_idx()
     state = Int32(-1)
     if tidx == 0:
-        state = barrier.ld_acquire(flag)
+        if const_expr(relaxed):
+            state = ld_relaxed(flag)
+        else:
+            state = barrier.ld_acquire(flag)
     return state
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -196,6 +197,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         reverse_n_blocks: bool = False,
         fetch_early: bool = False,
         barrier_release: bool = False,
+        release_deferred: bool = False,
+        fetch_relaxed: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -221,6 +224,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.reverse_n_blocks = reverse_n_blocks  # shortest-first launch (bwd_deterministic.ReversedNBlockScheduler)
         self.fetch_early = fetch_early  # read the dQ turn flag at the m_block's start
         self.barrier_release = barrier_release  # release: CTA barrier + one release increment, no per-thread fence
+        self.release_deferred = release_deferred  # release an m_block's turn in the next m_block, before its wait
+        self.fetch_relaxed = fetch_relaxed  # the early read is relaxed (bwd_deterministic.fetch)
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -316,30 +321,45 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             # upstream's step sees the rotated m_block; its "next" loads (m_block + k < m_block_max) are
             # shifted back to steps, which load_Q_LSE / load_dO_dPsum rotate again
             m_block = bwd_deterministic.rotated(step, m_block_max)
+            previous = bwd_deterministic.rotated(step - 1, m_block_max)
             shift = m_block - step
             kwargs["m_block_max"] = m_block_max + shift
             for name in ("load_Q_LSE", "load_dO_dPsum"):
                 kwargs[name] = _shifted_load(kwargs[name], shift)
             turn = bwd_deterministic.rotated_turn(m_block, m_block_max)
+            m_block_min = 0  # no mask: every CTA walks every m_block
         else:
             block_info = BlockInfo(self.m_block_size, self.n_block_size, self.is_causal, self.is_local, False,
                                    mask.window_size_left, mask.window_size_right)
             turn = bwd_deterministic.dq_turn(block_info, mask.seqlen_info, m_block, kw["n_block"],
                                              self.dq_descending)
-        flag = fa_utils.elem_pointer(dq_sem, (kw["batch_idx"], kw["head_idx"], m_block))
-        state = bwd_deterministic.fetch(flag) if const_expr(self.fetch_early) else Int32(-1)
-        # the wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
-        # on the last m_blocks that load does not happen, and the wait comes first
-        name, ahead = ("load_Q_LSE", 1) if self.num_stages_Q == 1 else ("load_dO_dPsum", self.num_stages_dO)
-        load = kwargs[name]
-
-        def load_after_turn(*a, **k):
-            bwd_deterministic.wait_turn(flag, turn, state, self.fetch_early)
-            return load(*a, **k)
-
-        kwargs[name] = load_after_turn
-        bwd_deterministic.wait_turn_if(step + ahead >= m_block_max, flag, turn, state, self.fetch_early)
+            m_block_min, _ = block_info.get_m_block_min_max(mask.seqlen_info, kw["n_block"])
+            previous = m_block - 1
+        index = (kw["batch_idx"], kw["head_idx"])
+        flag = fa_utils.elem_pointer(dq_sem, (*index, m_block))
+        state = bwd_deterministic.fetch(flag, self.fetch_relaxed) if const_expr(self.fetch_early) else Int32(-1)
+        # The wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
+        # on the last m_blocks that load does not happen, and the wait comes first. A deferred release
+        # of the previous m_block rides on the load hooked in before the dQ product (dP's with 2+ Q
+        # stages, dK's with 1), where the loads it would otherwise wait for behind its fence have landed;
+        # on the last m_blocks, where that load does not happen, it comes first.
+        (wait_on, ahead), (release_on, release_ahead) = (
+            (("load_Q_LSE", 1), ("load_dO_dPsum", self.num_stages_dO)) if self.num_stages_Q == 1
+            else (("load_dO_dPsum", self.num_stages_dO), ("load_Q_LSE", self.num_stages_Q - 1)))
+        wait = partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early)
+        kwargs[wait_on] = _after(kwargs[wait_on], wait)
+        if const_expr(self.release_deferred):
+            release_previous = partial(self._release, fa_utils.elem_pointer(dq_sem, (*index, previous)))
+            kwargs[release_on] = _after(kwargs[release_on], release_previous)
+            bwd_deterministic.call_if((step > m_block_min) & (step + release_ahead >= m_block_max), release_previous)
+        bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        if const_expr(self.release_deferred):
+            bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release, flag))
+        else:
+            self._release(flag)
+
+    def _release(self, flag) -> None:
         if const_expr(self.barrier_release):
             bwd_deterministic.release_after_barrier(flag)
         else:
@@ -370,7 +390,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         super().epilogue(acc_dK, acc_dV, mdK, mdV, sdK, sdV, gmem_tiled_copy_dK, gmem_tiled_copy_dV,
                          tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
         if ordered:
-            bwd_deterministic.release(flag)
+            self._release(flag)
 
 
 def _shifted_load(load, shift):
@@ -380,3 +400,13 @@ def _shifted_load(load, shift):
         return load(m_block - shift, *args, **kwargs)
 
     return shifted
+
+
+def _after(load, first):
+    """load(...) preceded by first() (a turn's wait or release riding on one of upstream's hooked loads)."""
+
+    def hooked(*args, **kwargs):
+        first()
+        return load(*args, **kwargs)
+
+    return hooked
