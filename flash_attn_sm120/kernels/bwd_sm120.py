@@ -349,8 +349,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         wait = partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early)
         kwargs[wait_on] = _after(kwargs[wait_on], wait)
         if const_expr(self.release_deferred):
+            # (the first m_block of the walk has no previous one: its hook must not release anything)
             release_previous = partial(self._release, fa_utils.elem_pointer(dq_sem, (*index, previous)))
-            kwargs[release_on] = _after(kwargs[release_on], release_previous)
+            kwargs[release_on] = _after(kwargs[release_on],
+                                        partial(bwd_deterministic.call_if, step > m_block_min, release_previous))
             bwd_deterministic.call_if((step > m_block_min) & (step + release_ahead >= m_block_max), release_previous)
         bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
