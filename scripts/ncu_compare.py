@@ -13,10 +13,12 @@ pre/post-processing or combine kernels) is compared on:
 
 Implementations: `table` (the shipped config table, what flash_attn_func runs), `upstream` (upstream's
 SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
-for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1).
+for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1). Backward: `bwd:table`,
+`bwd:deterministic` (the same with deterministic=True) or `bwd:upstream` (the main backward kernel).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/ncu_compare.py --problem b4s2048h32d64 [--causal]
   python scripts/ncu_compare.py --problem b2s4096h16d96 --candidate table --reference config:upstream-config
+  python scripts/ncu_compare.py --problem b2s4096h16d128 --candidate bwd:deterministic --reference bwd:table
   python scripts/ncu_compare.py --parse saved.csv       # print the table of an existing ncu --csv file
 """
 
@@ -132,29 +134,14 @@ def run_child(impl: str, problem: str, causal: bool) -> int:
     """Compile and warm up, then one call inside the profiled range."""
     import torch
 
-    from flash_attn_sm120 import bench, driver
-    from flash_attn_sm120.config import upstream_fwd_config
+    from flash_attn_sm120 import bench
     from flash_attn_sm120.device import device_info
-    from flash_attn_sm120.paths import get_path
 
     info = device_info()
     p = next(p for p in bench.problem_set("seed") + bench.problem_set("real") if p.name.split("-")[0] == problem
              and p.causal == causal)
     x = bench.make_inputs(p)
-    if impl == "table":
-        config = None
-    elif impl == "upstream":
-        config = upstream_fwd_config(max(p.head_dim, p.dv))
-    elif impl.startswith("config:"):
-        config = get_path(impl.split(":", 1)[1]).config_for(p.head_dim, p.dv)
-    else:
-        raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>)")
-
-    def call():
-        return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
-                              window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
-                              emulate_host_smem=info.emulate_host_smem, config=config)
-
+    call = _backward_call(impl, p, x, info) if impl.startswith("bwd:") else _forward_call(impl, p, x, info)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -163,6 +150,54 @@ def run_child(impl: str, problem: str, causal: bool) -> int:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0
+
+
+def _forward_call(impl: str, p, x, info):
+    from flash_attn_sm120 import driver
+    from flash_attn_sm120.config import upstream_fwd_config
+    from flash_attn_sm120.paths import get_path
+
+    if impl == "table":
+        config = None
+    elif impl == "upstream":
+        config = upstream_fwd_config(max(p.head_dim, p.dv))
+    elif impl.startswith("config:"):
+        config = get_path(impl.split(":", 1)[1]).config_for(p.head_dim, p.dv)
+    else:
+        raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>, "
+                         "bwd:table, bwd:deterministic, bwd:upstream)")
+
+    def call():
+        return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
+                              window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
+                              emulate_host_smem=info.emulate_host_smem, config=config)
+
+    return call
+
+
+def _backward_call(impl: str, p, x, info):
+    """One backward (driver_bwd.backward) on the shipped forward's out/LSE: `bwd:table`, the same
+    with `deterministic=True` (`bwd:deterministic`), or upstream's SM120 config (`bwd:upstream`)."""
+    import torch
+
+    from flash_attn_sm120 import driver, driver_bwd
+    from flash_attn_sm120.kernels.bwd_sm120 import upstream_bwd_config
+
+    kind = impl.split(":", 1)[1]
+    if kind not in ("table", "deterministic", "upstream"):
+        raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream)")
+    out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
+                              window_size_right=None, softcap=None, pack_gqa=None, need_lse=True,
+                              emulate_host_smem=info.emulate_host_smem)
+    dout = torch.randn_like(out)
+    config = upstream_bwd_config(max(p.head_dim, p.dv)) if kind == "upstream" else None
+
+    def call():
+        return driver_bwd.backward(x["q"], x["k"], x["v"], out, dout, lse, softmax_scale=None, causal=p.causal,
+                                   window_size_left=None, window_size_right=None, emulate_host_smem=info.emulate_host_smem, config=config,
+                                   deterministic=kind == "deterministic")
+
+    return call
 
 
 def profile(impl: str, problem: str, causal: bool, ncu: str) -> tuple[Optional[dict], str]:
