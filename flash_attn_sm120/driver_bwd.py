@@ -89,6 +89,7 @@ class BwdStatics:
     barrier_release: bool = False
     release_deferred: bool = False
     fetch_relaxed: bool = False
+    warp_turns: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -432,7 +433,7 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
-                   "release_deferred", "fetch_relaxed")
+                   "release_deferred", "fetch_relaxed", "warp_turns")
 _forced_plan: list[dict] = []
 
 

@@ -218,6 +218,9 @@ DET_VARIANTS = {
     "det_deferred_fetch": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
                                           release_deferred=True, fetch_early=True),
                            "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True)},
+    "det_warp_turns": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                      release_deferred=True, warp_turns=True),
+                       "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, warp_turns=True)},
     "det_deferred_fetch_relaxed": {
         "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
                        fetch_early=True, fetch_relaxed=True),

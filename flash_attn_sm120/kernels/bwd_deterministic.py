@@ -6,22 +6,26 @@ GQA, dK/dV (the query heads of one KV head add into its tiles). fp32 addition is
 so the result changes from run to run in the last bits.
 
 With `deterministic=True` a semaphore per accumulator tile fixes the order, as upstream's SM90 and
-SM100 backwards do:
+SM100 backwards do. A CTA waits until the tile's counter shows its turn, adds, and increments it.
+Which turn a CTA gets at an m_block (driver_bwd.deterministic_plan chooses):
 
-  * dQ, per (batch, head, m_block): the CTA of n_block n adds its part when the semaphore equals its
-    turn, then increments it. Ascending turns (turn = n) follow the launch order of the n_block CTAs,
-    so a CTA only ever waits for one launched before it. For causal attention, descending turns
-    (turn = n_max(m) - 1 - n, n_max from upstream's BlockInfo) make the waits vanish: the CTA on the
-    diagonal reaches an m_block first. A CTA waits there for CTAs launched after it, so the driver
-    picks descending only when every n_block CTA of a head fits on the GPU at once (no deadlock).
-  * dK/dV (GQA), per (batch, KV head, n_block): query head j of the group adds at turn j, in launch
-    order too.
+  * ascending, turn = n_block: the launch order of a head's n_block CTAs, so a CTA only ever waits
+    for one launched before it. Costly at the start: CTA n waits for n predecessors' critical sections.
+  * descending (causal), turn = n_max(m) - 1 - n_block: the CTA on the diagonal reaches an m_block
+    first. With the n_blocks launched shortest first (ReversedNBlockScheduler) every wait is again for
+    an earlier-launched CTA; with the usual launch it needs a head's n_blocks resident.
+  * rotated (no mask, n_blocks <= m_blocks, a head's n_blocks resident): CTA n walks the m_blocks
+    cyclically from n * M // N, so no two CTAs reach an m_block at the same step, and in steady state
+    a turn has come before it is asked for (rotated_m_block, rotated_turn_of).
+  * dK/dV (GQA), per (batch, KV head, n_block): query head j of the group adds at turn j.
 
-Where the wait sits: upstream's mainloop (`compute_one_m_block`) runs the dQ product with a hook
-called after its first k-slice (the next Q or dO load); the wait goes into that hook, so the
-section held under the semaphore is most of the dQ product plus its atomics, not the whole m_block.
-On the last m_blocks the hook's load does not happen, and the wait comes before the m_block. The
-release follows the m_block: a fence per thread, a CTA barrier, then one release increment.
+Where the waits and releases sit (kernels/bwd_sm120.py, compute_one_m_block): upstream's step runs
+the dQ product with a hook after its first k-slice (the next Q or dO load); the wait rides on that
+hook, so the adds that follow are ordered. The release is either at the end of the m_block (a fence
+per thread, a CTA barrier, one increment: `release`; or CUTLASS's barrier then one release
+increment: `release_after_barrier`), or deferred to the next m_block's earlier hook, where the loads
+the release's fence would wait for have landed. With `warp_turns` every warp waits and releases on
+its own (acquire_warp / release_warp, no CTA barrier; the counter then counts warps).
 """
 
 from __future__ import annotations
@@ -171,3 +175,27 @@ def release_after_barrier(flag: cute.Pointer) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     cute.arch.barrier()
     barrier.arrive_inc(flag, tidx, 0, 1)
+
+
+# Warp-granular turns: every warp waits and releases on its own, with no CTA barrier. A CTA's turn
+# is complete when all its warps have released (the flag counts warps: turn t begins at t * num_warps).
+# Each element of the dQ tile belongs to one thread, so only the CTAs' order matters, not the warps'.
+
+@cute.jit
+def acquire_warp(flag: cute.Pointer, turn: Int32, num_warps: cutlass.Constexpr[int]) -> None:
+    """Lane 0 of this warp waits until every warp of the previous turns has released (a monotone
+    counter: >=, since this CTA's own faster warps may already have released), then the warp syncs."""
+    if cute.arch.lane_idx() == 0:
+        seen = barrier.ld_acquire(flag)
+        while seen < turn * num_warps:
+            seen = barrier.ld_acquire(flag)
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def release_warp(flag: cute.Pointer) -> None:
+    """After this warp's adds: a warp sync (ordering its lanes' adds before lane 0), then lane 0's
+    release increment (cumulative over the sync, as release_after_barrier over the CTA barrier)."""
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        barrier.red_release(flag, 1)

@@ -199,6 +199,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         barrier_release: bool = False,
         release_deferred: bool = False,
         fetch_relaxed: bool = False,
+        warp_turns: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -226,6 +227,9 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.barrier_release = barrier_release  # release: CTA barrier + one release increment, no per-thread fence
         self.release_deferred = release_deferred  # release an m_block's turn in the next m_block, before its wait
         self.fetch_relaxed = fetch_relaxed  # the early read is relaxed (bwd_deterministic.fetch)
+        if warp_turns and fetch_early:
+            raise ValueError("warp_turns waits per warp; fetch_early (a CTA-wide early read) does not apply")
+        self.warp_turns = warp_turns  # dQ turns waited for and released per warp, no CTA barrier
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -346,18 +350,25 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         (wait_on, ahead), (release_on, release_ahead) = (
             (("load_Q_LSE", 1), ("load_dO_dPsum", self.num_stages_dO)) if self.num_stages_Q == 1
             else (("load_dO_dPsum", self.num_stages_dO), ("load_Q_LSE", self.num_stages_Q - 1)))
-        wait = partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early)
+        wait = (partial(bwd_deterministic.acquire_warp, flag, turn, self.config.num_warps) if self.warp_turns
+                else partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early))
         kwargs[wait_on] = _after(kwargs[wait_on], wait)
         if const_expr(self.release_deferred):
             # (the first m_block of the walk has no previous one: its hook must not release anything)
-            release_previous = partial(self._release, fa_utils.elem_pointer(dq_sem, (*index, previous)))
+            release_previous = partial(self._release_dq, fa_utils.elem_pointer(dq_sem, (*index, previous)))
             kwargs[release_on] = _after(kwargs[release_on],
                                         partial(bwd_deterministic.call_if, step > m_block_min, release_previous))
             bwd_deterministic.call_if((step > m_block_min) & (step + release_ahead >= m_block_max), release_previous)
         bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         if const_expr(self.release_deferred):
-            bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release, flag))
+            bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release_dq, flag))
+        else:
+            self._release_dq(flag)
+
+    def _release_dq(self, flag) -> None:
+        if const_expr(self.warp_turns):
+            bwd_deterministic.release_warp(flag)
         else:
             self._release(flag)
 
