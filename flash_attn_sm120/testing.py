@@ -4,7 +4,7 @@ Shared by the GPU fuzz suite (tests/test_fuzz_gpu.py) and scripts/sanitize.py; p
 harness itself is checked on a CPU (tests/test_fuzz_harness.py).
 
 A problem has a static part, `AttnCase` (everything that enters a kernel's compile key: dtype,
-head dims, GQA ratio and packing, mask kind, softcap, LSE, storage layouts, backward) and a
+head dims, GQA ratio and packing, mask kind, softcap, LSE, storage layouts, backward, deterministic) and a
 dynamic part, `AttnProblem` (per-sequence lengths, KV heads, window sizes, softmax scale, padding,
 seed). Storage layouts of q and of k/v:
 
@@ -24,7 +24,9 @@ finite; out, dq, dk, dv within upstream's rule (flash_attn/cute/testing.py `chec
 with ref the fp32 result and pt PyTorch's own result in the input precision (rtol 2, 3 with
 softcap); for gradients max|pt - ref| is the larger of that and of FlashAttention's backward algorithm
 in the input precision (testing_ref.fa_backward_ref). LSE: -inf exactly where the reference row is
-empty, elsewhere the same rule (+1e-3).
+empty, elsewhere the same rule (+1e-3). A deterministic case (`AttnCase.deterministic`, the public API's
+deterministic=True) runs the backward twice on the same forward and output gradient: the two dq, dk, dv
+must be equal bit for bit on the valid rows (torch.equal), and the first within the rule above.
 """
 
 from __future__ import annotations
@@ -67,12 +69,24 @@ class AttnCase:
     sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
     mods: str = ""  # a testing_mods.MODS name: score_mod / mask_mod / aux data (public API only)
     block_sparse: str = ""  # a testing_sparse.CASES name: random block lists (public API, dense layout)
+    # the public API's deterministic=True: backward cases only, run twice and compared bit for bit
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.mask not in MASKS:
             raise ValueError(f"mask {self.mask!r} not in {list(MASKS)}")
         if self.q_layout not in Q_LAYOUTS or self.k_layout not in K_LAYOUTS:
             raise ValueError(f"layouts ({self.q_layout}, {self.k_layout}) not in {Q_LAYOUTS} x {K_LAYOUTS}")
+        if self.deterministic:  # what the package's deterministic backward refuses (driver_bwd) is no case
+            if not self.backward:
+                raise ValueError("deterministic=True needs backward=True: it orders the backward's dQ/dK/dV "
+                                 "additions, a forward case has nothing to order")
+            if self.local:
+                raise ValueError(f"deterministic=True with the local mask {self.mask!r}: the deterministic backward "
+                                 "refuses sliding windows (driver_bwd.check_deterministic: NotImplementedError)")
+            if self.block_sparse:
+                raise ValueError("deterministic=True with block-sparse lists: the block-sparse backward refuses it "
+                                 "(driver_bwd.check_block_sparse: NotImplementedError)")
 
     @property
     def causal(self) -> bool:
@@ -102,7 +116,8 @@ class AttnCase:
         extra = (f"-sc{self.softcap:g}" if self.softcap else "") + ("-lse" if self.return_lse else "")
         extra += ("-sink" if self.sink else "") + (f"-mod:{self.mods}" if self.mods else "")
         extra += f"-bs:{self.block_sparse}" if self.block_sparse else ""
-        return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}" + ("-bwd" if self.backward else "")
+        bwd = ("-bwd" + ("-det" if self.deterministic else "")) if self.backward else ""
+        return f"{dt}-{d}-{g}-{self.mask}{extra}-{self.q_layout}.{self.k_layout}{bwd}"
 
 
 @dataclass(frozen=True)
@@ -406,6 +421,8 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
         from flash_attn_sm120 import testing_sparse
 
         kw.update(testing_sparse.case_lists(case.block_sparse, inputs.sparse_kinds, case.backward))
+    if case.deterministic:  # only then: forward-only callers pass these to upstream's _flash_attn_fwd as well
+        kw["deterministic"] = True
     if not case.is_dense:
         kw.update(inputs.index)
     return kw
@@ -549,7 +566,8 @@ def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int
     """Public API forward + autograd backward, and the references (`reference_backward`: "ref", "pt",
     "fa", the last with D from the API's own output); returns a dict of tensors.
 
-    The loss is sum(out * g) (+ sum(lse * g_lse) with return_lse) over valid rows only.
+    The loss is sum(out * g) (+ sum(lse * g_lse) with return_lse) over valid rows only. A deterministic
+    case differentiates it twice (the graph retained): "again" holds the second run's gradients.
     """
     gen = torch.Generator(device=inputs.q.device).manual_seed(seed)
     out, lse = forward_via_api(inputs, case, problem)
@@ -561,10 +579,14 @@ def run_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem, seed: int
     outs = [inputs.q_layout.seq(out, i) for i in nq]
     lses = [inputs.q_layout.lse_seq(lse, i) for i in nq] if case.return_lse else None
     wrt = (inputs.q, inputs.k, inputs.v) + ((inputs.sink,) if case.sink else ())
-    with poisoned_outputs():  # the backward driver's dq/dk/dv start as NaN
-        grads = torch.autograd.grad(_loss(outs, lses, g_out, g_lse), wrt)
+    loss = _loss(outs, lses, g_out, g_lse)
+    again = None
+    with poisoned_outputs():  # the backward driver's dq/dk/dv start as NaN (both runs: fresh buffers)
+        grads = torch.autograd.grad(loss, wrt, retain_graph=case.deterministic)
+        if case.deterministic:  # same forward, same output gradient: only the backward runs again
+            again = torch.autograd.grad(loss, wrt)
 
-    results = {"actual": grads, "out": out.detach(), "lse": None if lse is None else lse.detach()}
+    results = {"actual": grads, "again": again, "out": out.detach(), "lse": None if lse is None else lse.detach()}
     return results | reference_backward(inputs, case, problem, wrt, g_out, g_lse, out=results["out"])
 
 
@@ -595,7 +617,53 @@ def check_backward(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict
                                f"{tuple(inputs.sink.shape)} {inputs.sink.dtype}")
         stats["dsink"] = assert_close_to_ref("dsink", actual, ref.float(), (pt, res["fa"][3]), case.torch_dtype,
                                              _rtol(case), 1e-2)
+    if case.deterministic:
+        stats["bitwise"] = assert_bitwise_equal(inputs, res["actual"], res["again"])
     return stats
+
+
+def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
+    """dq, dk, dv of two backward runs equal bit for bit on the valid rows (deterministic=True)."""
+    if second is None:
+        raise CheckFailure("deterministic: the backward ran once; two runs are compared")
+    for j, name in enumerate(("dq", "dk", "dv")):
+        layout = inputs.q_layout if name == "dq" else inputs.k_layout
+        a, b = layout.rows(first[j]), layout.rows(second[j])
+        if not torch.equal(a, b):
+            differ = a.ne(b)  # NaN counts as a difference
+            first_at = int(differ.flatten().nonzero()[0]) if bool(differ.any()) else 0
+            worst = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item() if a.numel() else 0.0
+            raise CheckFailure(
+                f"{name}: deterministic=True, but two backward runs of the same forward differ in {int(differ.sum())}"
+                f" of {a.numel()} valid elements (first at row/head/col {_where(a, first_at)}, max |diff| {worst:.3e})"
+            )
+    return {"err": 0.0, "tol": 0.0, "runs": 2}
+
+
+def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
+    """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
+    forced): "rotated", "descending" (turns; with "+reversed" for the shortest-first launch) or "ascending".
+    num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    causal = case.causal
+    if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
+        from flash_attn_sm120 import testing_mods
+
+        causal = causal and testing_mods.spec(case.mods).mask_mod is None
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local)
+    width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
+    seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
+    seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)
+    index = (case.q_layout == "packed" or None, case.k_layout == "packed" or None,
+             case.q_layout == "padded" or None, case.k_layout in ("padded", "paged") or None)
+    plan = driver_bwd.deterministic_plan(num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=index)
+    if plan["dq_rotated"]:
+        return "rotated"
+    if plan["dq_descending"]:
+        return "descending" + ("+reversed" if plan["reverse_n_blocks"] else "")
+    return "ascending"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -608,7 +676,8 @@ def run_case(path, api: str, case: AttnCase, problem: AttnProblem, device="cuda"
 
     path: a paths.KernelPath or its name; api: "driver" (driver.forward with NaN out/lse and the
     path's config) or "public" (flash_attn_func / varlen under the path's force()). Backward cases
-    (case.backward) and sink cases (case.sink) always use the public API. A failing fuzz example prints this call for replay:
+    (case.backward; with case.deterministic, deterministic=True and two runs compared bit for bit) and sink
+    cases (case.sink) always use the public API. A failing fuzz example prints this call for replay:
 
         FLASH_ATTN_SM120_EMULATE=1 python -c "from flash_attn_sm120.testing import *; print(run_case(...))"
     """

@@ -25,6 +25,7 @@ A small memcheck run takes ~20 s on an H200.
   python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
   python scripts/sanitize.py --list                     # the cases, no GPU needed
   python scripts/sanitize.py --shapes bwd-d128-mods-varlen,sink-alibi-gqa   # some shapes only
+  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-varlen,bwd-d96-det-seqused-causal
   python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
 """
 
@@ -63,7 +64,8 @@ SHAPES = (
      AttnProblem((200,), (333,), nheads_kv=2, window_left=300, window_right=-70, seed=5)),
 )
 # The backward kernels (driver_bwd: the table's configs and its fallbacks), run by the dispatcher's path
-# through the public API's autograd: one case per backward table entry kind plus varlen GQA and d192.
+# through the public API's autograd: one case per backward table entry kind plus varlen GQA and d192, the modifier
+# step, and the deterministic backward's orderings.
 BWD_SHAPES = (
     ("bwd-d64-causal-gqa", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, False, "dense", "dense", True),
      AttnProblem((150, 150), (193, 193), nheads_kv=2, seed=11)),
@@ -81,6 +83,24 @@ BWD_SHAPES = (
     ("bwd-d64-document-sink", AttnCase("bfloat16", 64, 64, 4, None, "causal", 0.0, True, "dense", "dense", True,
                                        sink=True, mods="document"),
      AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
+    # deterministic=True (kernels/bwd_deterministic.py), one per dQ ordering of driver_bwd.deterministic_plan, with
+    # several m_blocks and n_blocks so the CTAs' turns interleave; the backward runs twice, compared bit for bit.
+    # rotated (no mask, dense, n_blocks <= m_blocks): d128's 64x64 tile, 5 m_blocks, 4 n_blocks
+    ("bwd-d128-det-none", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
+                                   deterministic=True),
+     AttnProblem((300,), (250,), nheads_kv=2, seed=20)),
+    # causal dense: descending turns, the shortest-first launch; GQA orders dK/dV: 5 m_blocks, 5 n_blocks
+    ("bwd-d128-det-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, True, "dense", "dense", True,
+                                         deterministic=True),
+     AttnProblem((280,), (300,), nheads_kv=2, seed=21)),
+    # varlen (cu_seqlens): ascending; d64's 64x128 tile: up to 5 m_blocks and 4 n_blocks, an empty sequence, GQA
+    ("bwd-d64-det-varlen", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, False, "packed", "packed", True,
+                                    deterministic=True),
+     AttnProblem((260, 0, 130), (400, 70, 300), nheads_kv=1, seed=22)),
+    # seqused, causal: descending turns with the reversed launch (not a cu_seqlens_k problem); d96's 64x64 tile
+    ("bwd-d96-det-seqused-causal", AttnCase("float16", 96, 96, 2, None, "causal", 0.0, False, "padded", "padded",
+                                            True, deterministic=True),
+     AttnProblem((200, 90), (260, 150), nheads_kv=1, pad_q=5, pad_k=9, seed=23)),
 )
 # the sink fold and the forward modifiers, on the first path of each family (public API, forward only)
 MOD_SHAPES = (
@@ -204,7 +224,8 @@ def run_child(cases_file: str) -> int:
         problem = AttnProblem(**pd)
         try:
             stats = testing.run_case(c["path"], c["api"], case, problem)
-            print(f"SANITIZE-CASE ok {label} ({case.label}) out err {stats['out']['err']:.2e}", flush=True)
+            det = ", 2 backward runs bitwise equal" if "bitwise" in stats else ""
+            print(f"SANITIZE-CASE ok {label} ({case.label}) out err {stats['out']['err']:.2e}{det}", flush=True)
         except Exception as e:  # report every case, then fail
             failed += 1
             print(f"SANITIZE-CASE FAIL {label} ({case.label}): {type(e).__name__}: {e}", flush=True)

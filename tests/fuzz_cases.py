@@ -11,6 +11,11 @@ KV heads, window sizes and the softmax scale are runtime values. So:
     which roams freely: lengths 1..max (tile boundaries +-1 weighted in), seqlen_q != seqlen_k,
     empty sequences in varlen layouts, window sizes including 0, NaN padding.
 
+Deterministic backward cases (`AttnCase.deterministic`, plan.det_cases of them, appended to the backward
+cases) each aim at one of driver_bwd.deterministic_plan's dQ orderings (`FuzzCase.det_order`): since the
+ordering enters the compile key, their dense problems keep the lengths that select it (at least two
+m_blocks and two n_blocks, so the CTAs' additions interleave). See DETERMINISTIC.
+
 What a path supports (flash_attn_sm120.paths.Supports) bounds both; upstream's backward gaps
 (paths.BACKWARD_GAPS) are never drawn.
 """
@@ -44,6 +49,18 @@ MASK_ONLY_MODS = ("document", "prefix")
 # testing_sparse.CASES names, "" (none) most often; drawn on paths with Supports.block_sparse
 SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
+# deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
+# ratios); plan.det_cases takes them in this order (cycling), so the fast plan's 3 cover the three orderings
+DETERMINISTIC = (
+    ("descending+reversed", "causal", ("dense", "dense"), (2, 4)),  # causal dense: shortest-first launch
+    ("rotated", "none", ("dense", "dense"), (1, 2)),  # no mask, dense, n_blocks <= m_blocks
+    ("ascending", "causal", ("packed", "packed"), (2, 4)),  # cu_seqlens_k: ascending, even with a causal mask
+    ("ascending", "none", ("dense", "dense"), (1, 3)),  # more n_blocks than m_blocks
+    ("descending+reversed", "causal", ("padded", "padded"), (1, 2)),  # seqused (no cu_seqlens_k), causal
+    ("ascending", "none", ("padded", "packed"), (2, 4)),  # seqused q, cu_seqlens k
+    ("rotated", "none", ("dense", "dense"), (4, 8)),  # rotated with a large group's dK/dV order
+    ("descending+reversed", "causal", ("dense", "dense"), (1, 8)),
+)
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
 
 
@@ -53,10 +70,11 @@ class FuzzCase:
     path: KernelPath
     api: str  # "driver": driver.forward with NaN out/lse; "public": flash_attn_func / varlen (+ autograd)
     case: AttnCase
+    det_order: str = ""  # deterministic cases: the dQ ordering their problems select (DETERMINISTIC)
 
     @property
     def id(self) -> str:
-        kind = "bwd" if self.case.backward else "fwd"
+        kind = "det" if self.case.deterministic else "bwd" if self.case.backward else "fwd"
         return f"{kind}{self.index:03d}-{self.path.name}-{self.api}-{self.case.label}"
 
 
@@ -138,7 +156,9 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
             q_layout=layout[0], k_layout=layout[1], sink=sink, mods=mods, block_sparse=sparse,
         )
         fwd.append(FuzzCase(i, path, api, case))
-    return fwd, _backward_cases(rng, runnable, plan.bwd_cases, mode)
+    bwd = _backward_cases(rng, runnable, plan.bwd_cases, mode)
+    # drawn last, from the same generator: the other cases do not change with plan.det_cases
+    return fwd, bwd + _deterministic_cases(rng, runnable, plan.det_cases, start=len(bwd))
 
 
 def _mods(drawn: str, supports, softcap: float) -> str:
@@ -191,6 +211,49 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
     return out
 
 
+def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, start: int) -> list:
+    """n deterministic backward cases (indices from `start`), DETERMINISTIC's orderings in turn, on the
+    dispatcher's path (the backward does not depend on the forward's config): dtype, head dim, GQA
+    ratio, softcap and LSE cycled."""
+    paths = [p for p in paths if p.supports.backward and _bwd_dims(p)]
+    if not paths or n <= 0:
+        return []
+    path = next((p for p in paths if p.family == "dispatch"), paths[0])
+    cols = {
+        "dtype": _cycle(rng, ("bfloat16", "float16"), n),
+        "d": _cycle(rng, _bwd_dims(path), n),
+        "softcap": _cycle(rng, (0.0, 0.0, 5.0), n),
+        "lse": _cycle(rng, (False, True), n),
+    }
+    out = []
+    for i in range(n):
+        order, mask, layout, ratios = DETERMINISTIC[i % len(DETERMINISTIC)]
+        s = path.supports
+        if not s.varlen:
+            layout = ("dense", "dense")
+        d = cols["d"][i]
+        case = AttnCase(
+            dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
+            head_dim=d, head_dim_v=d, qhead_per_kvhead=rng.choice(ratios), pack_gqa=None,
+            mask=mask if _mask_supported(path, mask) else "none", softcap=cols["softcap"][i] if s.softcap else 0.0,
+            return_lse=cols["lse"][i], q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,
+        )
+        out.append(FuzzCase(start + i, path, "public", case, det_order=order))
+    return out
+
+
+def _bwd_dims(path: KernelPath) -> list:
+    return [d for d in path.supports.backward_head_dims if d in path.head_dims()]
+
+
+def bwd_tile(case: AttnCase) -> tuple[int, int]:
+    """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd)."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, case.causal, case.local)
+    return cfg.m_block, cfg.n_block
+
+
 # ------------------------------------------------------------------------------------------------
 # Dynamic part
 # ------------------------------------------------------------------------------------------------
@@ -217,6 +280,29 @@ def window_size(max_len: int, negative: bool = True) -> st.SearchStrategy[int]:
     return st.one_of(*parts)
 
 
+def _det_dense_lengths(draw, order: str, tile: tuple[int, int], batch: int, q_hi: int, max_len: int, per_seq: int,
+                       h: int) -> tuple[tuple, tuple]:
+    """Dense (seqlens_q, seqlens_k) that select `order` (deterministic_plan) with at least two m_blocks and two
+    n_blocks, within the budget (h * sq * sk <= per_seq) where the ordering allows: "rotated" n_blocks <=
+    m_blocks, "ascending" (no mask, dense) n_blocks > m_blocks, "descending+reversed" (causal) any lengths."""
+    m, n = tile
+    if order == "ascending":  # the most m_blocks that leave room for one more n_block than m_blocks
+        mb = 2
+        while n * (mb + 1) + 1 <= max_len and h * m * (mb + 1) * (n * (mb + 1) + 1) <= per_seq:
+            mb += 1
+        q_hi = min(q_hi, m * mb)
+    sq = draw(seqlen(min(m + 1, q_hi), q_hi), label="seqlen_q")
+    mb = -(-sq // m)
+    lo, cap = n + 1, min(max_len, max(n + 1, per_seq // (h * sq)))
+    if order == "rotated":
+        cap = min(cap, n * mb)  # n_blocks <= m_blocks
+    elif order == "ascending":
+        lo = n * mb + 1  # n_blocks > m_blocks
+        cap = max(lo, cap)
+    sk = draw(seqlen(min(lo, cap), cap), label="seqlen_k")
+    return (sq,) * batch, (sk,) * batch
+
+
 @st.composite
 def problems(draw, fc: FuzzCase, plan: FuzzPlan):
     """The dynamic part of a problem for one static case, within the plan's size budget."""
@@ -240,16 +326,23 @@ def problems(draw, fc: FuzzCase, plan: FuzzPlan):
     k_lo = 1 if bwd else (0 if k_var else 1)
     # sq <= sqrt(budget / h) leaves room for sk within the budget
     q_hi = max(1, min(max_len, math.isqrt(per_seq // h))) if bwd else max_len
-    if not q_var:
-        sq = draw(seqlen(q_lo, q_hi), label="seqlen_q")
-        seqlens_q = (sq,) * batch
+    if fc.det_order and case.is_dense:  # the lengths that select the case's dQ ordering
+        seqlens_q, seqlens_k = _det_dense_lengths(draw, fc.det_order, bwd_tile(case), batch, q_hi, max_len, per_seq, h)
     else:
-        seqlens_q = tuple(draw(st.lists(seqlen(q_lo, q_hi), min_size=batch, max_size=batch), label="seqlens_q"))
-    if not k_var:
-        sk = k_len(max(seqlens_q), k_lo)
-        seqlens_k = (sk,) * batch
-    else:
-        seqlens_k = tuple(k_len(sq, k_lo) for sq in seqlens_q)
+        # a deterministic varlen case: its first sequence has several m_blocks and n_blocks, the others roam
+        m, n = bwd_tile(case) if fc.det_order else (0, 0)
+        if not q_var:
+            sq = draw(seqlen(q_lo, q_hi), label="seqlen_q")
+            seqlens_q = (sq,) * batch
+        else:
+            first = (draw(seqlen(min(m + 1, q_hi), q_hi), label="seqlen_q0"),) if fc.det_order else ()
+            seqlens_q = first + tuple(draw(st.lists(seqlen(q_lo, q_hi), min_size=batch - len(first),
+                                                    max_size=batch - len(first)), label="seqlens_q"))
+        if not k_var:
+            sk = k_len(max(seqlens_q), k_lo)
+            seqlens_k = (sk,) * batch
+        else:
+            seqlens_k = tuple(k_len(sq, n + 1 if fc.det_order and i == 0 else k_lo) for i, sq in enumerate(seqlens_q))
     max_k = max(seqlens_k, default=1)
     left = draw(window_size(max_k), label="window_left") if case.has_window[0] else None
     right = draw(window_size(max_k), label="window_right") if case.has_window[1] else None

@@ -44,13 +44,16 @@ class FuzzPlan:
     fwd_work: int  # cap on sum(h * sq * sk) per example (reference cost)
     bwd_work: int
     cpu_examples: int  # CPU property tests (tests/test_properties.py)
+    # deterministic=True backward cases (fuzz_cases.DETERMINISTIC: one per dQ ordering first) and their examples
+    det_cases: int = 0
+    det_examples: int = 0
 
 
 PLANS = {
-    # ~24 compile keys: about 3-4 minutes on one H200 in emulation, compiles included
-    "fast": FuzzPlan("fast", 20, 4, 8, 4, 2048, 1024, 4, 3, 1 << 25, 1 << 23, 200),
-    # ~110 compile keys, ~3000 examples: shard it (FLASH_ATTN_SM120_FUZZ_SHARD) over GPUs or commands
-    "deep": FuzzPlan("deep", 96, 16, 30, 12, 3072, 1536, 5, 4, 1 << 26, 1 << 24, 2000),
+    # ~27 compile keys: about 4-5 minutes on one H200 in emulation, compiles included
+    "fast": FuzzPlan("fast", 20, 4, 8, 4, 2048, 1024, 4, 3, 1 << 25, 1 << 23, 200, det_cases=3, det_examples=3),
+    # ~120 compile keys, ~3100 examples: shard it (FLASH_ATTN_SM120_FUZZ_SHARD) over GPUs or commands
+    "deep": FuzzPlan("deep", 96, 16, 30, 12, 3072, 1536, 5, 4, 1 << 26, 1 << 24, 2000, det_cases=8, det_examples=8),
 }
 
 

@@ -13,7 +13,11 @@ lengths, KV heads, windows, scale, NaN padding, data seed). Each example:
             -inf exactly on empty rows and within the rule elsewhere, nothing written into a
             strided out buffer's gaps, and no recompilation for a new size;
   backward  the public API's autograd (upstream's backward after this package's forward) vs
-            torch autograd through an fp32 reference: dq, dk, dv within upstream's rule.
+            torch autograd through an fp32 reference: dq, dk, dv within upstream's rule;
+  deterministic  (test_det<index>_...) a backward with deterministic=True, run twice on the same
+            forward: dq, dk, dv bitwise equal and within the rule; each case's problems keep the
+            lengths of one dQ ordering (fuzz_cases.DETERMINISTIC). Only these:
+            FLASH_ATTN_SM120_FUZZ=fast pytest tests/test_fuzz_gpu.py -k test_det
 
 Each static case is its own test, test_<case id> (e.g. test_fwd003_cpasync_w8_128x96_s1_driver_...),
 with a hypothesis seed derived from the run's seed and the case. Unsupported head dims must raise
@@ -54,7 +58,8 @@ BWD_CASES = [c for c in _BWD if c.index % SHARD[1] == SHARD[0]]
 fuzz_report.RUN_INFO.update(
     profile=active_profile(), seed=FUZZ_SEED, shard=f"{SHARD[0]}/{SHARD[1]}", mode=MODE,
     fwd_cases=len(FWD_CASES), bwd_cases=len(BWD_CASES), fwd_examples=PLAN.fwd_examples,
-    bwd_examples=PLAN.bwd_examples,
+    bwd_examples=PLAN.bwd_examples, det_cases=sum(c.case.deterministic for c in BWD_CASES),
+    det_examples=PLAN.det_examples,
 )
 _compiles_per_case: dict[str, int] = defaultdict(int)
 _mask_kinds_per_case: dict[str, set] = defaultdict(set)
@@ -134,7 +139,8 @@ def _fuzz_test(fc: FuzzCase, examples: int):
 
 
 for _fc in FWD_CASES + BWD_CASES:
-    _t = _fuzz_test(_fc, PLAN.bwd_examples if _fc.case.backward else PLAN.fwd_examples)
+    _t = _fuzz_test(_fc, PLAN.det_examples if _fc.case.deterministic else
+                    PLAN.bwd_examples if _fc.case.backward else PLAN.fwd_examples)
     globals()[_t.__name__] = _t
 del _fc, _t
 

@@ -29,7 +29,7 @@ from flash_attn_sm120 import bench, testing
 from flash_attn_sm120.config import FwdConfig, parse_fwd_table
 from flash_attn_sm120.paths import BACKWARD_GAPS, kernel_paths
 from flash_attn_sm120.testing import AttnCase, AttnProblem, CheckFailure
-from fuzz_cases import problems, static_cases
+from fuzz_cases import DETERMINISTIC, bwd_tile, problems, static_cases
 
 PLAN = fuzz_profiles.active_plan()
 CPU_SETTINGS = settings(max_examples=max(20, PLAN.cpu_examples // 4), deadline=None,
@@ -484,6 +484,175 @@ def test_profiles_are_registered():
     for name, plan in fuzz_profiles.PLANS.items():
         assert hsettings.get_profile(name).max_examples == plan.fwd_examples
         assert hsettings.get_profile(name).deadline is None
+
+
+# ------------------------------------------------------------------------------------------------
+# deterministic=True backward cases
+# ------------------------------------------------------------------------------------------------
+
+
+def test_deterministic_case_needs_backward_and_no_window_or_lists():
+    with pytest.raises(ValueError, match="needs backward=True"):
+        AttnCase(deterministic=True)
+    for mask in ("local_l", "local_r", "local_lr", "causal_l"):
+        with pytest.raises(ValueError, match="refuses sliding windows"):
+            AttnCase(mask=mask, backward=True, deterministic=True)
+    with pytest.raises(ValueError, match="block-sparse"):
+        AttnCase(backward=True, deterministic=True, block_sparse="random")
+    for mask in ("none", "causal"):
+        for layout in (("dense", "dense"), ("packed", "packed"), ("padded", "padded")):
+            AttnCase(mask=mask, q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,
+                     qhead_per_kvhead=2, sink=True, mods="position")
+
+
+def test_deterministic_shows_in_the_label_and_survives_a_json_round_trip():
+    det = AttnCase("float16", 64, 64, 2, None, "causal", 0.0, True, "packed", "packed", True, deterministic=True)
+    assert det.label == "fp16-d64-g2-causal-lse-packed.packed-bwd-det"
+    assert dataclasses.replace(det, deterministic=False).label == "fp16-d64-g2-causal-lse-packed.packed-bwd"
+    assert AttnCase(**json.loads(json.dumps(dataclasses.asdict(det)))) == det  # the sanitizer's cases file
+    assert "deterministic=True" in repr(det)  # the fuzz suite's replay line
+
+
+def test_api_kwargs_pass_deterministic_only_when_set():
+    problem = AttnProblem((20,), (30,), seed=1)
+    for det in (False, True):
+        case = AttnCase("bfloat16", 16, 16, backward=True, deterministic=det)
+        kw = testing.api_kwargs(testing.make_inputs(case, problem, "cpu"), case, problem)
+        # absent, not False, otherwise: forward-only callers hand these to upstream's _flash_attn_fwd
+        assert kw.get("deterministic", "absent") == (True if det else "absent")
+
+
+def _counting_stand_in(jitter_on_call=None):
+    """_stand_in whose q passes through an identity counting its backward calls; on call `jitter_on_call`
+    one element of dq moves by one bf16 step near 1 (a run that is correct but not reproducible)."""
+    calls = []
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append(1)
+            if len(calls) == jitter_on_call:
+                g = g.clone()
+                g.view(-1)[0] += 2 ** -7 * max(1.0, g.view(-1)[0].abs().item())  # a valid row in every layout
+            return g
+
+    inner = _stand_in()
+
+    def forward_via_api(inputs, case, problem):
+        q = inputs.q
+        inputs.q = Identity.apply(q)
+        try:
+            return inner(inputs, case, problem)
+        finally:
+            inputs.q = q
+
+    return forward_via_api, calls
+
+
+@pytest.mark.parametrize("layout", [("dense", "dense"), ("packed", "packed"), ("padded", "padded")])
+def test_deterministic_backward_runs_twice_and_catches_a_difference(monkeypatch, layout):
+    lens_q, lens_k = ((40, 40), (50, 50)) if layout[0] == "dense" else ((40, 0), (50, 9))
+    problem = AttnProblem(lens_q, lens_k, nheads_kv=1, pad_q=2, pad_k=3, seed=4)
+    for det in (False, True):
+        case = AttnCase("bfloat16", 16, 16, 2, None, "causal", 0.0, True, *layout, backward=True, deterministic=det)
+        stand_in, calls = _counting_stand_in()
+        monkeypatch.setattr(testing, "forward_via_api", stand_in)
+        stats = testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+        assert len(calls) == (2 if det else 1) and ("bitwise" in stats) == det
+        assert set(stats) >= {"out", "lse", "dq", "dk", "dv"}
+    for call in (1, 2):  # the first run off by one step passes the rule but not the comparison; so does the second
+        stand_in, calls = _counting_stand_in(jitter_on_call=call)
+        monkeypatch.setattr(testing, "forward_via_api", stand_in)
+        with pytest.raises(CheckFailure, match="dq: deterministic=True, but two backward runs .* differ in 1 of"):
+            testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+    case = dataclasses.replace(case, deterministic=False)  # not compared without deterministic
+    stand_in, _ = _counting_stand_in(jitter_on_call=1)
+    monkeypatch.setattr(testing, "forward_via_api", stand_in)
+    testing.check_backward(testing.make_inputs(case, problem, "cpu", requires_grad=True), case, problem)
+
+
+def test_bitwise_check_compares_valid_rows_only_and_counts_nan_as_a_difference():
+    case = AttnCase("bfloat16", 8, 8, 1, None, "none", 0.0, False, "padded", "padded", backward=True,
+                    deterministic=True)
+    x = testing.make_inputs(case, AttnProblem((5, 2), (3, 4), pad_q=2, pad_k=1, seed=2), "cpu")
+    grads = [torch.randn(t.shape).to(t.dtype) for t in (x.q, x.k, x.v)]
+    again = [g.clone() for g in grads]
+    for g in again:
+        g[1, -1] = float("nan")  # past sequence 1's rows: no kernel writes there
+    assert testing.assert_bitwise_equal(x, grads, again)["runs"] == 2
+    again[2][0, 0, 0, 0] = float("nan")
+    with pytest.raises(CheckFailure, match="dv: .* differ in 1 of"):
+        testing.assert_bitwise_equal(x, grads, again)
+    with pytest.raises(CheckFailure, match="ran once"):
+        testing.assert_bitwise_equal(x, grads, None)
+
+
+@pytest.mark.parametrize("profile", ["fast", "deep"])
+def test_deterministic_cases_cover_every_dq_ordering(profile):
+    plan = fuzz_profiles.PLANS[profile]
+    paths = kernel_paths(TABLE)
+    fwd, bwd = static_cases(paths, plan, seed=0, mode="emulated")
+    det = [c for c in bwd if c.case.deterministic]
+    assert len(det) == plan.det_cases >= 3 and bwd[-len(det):] == det
+    assert len({c.index for c in bwd}) == len(bwd) and all(c.id.startswith("det") for c in det)
+    for c in det:
+        assert c.api == "public" and c.case.backward and not c.case.local and not c.case.block_sparse
+        assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
+        assert c.id.endswith("-bwd-det")
+    orders = [c.det_order for c in det]
+    assert set(orders[:3]) == {"descending+reversed", "rotated", "ascending"}  # the first three: one each
+    assert {c.case.dtype for c in det} == {"bfloat16", "float16"}
+    assert any(c.case.qhead_per_kvhead > 1 for c in det)
+    assert any(not c.case.is_dense for c in det) and any(c.det_order == "ascending" and not c.case.is_dense
+                                                         for c in det)
+    if profile == "deep":
+        assert [(c.det_order, c.case.mask, (c.case.q_layout, c.case.k_layout)) for c in det] == \
+            [t[:3] for t in DETERMINISTIC][:len(det)]
+        assert any(c.det_order == "ascending" and c.case.is_dense for c in det)  # n_blocks > m_blocks
+    # the other cases do not move with det_cases
+    without = static_cases(paths, dataclasses.replace(plan, det_cases=0), seed=0, mode="emulated")
+    assert [c.id for c in without[0] + without[1]] == [c.id for c in fwd + bwd if not c.case.deterministic]
+
+
+_DET_CASES = [c for c in static_cases(kernel_paths(TABLE), fuzz_profiles.PLANS["deep"], seed=5, mode="emulated")[1]
+              if c.case.deterministic]
+
+
+@CPU_SETTINGS
+@given(data=st.data(), index=st.integers(0, len(_DET_CASES) - 1), profile=st.sampled_from(("fast", "deep")))
+def test_deterministic_problems_select_their_dq_ordering_with_several_blocks(data, index, profile):
+    """Each drawn problem keeps its case's ordering (driver_bwd.deterministic_plan: one compile key per case) and
+    has a sequence of two or more m_blocks and n_blocks, so the CTAs' turns interleave."""
+    fc = _DET_CASES[index]
+    p = data.draw(problems(fc, fuzz_profiles.PLANS[profile]))
+    assert testing.deterministic_order(fc.case, p) == fc.det_order
+    m, n = bwd_tile(fc.case)
+    assert any(sq > m and sk > n for sq, sk in zip(p.seqlens_q, p.seqlens_k)), (p.seqlens_q, p.seqlens_k)
+    if fc.case.is_dense and fc.det_order == "rotated":
+        assert -(-p.seqlens_k[0] // n) <= -(-p.seqlens_q[0] // m)
+    if fc.case.is_dense and fc.det_order == "ascending":
+        assert -(-p.seqlens_k[0] // n) > -(-p.seqlens_q[0] // m)
+
+
+def test_deterministic_order_names_the_plans_choices():
+    case = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
+    m, n = bwd_tile(case)
+    order = lambda c, sq, sk, **kw: testing.deterministic_order(c, AttnProblem((sq,), (sk,), **kw))  # noqa: E731
+    assert order(case, 4 * m, 3 * n) == "rotated"
+    assert order(case, 2 * m, 3 * n) == "ascending"
+    causal = dataclasses.replace(case, mask="causal")
+    assert order(causal, 2 * m, 3 * n) == "descending+reversed"
+    packed = dataclasses.replace(causal, q_layout="packed", k_layout="packed")
+    assert order(packed, 4 * m, 3 * n) == "ascending"  # cu_seqlens_k
+    padded = dataclasses.replace(case, q_layout="padded", k_layout="padded")
+    assert order(padded, 4 * m, 3 * n) == "ascending"  # seqused: not dense
+    assert order(dataclasses.replace(padded, mask="causal"), 4 * m, 3 * n) == "descending+reversed"
+    # a mask_mod replaces the causal flag, as upstream resolves it
+    assert order(dataclasses.replace(causal, mods="document"), 4 * m, 3 * n) == "rotated"
 
 
 # ------------------------------------------------------------------------------------------------

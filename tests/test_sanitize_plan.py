@@ -80,3 +80,50 @@ def test_list_runs_without_a_gpu(capsys):
     assert sanitize.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert "cpasync" in out and "dense-causal-gqa" in out
+
+
+DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each exercises
+    "bwd-d128-det-none": "rotated",
+    "bwd-d128-det-causal-gqa": "descending+reversed",
+    "bwd-d64-det-varlen": "ascending",
+    "bwd-d96-det-seqused-causal": "descending+reversed",
+}
+
+
+def _problem(c) -> sanitize.AttnProblem:
+    pd = dict(c["problem"])
+    pd["seqlens_q"], pd["seqlens_k"] = tuple(pd["seqlens_q"]), tuple(pd["seqlens_k"])
+    return sanitize.AttnProblem(**pd)
+
+
+def test_deterministic_backward_shapes_cover_the_dq_orderings_with_interleaving_blocks():
+    from fuzz_cases import bwd_tile
+    from flash_attn_sm120 import testing
+
+    assert {name for name, _, _ in sanitize.BWD_SHAPES if "-det" in name} == set(DET_SHAPES)
+    cases = [c for c in sanitize.build_cases(kernel_paths()) if c["shape"] in DET_SHAPES]
+    assert sorted(c["shape"] for c in cases) == sorted(DET_SHAPES)  # once each, on the dispatcher's path
+    gqa = False
+    for c in cases:
+        case, problem = AttnCase(**c["case"]), _problem(c)
+        assert c["family"] == "bwd" and c["api"] == "public" and case.backward and case.deterministic
+        assert case.label.endswith("-bwd-det")
+        assert testing.deterministic_order(case, problem) == DET_SHAPES[c["shape"]], c["shape"]
+        m, n = bwd_tile(case)
+        # a sequence of 3+ m_blocks and 3+ n_blocks: several CTAs take turns at several m_blocks
+        assert any(-(-sq // m) >= 3 and -(-sk // n) >= 3 for sq, sk in zip(problem.seqlens_q, problem.seqlens_k))
+        assert problem.work(case) <= 700_000  # racecheck-sized, like the other backward shapes
+        gqa |= case.qhead_per_kvhead > 1
+        make_inputs(case, problem, device="cpu")
+    assert gqa and {AttnCase(**c["case"]).dtype for c in cases} == {"bfloat16", "float16"}
+
+
+def test_shapes_filter_lists_the_deterministic_cases(capsys):
+    names = ",".join(DET_SHAPES)
+    assert sanitize.main(["--list", "--shapes", names]) == 0
+    out = capsys.readouterr().out
+    assert "bwd: 4 cases" in out and out.count("-bwd-det") == 4
+    for name in DET_SHAPES:
+        assert name in out
+    with pytest.raises(SystemExit, match="unknown shapes"):
+        sanitize.main(["--list", "--shapes", "bwd-d128-det-nothing"])
