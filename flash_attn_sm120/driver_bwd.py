@@ -90,6 +90,7 @@ class BwdStatics:
     release_deferred: bool = False
     fetch_relaxed: bool = False
     warp_turns: bool = False
+    late_dq_adds: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -207,7 +208,7 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
         return FlashAttentionBackwardSm120BlockSparse(
             *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
             kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
-    if mods.user:
+    if mods.user or kwargs.get("late_dq_adds"):  # late dQ adds: an option of the modifier step
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
                                                has_aux_tensors=mods.aux_tensors is not None, **kwargs)
     return FlashAttentionBackwardSm120Tuned(*args, **kwargs)
@@ -433,7 +434,7 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
-                   "release_deferred", "fetch_relaxed", "warp_turns")
+                   "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds")
 _forced_plan: list[dict] = []
 
 

@@ -221,6 +221,9 @@ DET_VARIANTS = {
     "det_warp_turns": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
                                       release_deferred=True, warp_turns=True),
                        "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, warp_turns=True)},
+    "det_late_adds": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                     release_deferred=True, late_dq_adds=True),
+                      "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)},
     "det_deferred_fetch_relaxed": {
         "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
                        fetch_early=True, fetch_relaxed=True),

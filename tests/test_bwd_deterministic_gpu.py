@@ -121,6 +121,10 @@ def test_more_n_blocks_than_resident_ctas_no_mask():
                 warp_turns=True)),  # per-warp turns
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, warp_turns=True)),
     (False, dict(warp_turns=True)),  # ascending, per-warp turns released at the m_block's end
+    (True, dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
+                late_dq_adds=True)),  # the dQ adds and their wait at the m_block's end (modifier step)
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)),
+    (False, dict(late_dq_adds=True)),
 ])
 def test_every_forced_ordering_is_bitwise_and_correct(causal, flags):
     q, k, v, g = _inputs(2, 900, 900, 4, 2, 128, seed=21 + len(flags) + causal)

@@ -126,6 +126,7 @@ def test_forced_orders_that_can_deadlock_are_refused(causal, flags, sq, sk, matc
     (True, dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True)),
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True, fetch_relaxed=True)),
     (True, dict(dq_descending=True, reverse_n_blocks=True, release_deferred=True, warp_turns=True)),
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)),
 ])
 def test_orderings_compile_for_sm120a_without_spills_and_keep_reds(causal, ordering):
     """The barrier release keeps the dQ adds fire-and-forget REDs (a fence per thread makes ptxas

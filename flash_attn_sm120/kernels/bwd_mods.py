@@ -198,8 +198,11 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         )
         cute.arch.barrier()  # dS is written
         # with one Q stage, dK goes first so that the next Q load can start under the dQ product
+        late = self.late_dq_adds  # deterministic: the adds and their turn's wait at the m_block's end
         if const_expr(self.num_stages_Q > 1):
-            self._dq_product(m_block, mma_params, smem_copy_params, gmem_copy_params, load_dO_next)
+            acc_dQ = self._dq_gemm(mma_params, smem_copy_params, load_dO_next)
+            if const_expr(not late):
+                self._dq_adds(acc_dQ, m_block, gmem_copy_params)
         sm80_utils.gemm(
             mma_params.thr_mma_dkv, mma_params.acc_dK, mma_params.tdKrdS, mma_params.tdKrQ, smem_copy_params.tdKsdSt,
             smem_copy_params.tdKsQt[None, None, None, q_stage], smem_copy_params.smem_thr_copy_PdSt,
@@ -207,11 +210,15 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         )
         if const_expr(self.num_stages_Q == 1):
             cute.arch.barrier()
-            self._dq_product(m_block, mma_params, smem_copy_params, gmem_copy_params, load_Q_next)
+            acc_dQ = self._dq_gemm(mma_params, smem_copy_params, load_Q_next)
+        if const_expr(late):
+            self._before_dq_adds()
+        if const_expr(late or self.num_stages_Q == 1):
+            self._dq_adds(acc_dQ, m_block, gmem_copy_params)
 
     @cute.jit
-    def _dq_product(self, m_block: Int32, mma_params, smem_copy_params, gmem_copy_params, hook_fn: Callable):
-        """dQ_accum[m_block] += dS K, added with fp32 atomics (in turn order when deterministic)."""
+    def _dq_gemm(self, mma_params, smem_copy_params, hook_fn: Callable):
+        """dS K into a fresh fp32 accumulator (registers)."""
         shape = (self.head_dim_padded, self.m_block_size) if const_expr(self.dQ_swapAB) else (
             self.m_block_size, self.head_dim_padded)
         acc_dQ = cute.make_rmem_tensor(mma_params.thr_mma_dq.partition_shape_C(shape), Float32)
@@ -221,6 +228,11 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             smem_copy_params.tdQsKt, smem_copy_params.smem_thr_copy_dS, smem_copy_params.smem_thr_copy_Kt,
             swap_AB=self.dQ_swapAB, hook_fn=hook_fn,
         )
+        return acc_dQ
+
+    @cute.jit
+    def _dq_adds(self, acc_dQ: cute.Tensor, m_block: Int32, gmem_copy_params) -> None:
+        """dQ_accum[m_block] += acc_dQ with fp32 atomics."""
         acc_dQ_atomic = gmem_copy_params.gmem_thr_copy_dQaccum.retile(acc_dQ)
         tdQgdQaccum = gmem_copy_params.tdQgdQaccum[None, None, m_block]
         for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):

@@ -200,6 +200,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         release_deferred: bool = False,
         fetch_relaxed: bool = False,
         warp_turns: bool = False,
+        late_dq_adds: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -230,6 +231,11 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if warp_turns and fetch_early:
             raise ValueError("warp_turns waits per warp; fetch_early (a CTA-wide early read) does not apply")
         self.warp_turns = warp_turns  # dQ turns waited for and released per warp, no CTA barrier
+        # the dQ adds (and their wait) after the dK product, at the m_block's end: the modifier step's
+        # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them
+        if late_dq_adds and type(self)._one_m_block is FlashAttentionBackwardSm120Tuned._one_m_block:
+            raise ValueError("late_dq_adds needs the modifier step (FlashAttentionBackwardSm120Mods)")
+        self.late_dq_adds = deterministic and late_dq_adds
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -352,14 +358,18 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             else (("load_dO_dPsum", self.num_stages_dO), ("load_Q_LSE", self.num_stages_Q - 1)))
         wait = (partial(bwd_deterministic.acquire_warp, flag, turn, self.config.num_warps) if self.warp_turns
                 else partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early))
-        kwargs[wait_on] = _after(kwargs[wait_on], wait)
+        if const_expr(self.late_dq_adds):
+            self._before_dq_adds = wait  # the step calls it right before its dQ adds
+        else:
+            kwargs[wait_on] = _after(kwargs[wait_on], wait)
         if const_expr(self.release_deferred):
             # (the first m_block of the walk has no previous one: its hook must not release anything)
             release_previous = partial(self._release_dq, fa_utils.elem_pointer(dq_sem, (*index, previous)))
             kwargs[release_on] = _after(kwargs[release_on],
                                         partial(bwd_deterministic.call_if, step > m_block_min, release_previous))
             bwd_deterministic.call_if((step > m_block_min) & (step + release_ahead >= m_block_max), release_previous)
-        bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
+        if const_expr(not self.late_dq_adds):
+            bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         if const_expr(self.release_deferred):
             bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release_dq, flag))
