@@ -719,9 +719,11 @@ except ValueError as e:
 for c in cases:
     cfg = Sm120BwdConfig(**c["config"])
     gqa, det = c["qhead_per_kvhead"] > 1, c["deterministic"]
+    # the ordering the patched interface picks for a 4096 x 4096 problem on 188 SMs (or the case's own)
+    plan = configs.sm120_bwd_deterministic_plan(188, cfg, c["causal"], 4096, 4096, flags=c.get("flags")) if det else {}
     kernel = FlashAttentionBackwardSm120Tuned(
         cutlass.BFloat16, c["d"], c["d"], c["qhead_per_kvhead"], cfg, is_causal=c["causal"],
-        deterministic=det, dq_descending=det and c["causal"])
+        deterministic=det, **plan)
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = interface.make_fake_bwd_tensors(cutlass.BFloat16, has_gqa=gqa, varlen_q=False, varlen_k=False)
     sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
@@ -732,23 +734,34 @@ for c in cases:
                                   options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={TARGET_ARCH}")
         cubin = cubin_of(compiled)
     res, hist, _ = inspect_cubin(cubin)
-    out["cases"].append(dict(c, regs=res["regs"], stack=res["stack"], ldl=hist.get("LDL", 0),
-                             stl=hist.get("STL", 0), hmma=hist.get("HMMA", 0)))
+    out["cases"].append(dict(c, plan=plan, regs=res["regs"], stack=res["stack"], ldl=hist.get("LDL", 0),
+                             stl=hist.get("STL", 0), hmma=hist.get("HMMA", 0), redg=hist.get("REDG", 0),
+                             atomg=hist.get("ATOMG", 0)))
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     """Patch 0004: the patched upstream's tuned backward compiles for sm_120a on the CPU for every
-    shipped backward table entry (and a deterministic GQA causal case) without register spills; its
-    table and selection are the package's; deterministic + local and V in registers are refused."""
+    shipped backward table entry, and deterministic in the orderings the patched interface picks
+    (GQA causal: descending turns, reversed launch; no mask: rotated) and in two it can be given (an
+    early relaxed read with a fence per thread; per-warp turns), without register spills, the
+    barrier release keeping the dQ adds REDs; its table and selection are the package's; deterministic + local and V in
+    registers are refused."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     table = load_bwd_table()
     cases = [dict(d=e.head_dim, causal=e.mask == "causal", config=e.config.to_dict(), qhead_per_kvhead=1,
                   deterministic=False) for e in table]
     det = next((e for e in table if e.head_dim == 128 and e.mask == "causal"), table[0])
+    dense = next((e for e in table if e.head_dim == 128 and e.mask == "none"), table[0])
     cases.append(dict(d=det.head_dim, causal=True, config=det.config.to_dict(), qhead_per_kvhead=4, deterministic=True))
+    cases.append(dict(d=dense.head_dim, causal=False, config=dense.config.to_dict(), qhead_per_kvhead=1,
+                      deterministic=True))
+    cases.append(dict(d=det.head_dim, causal=True, config=det.config.to_dict(), qhead_per_kvhead=1, deterministic=True,
+                      flags=dict(dq_descending=True, fetch_early=True, fetch_relaxed=True)))
+    cases.append(dict(d=dense.head_dim, causal=False, config=dense.config.to_dict(), qhead_per_kvhead=1,
+                      deterministic=True, flags=dict(dq_rotated=True, release_deferred=True, warp_turns=True)))
     result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), cases, script=_BWD_PROBE)
 
     assert [(r["d"], r["mask"], r["config"]) for r in result["table"]] == [
@@ -760,9 +773,20 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     assert "v_in_regs" in result["refusals"].get("v_in_regs", ""), result["refusals"]
     assert len(result["cases"]) == len(cases)
     for c in result["cases"]:
-        where = f"d={c['d']} causal={c['causal']} gqa={c['qhead_per_kvhead']} det={c['deterministic']} {c['config']}"
+        where = (f"d={c['d']} causal={c['causal']} gqa={c['qhead_per_kvhead']} det={c['deterministic']} "
+                 f"{c['plan']} {c['config']}")
         assert c["hmma"] > 0, where
         assert c["stack"] == 0 and c["ldl"] == 0 and c["stl"] == 0, f"{where}: spills {c}"
+        if c["plan"].get("barrier_release"):
+            assert c["redg"] >= 32 and c["atomg"] == 0, f"{where}: the dQ adds are not REDs ({c})"
+    plans = [c["plan"] for c in result["cases"] if c["deterministic"]]
+    on = lambda plan: sorted(f for f, v in plan.items() if v)  # noqa: E731
+    assert [on(p) for p in plans] == [
+        ["barrier_release", "dq_descending", "release_deferred", "reverse_n_blocks"],
+        ["barrier_release", "dq_rotated", "release_deferred"],
+        ["dq_descending", "fetch_early", "fetch_relaxed"],
+        ["dq_rotated", "release_deferred", "warp_turns"],
+    ], plans
 
 
 _BWD_FAKE_PROBE = r"""
@@ -774,16 +798,29 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import flash_attn.cute
 assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
 from flash_attn.cute import interface
+from flash_attn.cute.flash_bwd_sm120_configs import SM120_BWD_ORDERING_FLAGS
+
+built = []
+base = interface.FlashAttentionBackwardSm120Tuned
+
+
+def init(self, *args, **kwargs):  # test-only: the ordering keywords the dispatch passes
+    built.append({f: kwargs[f] for f in SM120_BWD_ORDERING_FLAGS if f in kwargs})
+    base.__init__(self, *args, **kwargs)
+
+
+interface.FlashAttentionBackwardSm120Tuned = type("FlashAttentionBackwardSm120Tuned", (base,), {"__init__": init})
 out = []
-for det in (False, True):
-    for hk in (4, 1):
-        with FakeTensorMode():
-            q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
-            k = torch.empty(2, 300, hk, 128, dtype=torch.bfloat16, device="cuda")
-            o = torch.empty_like(q)
-            lse = torch.empty(2, 4, 300, dtype=torch.float32, device="cuda")
-            dq, dk, dv = interface._flash_attn_bwd(q, k, k, o, o, lse, causal=True, deterministic=det)[:3]
-            out.append(dict(det=det, hk=hk, dq=list(dq.shape), dk=list(dk.shape), dv=list(dv.shape)))
+for det, hk, causal in ((False, 4, True), (False, 1, True), (True, 4, True), (True, 1, True), (True, 4, False)):
+    with FakeTensorMode():
+        q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 300, hk, 128, dtype=torch.bfloat16, device="cuda")
+        o = torch.empty_like(q)
+        lse = torch.empty(2, 4, 300, dtype=torch.float32, device="cuda")
+        before = len(built)
+        dq, dk, dv = interface._flash_attn_bwd(q, k, k, o, o, lse, causal=causal, deterministic=det)[:3]
+        out.append(dict(det=det, hk=hk, causal=causal, plans=built[before:], dq=list(dq.shape), dk=list(dk.shape),
+                        dv=list(dv.shape)))
 print("RESULT " + json.dumps(out))
 """
 
@@ -791,14 +828,91 @@ print("RESULT " + json.dumps(out))
 def test_patched_upstream_bwd_host_path_runs_on_fake_tensors(tmp_path, monkeypatch):
     """Patch 0004's edits to _flash_attn_bwd, run end to end on the CPU with fake CUDA tensors and SM120
     selected (FLASH_ATTENTION_ARCH): MHA and GQA, deterministic or not (a branch left dK_semaphore
-    unset when not deterministic; only the GPU probe had run it)."""
+    unset when not deterministic; only the GPU probe had run it), and the deterministic ordering the
+    interface passes to the kernel: the package's deterministic_plan for the same problem."""
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
     monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_120")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
     monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "188")
     result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_BWD_FAKE_PROBE)
-    assert [(r["det"], r["hk"]) for r in result] == [(False, 4), (False, 1), (True, 4), (True, 1)]
+    assert [(r["det"], r["hk"], r["causal"]) for r in result] == [
+        (False, 4, True), (False, 1, True), (True, 4, True), (True, 1, True), (True, 4, False)]
     for r in result:
         assert r["dq"] == [2, 300, 4, 128] and r["dk"] == r["dv"] == [2, 300, r["hk"], 128], r
+        cfg = select_bwd_config(tuple(load_bwd_table()), 128, 128, r["causal"], False)
+        want = driver_bwd.deterministic_plan(188, cfg, r["causal"], 300, 300) if r["det"] else {}
+        assert r["plans"] == [want], r
+    assert result[2]["plans"][0]["reverse_n_blocks"] and result[4]["plans"][0]["dq_rotated"], result
+
+
+_BWD_PLAN_PROBE = r"""
+import itertools, json, sys
+site = sys.argv[1]
+import flash_attn.cute
+assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__file__}, not the patched copy"
+from flash_attn.cute import flash_bwd_sm120_configs as configs
+from flash_attn.cute.flash_bwd_sm120_tuned import Sm120BwdConfig
+from flash_attn_sm120 import driver_bwd
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+
+
+def outcome(fn):
+    try:
+        return fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def package(args, flags):
+    if flags is None:
+        return driver_bwd.deterministic_plan(*args)
+    try:
+        forced = driver_bwd.force_deterministic_plan(**flags)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    with forced:
+        return outcome(lambda: driver_bwd.deterministic_plan(*args))
+
+
+FORCED = [None, {}, dict(dq_rotated=True), dict(reverse_n_blocks=True), dict(dq_descending=True),
+          dict(dq_descending=True, reverse_n_blocks=True), dict(fetch_early=True, fetch_relaxed=True),
+          dict(dq_rotated=True, barrier_release=True, release_deferred=True), dict(warp_turns=True),
+          dict(late_dq_adds=True, dq_descending=True, reverse_n_blocks=True), dict(dq_sideways=True)]
+SEQLENS = [(4096, 4096), (1000, 2000), (64 * 140, 64 * 140), (300, 300), (64, 8192), (8192, 64), (1, 1)]
+CONFIGS = [dict(num_threads=256, m_block=64, n_block=64, stages_q=2, stages_do=1, atom_m_sdp=2, atom_n_dkv=4,
+                atom_m_dq=2), dict(num_threads=256, m_block=64, n_block=128, stages_q=2, stages_do=2, atom_m_sdp=2,
+                                   atom_n_dkv=4, atom_m_dq=2)]
+compared, differ, seen = 0, [], set()
+for num_sms, causal, (sq, sk), present, flags, cfg in itertools.product(
+        (16, 132, 188), (False, True), SEQLENS, itertools.product((False, True), repeat=4), FORCED, CONFIGS):
+    index = tuple(object() if p else None for p in present)
+    got = outcome(lambda: configs.sm120_bwd_deterministic_plan(num_sms, Sm120BwdConfig(**cfg), causal, sq, sk,
+                                                               index_tensors=index, flags=flags))
+    want = package((num_sms, BwdConfig(**cfg), causal, sq, sk, index), flags)
+    compared += 1
+    seen.add("refused" if isinstance(want, str) else ",".join(sorted(f for f, v in want.items() if v)))
+    if got != want:
+        differ.append(dict(num_sms=num_sms, causal=causal, seqlens=[sq, sk], present=present, flags=flags,
+                           cfg=cfg, got=got, want=want))
+print("RESULT " + json.dumps(dict(compared=compared, differ=differ[:10], n_differ=len(differ), seen=sorted(seen),
+                                  flags=list(configs.SM120_BWD_ORDERING_FLAGS))))
+"""
+
+
+def test_patched_upstream_deterministic_plan_is_the_packages(tmp_path):
+    """Patch 0004's sm120_bwd_deterministic_plan (the interface's dQ ordering on SM120) gives the package's
+    driver_bwd.deterministic_plan result on a grid of SM counts, masks, seqlens, index tensors, configs
+    and given orderings (force_deterministic_plan in the package), refusals and their messages included."""
+    from flash_attn_sm120 import driver_bwd
+
+    result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_BWD_PLAN_PROBE)
+    assert result["compared"] > 10000 and result["n_differ"] == 0, result["differ"]
+    assert result["flags"] == list(driver_bwd._ORDERING_FLAGS)
+    for choice in ("refused", "barrier_release,dq_rotated,release_deferred",
+                   "barrier_release,dq_descending,release_deferred,reverse_n_blocks", "barrier_release,release_deferred"):
+        assert choice in result["seen"], result["seen"]
 
 
 def test_bwd_modules_are_lifted_without_package_parts():
@@ -808,12 +922,14 @@ def test_bwd_modules_are_lifted_without_package_parts():
                  "bwd_mask.", "bwd_deterministic.", "hardware."):
         assert gone not in tuned, gone
     for there in ("class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120)", "def apply_mask_any_layout",
-                  "def dq_turn", "def bwd_config_error", "class Sm120BwdConfig"):
+                  "def dq_turn", "def bwd_config_error", "class Sm120BwdConfig", "class ReversedNBlockScheduler",
+                  "def rotated_turn", "def release_after_barrier", "def fetch", "dq_rotated: bool = False"):
         assert there in tuned, there
     from patchgen.step_bwd import load_bwd_table
 
     configs = mp.render_bwd_configs_module(load_bwd_table())
     assert "flash_attn_sm120" not in configs and "SM120_BWD_TABLE" in configs
+    assert "def sm120_bwd_deterministic_plan(" in configs and "sm120_bwd_dq_descending" not in configs
     compile(configs, "flash_bwd_sm120_configs.py", "exec")
 
 
@@ -827,6 +943,31 @@ def test_bwd_patch_needs_every_anchor(tmp_path):
     moved = interface.replace('        assert deterministic is False, "deterministic backward not supported on SM 12.0"\n', "")
     with pytest.raises(mp.AnchorError, match="SM120 backward config from the table"):
         mp.apply_edits(moved, mp._BWD_INTERFACE_EDITS, "interface.py")
+
+
+def test_bwd_patch_refuses_a_changed_deterministic_plan(monkeypatch):
+    """The lifted deterministic_plan and the interface's call of it are anchored: a package plan whose
+    forced-plan branch, signature or call changed raises AnchorError instead of a wrong adapter."""
+    from flash_attn_sm120 import driver_bwd
+
+    from patchgen import step_bwd
+    from patchgen.core import top_level_source
+
+    step_bwd.check_plan_call()  # the package as it is
+    assert "def sm120_bwd_deterministic_plan(" in step_bwd.render_plan_adapter()
+    source = top_level_source(driver_bwd, "deterministic_plan")
+    monkeypatch.setattr(step_bwd, "top_level_source", lambda module, name: (
+        source.replace("if _forced_plan:", "if _forced_plan and True:") if name == "deterministic_plan"
+        else top_level_source(module, name)))
+    with pytest.raises(mp.AnchorError, match="deterministic_plan"):
+        step_bwd.render_plan_adapter()
+
+    def plan(num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(None,) * 4, window=None):
+        return {}
+
+    monkeypatch.setattr(driver_bwd, "deterministic_plan", plan)
+    with pytest.raises(mp.AnchorError, match="deterministic_plan"):
+        step_bwd.check_plan_call()
 
 
 def test_bwd_patch_commit_message_quotes_the_measurements():

@@ -278,8 +278,8 @@ _BS_INTERFACE_EDITS = (
     ),
     (
         "import of the SM120 block-sparse backward",
-        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n",
-        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n"
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n",
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n"
         "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_block_sparse_config, sm120_check_block_sparse_bwd\n"
         "from flash_attn.cute.flash_bwd_sm120_block_sparse import FlashAttentionBackwardSm120BlockSparse\n",
     ),

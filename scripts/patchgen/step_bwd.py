@@ -7,7 +7,9 @@ driver's occupancy bookkeeping); renders the backward table (`flash_attn_sm120/c
 with its fallbacks and selection rule (`config_bwd.py`) as `flash_bwd_sm120_configs.py`; and edits
 `interface.py` so that `_flash_attn_bwd` on SM120 builds the tuned class with the table's config,
 gives the postprocess the same thread layout, and runs `deterministic=True` with the semaphores and
-dQ order the package's driver uses (`driver_bwd.py`). Where no config runs the head dims, the
+dQ ordering the package's driver uses: `driver_bwd.deterministic_plan`, lifted into the configs module
+as `sm120_bwd_deterministic_plan` (its forced plan an argument), its flags the kernel's keywords
+(`check_plan_call` anchors the call and the keywords). Where no config runs the head dims, the
 interface keeps SM120's earlier default and class.
 """
 
@@ -17,6 +19,8 @@ import ast
 import inspect
 import json
 import math
+import re
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from patchgen.core import (
     apply_edits,
     check_no_package_refs,
     commit_message,
+    quote_record,
     rename,
     substitute,
     top_level_source,
@@ -45,11 +50,15 @@ from patchgen.core import (
 )
 
 WHERE = "flash_attn_sm120/kernels/bwd_sm120.py"
+DET_WHERE = "flash_attn_sm120/kernels/bwd_deterministic.py"
 DEFAULT_BWD_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_bwd.toml"
 # the benchmark of the shipped backward table that the message quotes (prepare.py --set bwd --json)
 DEFAULT_BWD_BENCH = ROOT / "configs" / "measurements" / "2026-12-01_bwd_table_emulated.json"
-# the same problems with deterministic=True (summary.deterministic_vs_table)
-DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-01_bwd_deterministic_emulated.json"
+# the same problems with deterministic=True (summary.deterministic_vs_table), run with the orderings the
+# patch lifts (commit ef89f2f), and session 8's ordering in the same run (summary.det_session8_vs_table)
+DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_deterministic_orders_emulated.json"
+# the session record of the orderings' GPU tests that the message quotes
+DEFAULT_DET_RECORD = ROOT / "configs" / "measurements" / "2026-12-02_session13.md"
 TUNED_REL = f"{CUTE}/flash_bwd_sm120_tuned.py"
 CONFIGS_REL = f"{CUTE}/flash_bwd_sm120_configs.py"
 
@@ -68,7 +77,9 @@ FlashAttentionBackwardSm120Tuned adds, by subclassing FlashAttentionBackwardSm12
   * a causal/local mask that is right for any S/dP warp layout (layout_free): the R2P mask of
     AttentionMask.apply_mask assumes one warp along N, which only the earlier 4-warp config had;
   * varlen GQA dK/dV accumulated at the offsets the postprocess reads (epilogue);
-  * deterministic: semaphore-ordered dQ and GQA dK/dV accumulation (dq_turn, acquire, release).
+  * deterministic: semaphore-ordered dQ and GQA dK/dV accumulation, in the dQ order the interface
+    picks (sm120_bwd_deterministic_plan): ascending, descending with the n_blocks launched shortest
+    first (dq_turn, ReversedNBlockScheduler), or rotated (rotated_turn); acquire, release.
 Everything else (mainloop, atomics, GQA accumulation, varlen) is FlashAttentionBackwardSm120's.
 """
 '''
@@ -91,20 +102,43 @@ _BODY_EDITS = (  # on the package module's code after its imports
      "\n"
      "    family = \"bwd\"\n",
      "    \"\"\"FlashAttentionBackwardSm120 with a Sm120BwdConfig, SM120 limits, a mask for any warp layout\n"
-     "    and a deterministic mode (dq_descending: the dQ turn order, see dq_turn).\"\"\"\n"),
+     "    and a deterministic mode. Its ordering keywords (SM120_BWD_ORDERING_FLAGS) are what\n"
+     "    flash_bwd_sm120_configs.sm120_bwd_deterministic_plan returns; see dq_turn and rotated_turn.\"\"\"\n"),
     ("        emulate_host_smem: Optional[hardware.EmulationHost] = None,\n", ""),
     ("        self.emulate_host_smem = emulate_host_smem\n", ""),
-    ("        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order\n"
-     "        # filled in at trace time, read by the occupancy check, the codegen report and the tests\n"
+    ("        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order\n",
+     "        self.dq_descending = dq_descending and is_causal  # the dQ turn order (dq_turn)\n"),
+    ("        # filled in at trace time, read by the occupancy check, the codegen report and the tests\n"
      "        self.smem_bytes_unpadded: Optional[int] = None\n"
      "        self.smem_bytes_launched: Optional[int] = None\n"
      "        self.launch_threads: Optional[int] = None\n"
      "\n"
      "    def _get_shared_storage_cls(self):\n"
      "        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)\n",
-     "        self.dq_descending = dq_descending and is_causal  # the dQ turn order (dq_turn)\n"),
+     ""),
     ("one warp along N of the S tile (bwd_mask.py)\n", "one warp along N of the S tile (layout_free)\n"),
+    ("upstream's step (kernels/bwd_mods.py has its own)", "FlashAttentionBackwardSm120's step"),
+    ("        # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch\n"
+     "        # swaps in the same scheduler with the n_blocks reversed (dense problems only)\n",
+     "        # FlashAttentionBackwardSm80.__call__ passes its tile scheduler class second to last; the\n"
+     "        # shortest-first launch swaps in the same scheduler with the n_blocks reversed (dense only)\n"),
+    ("\"reverse_n_blocks needs upstream's dense tile scheduler (no cu_seqlens_k)\"",
+     "\"reverse_n_blocks needs the dense SingleTileScheduler (no cu_seqlens_k)\""),
+    ("        # the dQ adds (and their wait) after the dK product, at the m_block's end: the modifier step's\n"
+     "        # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them\n",
+     "        # the dQ adds (and their wait) after the dK product, at the m_block's end: an option of the\n"
+     "        # modifier step (FlashAttentionBackwardSm120Mods); the SM80 step cannot reorder them\n"),
 )
+_DET_EDITS = (  # on the deterministic module's lifted definitions
+    ("    \"\"\"Upstream's one-tile-per-CTA scheduler with the n_blocks launched last to first.\n",
+     "    \"\"\"SingleTileScheduler (one tile per CTA) with the n_blocks launched last to first.\n"),
+)
+_DET_DOC_EDITS = (  # on its docstring, the section's comment: the package's module names in upstream's
+    ("(driver_bwd.deterministic_plan chooses)", "(flash_bwd_sm120_configs.sm120_bwd_deterministic_plan chooses)"),
+    ("(kernels/bwd_sm120.py, compute_one_m_block)", "(compute_one_m_block, below)"),
+)
+# the package's module names: none may be left in the upstream module (comments included)
+_PACKAGE_MODULES = re.compile(r"\bdriver_bwd\b|\bkernels/|(?<![\w.])(bwd_sm120|bwd_deterministic|bwd_mask|bwd_mods)\b")
 _DROP = ("upstream_bwd_config",)  # package-only: the benchmark's "before" config
 _RENAMES = (
     ("BwdConfig", "Sm120BwdConfig"),  # the interface has an SM90 BwdConfig
@@ -112,10 +146,6 @@ _RENAMES = (
     ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
     ("hardware.SMEM_PER_BLOCK_MAX", "SM120_SMEM_PER_BLOCK_MAX"),
     ("bwd_mask.layout_free", "layout_free"),
-    ("bwd_deterministic.dq_turn", "dq_turn"),
-    ("bwd_deterministic.acquire_if", "acquire_if"),
-    ("bwd_deterministic.acquire", "acquire"),
-    ("bwd_deterministic.release", "release"),
 )
 _REPLACED_IMPORTS = {  # package module -> what upstream imports instead (None: lifted into the file)
     "flash_attn_sm120": None,
@@ -196,6 +226,17 @@ def _doc_as_comment(doc: str, title: str) -> str:
     return f"# {'-' * 20} {title}\n" + "".join(f"# {l}".rstrip() + "\n" for l in body.strip().splitlines())
 
 
+def _det_names() -> list[str]:
+    """The deterministic module's top-level functions and classes, in its order (all are lifted)."""
+    tree = ast.parse(inspect.getsource(pkg_bwd_det))
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    other = [n for n in tree.body[1:] if not isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))]
+    if other:
+        raise AnchorError(f"{DET_WHERE}: top-level code other than definitions at line {other[0].lineno}; "
+                          "step_bwd.py lifts definitions only")
+    return names
+
+
 def render_tuned_module() -> str:
     """flash_bwd_sm120_tuned.py: the package's backward, mask and deterministic modules in upstream's names."""
     imp_bwd, doc_bwd, body = _imports_and_body(pkg_bwd)
@@ -211,9 +252,20 @@ def render_tuned_module() -> str:
     body = _drop_top_level(body, _DROP)
     for old, new in _RENAMES:
         body = rename(body, old, new, where=WHERE)
+    det_names = _det_names()
+    for name in det_names:  # the kernel's uses of the deterministic module's definitions, lifted next to it
+        body = re.sub(rf"(?<![\w.])bwd_deterministic\.{name}\b", name, body)
+    left = re.search(r"(?<!\w)bwd_deterministic\b.{0,40}", body)
+    if left:
+        raise AnchorError(f"{WHERE}: a use of bwd_deterministic that is not one of its top-level definitions "
+                          f"({left.group(0)!r})")
     body = upstream_wording(body)
     mask_defs = _join_defs(top_level_source(pkg_bwd_mask, n) for n in ("layout_free", "apply_mask_any_layout"))
-    det_defs = _join_defs(top_level_source(pkg_bwd_det, n) for n in ("dq_turn", "acquire", "acquire_if", "release"))
+    det_defs = _join_defs(top_level_source(pkg_bwd_det, n) for n in det_names)
+    for old, new in _DET_EDITS:
+        det_defs = substitute(det_defs, old, new, where=DET_WHERE)
+    for old, new in _DET_DOC_EDITS:
+        doc_det = substitute(doc_det, old, new, where=f"{DET_WHERE} (docstring)")
     cls_at = body.index("class FlashAttentionBackwardSm120Tuned(")
     text = (
         _TUNED_DOC.format(algorithm=upstream_wording(algorithm.strip()))
@@ -226,6 +278,11 @@ def render_tuned_module() -> str:
         + body[cls_at:]
     )
     check_no_package_refs(text, TUNED_REL)
+    left = _PACKAGE_MODULES.search(text)
+    if left:
+        line = text[:left.start()].count("\n") + 1
+        raise AnchorError(f"{TUNED_REL}: the package's module name {left.group(0)!r} left at line {line}; "
+                          "add an edit in step_bwd.py")
     compile(text, "flash_bwd_sm120_tuned.py", "exec")
     return text
 
@@ -316,15 +373,57 @@ def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool) 
         return select_bwd_config(SM120_BWD_TABLE, head_dim, head_dim_v, causal, local)
     except ValueError:
         return None
-
-
-def sm120_bwd_dq_descending(causal: bool, seqlen_k: int, n_block: int, varlen_k: bool, num_sms: int) -> bool:
-    """The deterministic dQ turn order (flash_bwd_sm120_tuned.dq_turn): descending for dense causal
-    attention when every n_block CTA of one head fits on the GPU at once (1 CTA per SM, the least
-    any table entry runs), which makes the waits vanish without a deadlock; else ascending (the
-    launch order). Varlen keeps the ascending order (its scheduler's launch order differs)."""
-    return causal and not varlen_k and -(-seqlen_k // n_block) <= num_sms
 '''
+
+
+# driver_bwd.deterministic_plan, lifted as sm120_bwd_deterministic_plan: the package's forced plan
+# (force_deterministic_plan, a context manager of its benchmarks) becomes an argument
+PLAN_WHERE = "flash_attn_sm120/driver_bwd.py (deterministic_plan)"
+_PLAN_EDITS = (
+    ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
+     "                       index_tensors: tuple = (None, None, None, None)) -> dict:\n",
+     "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
+     "                                 index_tensors: tuple = (None, None, None, None),\n"
+     "                                 flags: Optional[dict] = None) -> dict:\n"),
+    ("    \"\"\"How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).\n",
+     "    \"\"\"How the deterministic backward orders its dQ additions: the ordering keywords of\n"
+     "    FlashAttentionBackwardSm120Tuned (flash_bwd_sm120_tuned.py: dq_turn, rotated_turn,\n"
+     "    ReversedNBlockScheduler), the interface's choice on SM120.\n"),
+    ("    cu_seqlens_q/k, seqused_q/k.\"\"\"\n",
+     "    cu_seqlens_q/k, seqused_q/k. `flags`: an ordering to run instead (benchmarks and tests of the\n"
+     "    orderings; flags not given are off), refused where it could deadlock.\"\"\"\n"),
+    ("    if _forced_plan:\n"
+     "        plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}\n",
+     "    if flags is not None:\n"
+     "        unknown = set(flags) - set(_ORDERING_FLAGS)\n"
+     "        if unknown:\n"
+     "            raise ValueError(f\"unknown deterministic ordering flags {sorted(unknown)}; \"\n"
+     "                             f\"known: {_ORDERING_FLAGS}\")\n"
+     "        plan = {f: bool(flags.get(f, False)) for f in _ORDERING_FLAGS}\n"),
+    ("    # an order that can deadlock is refused, forced or not", "    # an order that can deadlock is refused, given or not"),
+)
+
+
+def render_plan_adapter() -> str:
+    """SM120_BWD_ORDERING_FLAGS and sm120_bwd_deterministic_plan: the package's deterministic_plan (and
+    its flag names) in upstream's names, the forced plan as an argument."""
+    names = pkg_driver_bwd._ORDERING_FLAGS
+    if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise AnchorError(f"{PLAN_WHERE}: _ORDERING_FLAGS is not a tuple of keyword names")
+    flags = ("# FlashAttentionBackwardSm120Tuned's deterministic ordering keywords\n"
+             "SM120_BWD_ORDERING_FLAGS = (\n"
+             + "".join(f"    {line}\n" for line in textwrap.wrap(" ".join(f'"{n}",' for n in names), 92))
+             + ")\n")
+    code = top_level_source(pkg_driver_bwd, "deterministic_plan")
+    for old, new in _PLAN_EDITS:
+        code = substitute(code, old, new, where=PLAN_WHERE)
+    code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)
+    code = rename(code, "BwdConfig", "Sm120BwdConfig", where=PLAN_WHERE)
+    left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b", code)
+    if left:
+        raise AnchorError(f"{PLAN_WHERE}: package-only name {left.group(0)!r} left in the lifted plan; "
+                          "revisit _PLAN_EDITS in step_bwd.py")
+    return "\n\n" + _join_defs([flags, upstream_wording(code)])
 
 
 def render_bwd_configs_module(table) -> str:
@@ -334,8 +433,9 @@ def render_bwd_configs_module(table) -> str:
         code = substitute(code, old, new, where=where)
     code = rename(code, "BwdConfig", "Sm120BwdConfig", where=where)
     code = upstream_wording(code)
-    check_no_package_refs(_BWD_CONFIGS_HEADER + code + _BWD_ADAPTER, CONFIGS_REL)
-    text = _BWD_CONFIGS_HEADER + "\n" + code + "\n\n" + _table_literal(table) + _BWD_ADAPTER
+    adapter = _BWD_ADAPTER + render_plan_adapter()
+    check_no_package_refs(_BWD_CONFIGS_HEADER + code + adapter, CONFIGS_REL)
+    text = _BWD_CONFIGS_HEADER + "\n" + code + "\n\n" + _table_literal(table) + adapter
     if "flash_attn_sm120" in text:  # the table's comments quote its provenance (mode, GPU), nothing else
         raise AnchorError(f"{CONFIGS_REL}: the package is named in the table's comments")
     compile(text, "flash_bwd_sm120_configs.py", "exec")
@@ -348,7 +448,7 @@ _BWD_INTERFACE_EDITS = (
         "import of the SM120 tuned backward",
         "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n",
         "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n"
-        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_dq_descending\n"
+        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n"
         "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n",
     ),
     (
@@ -382,13 +482,15 @@ _BWD_INTERFACE_EDITS = (
         "SM120 deterministic semaphores and dQ order",
         "    # The dedicated hd256 backward is deterministic without semaphores.\n"
         "    if deterministic and not use_dedicated_hd256_kernel:\n",
-        "    sm120_dq_descending = False\n"
+        "    sm120_det_plan = {}  # SM120's deterministic ordering: FlashAttentionBackwardSm120Tuned's keywords\n"
         "    if deterministic and arch // 10 == 12:\n"
         "        # SM120 (flash_bwd_sm120_tuned.py): int32 turn counters per (batch, head, m_block) for dQ\n"
-        "        # and per (batch, KV head, n_block) for GQA dK/dV (dK's serves dV too)\n"
-        "        sm120_dq_descending = sm120_bwd_dq_descending(\n"
-        "            causal, seqlen_k, n_block_size, cu_seqlens_k is not None,\n"
-        "            get_num_sms_for_selection(device.index, arch),\n"
+        "        # and per (batch, KV head, n_block) for GQA dK/dV (dK's serves dV too); the dQ order:\n"
+        "        # descending turns with the n_blocks launched shortest first for causal, the rotated\n"
+        "        # order without a mask when a head's n_blocks are resident, else ascending\n"
+        "        sm120_det_plan = sm120_bwd_deterministic_plan(\n"
+        "            get_num_sms_for_selection(device.index, arch), sm120_bwd_cfg, causal, seqlen_q, seqlen_k,\n"
+        "            index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),\n"
         "        )\n"
         "        dQ_semaphore = torch.zeros(\n"
         "            batch_size, num_head, max(seqlen_q_rounded // m_block_size, 1), dtype=torch.int32, device=device\n"
@@ -413,12 +515,12 @@ _BWD_INTERFACE_EDITS = (
         "    elif deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
     ),
     (
-        "the dQ turn order joins the compile key",
+        "the dQ ordering joins the compile key",
         "            dQ_single_wg,\n"
         "            deterministic,\n",
         "            dQ_single_wg,\n"
         "            deterministic,\n"
-        "            sm120_dq_descending,\n",
+        "            tuple(sm120_det_plan.items()),\n",
     ),
     (
         "SM120 semaphores are 3-D",
@@ -456,7 +558,7 @@ _BWD_INTERFACE_EDITS = (
         "                score_mod=score_mod,\n"
         "                score_mod_bwd=score_mod_bwd,\n"
         "                deterministic=deterministic,\n"
-        "                dq_descending=sm120_dq_descending,\n"
+        "                **sm120_det_plan,\n"
         "            )\n"
         "        elif arch // 10 in [8, 12]:\n"
         "            flash_bwd_obj_cls = FlashAttentionBackwardSm120 if arch // 10 == 12 else FlashAttentionBackwardSm80\n",
@@ -475,6 +577,27 @@ _BWD_INTERFACE_EDITS = (
         "            num_threads_post_dKV = 128\n",
     ),
 )
+
+
+def check_plan_call() -> None:
+    """AnchorError unless the package calls deterministic_plan as the patched interface calls
+    sm120_bwd_deterministic_plan (same arguments, the result as the kernel's keywords) and the kernel
+    takes every ordering flag as a keyword."""
+    sig = list(inspect.signature(pkg_driver_bwd.deterministic_plan).parameters)
+    if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors"]:
+        raise AnchorError(f"{PLAN_WHERE}: takes {sig}; revisit the interface's sm120_bwd_deterministic_plan call")
+    backward = " ".join(inspect.getsource(pkg_driver_bwd.backward).split())
+    call = ("**(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=( "
+            "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)) if deterministic else {})")
+    if call not in backward:
+        raise AnchorError("flash_attn_sm120/driver_bwd.py: backward() no longer calls deterministic_plan as the "
+                          "patched interface does; revisit the interface edits in step_bwd.py")
+    if "**ordering_flags(statics)" not in inspect.getsource(pkg_driver_bwd.make_kernel):
+        raise AnchorError("flash_attn_sm120/driver_bwd.py: make_kernel no longer passes the plan as the kernel's keywords")
+    kwargs = inspect.signature(pkg_bwd.FlashAttentionBackwardSm120Tuned.__init__).parameters
+    missing = [f for f in pkg_driver_bwd._ORDERING_FLAGS if kwargs.get(f) is None or kwargs[f].default is not False]
+    if missing:
+        raise AnchorError(f"{WHERE}: FlashAttentionBackwardSm120Tuned takes no keyword {missing} defaulting to False")
 
 
 # ------------------------------------------------------------------------------ the step
@@ -508,8 +631,17 @@ def _bench_block(bench: dict) -> list:
     ]
 
 
+def det_test_facts(path: Path = DEFAULT_DET_RECORD) -> dict:
+    """The orderings' GPU tests as the session record gives them (AnchorError where it says otherwise)."""
+    text = Path(path).read_text()
+    m = quote_record(r"`pytest -n \d+ (tests/test_bwd_deterministic_gpu\.py)` \(commit (\w+)\): \*\*(\d+) passed\*\*"
+                     r".*?and (\d+) forced orderings\.", text, "the deterministic GPU tests' result", path, "step_bwd.py")
+    return dict(test_file=m.group(1), commit=m.group(2), passed=int(m.group(3)), forced=int(m.group(4)))
+
+
 def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_path: Path = DEFAULT_BWD_BENCH) -> str:
     """Patch 4: the SM120 backward from the measured table, and deterministic=True on SM120."""
+    det_tests = det_test_facts()
     table = load_bwd_table(table_path)
     ctx.write(TUNED_REL, render_tuned_module())
     ctx.write(CONFIGS_REL, render_bwd_configs_module(table))
@@ -531,16 +663,20 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             measured += _bench_block(bench)
         if det_bench:
             dv = det_bench["summary"]["deterministic_vs_table"]
+            old = det_bench["summary"].get("det_session8_vs_table")
             measured.append(
                 f"deterministic=True costs time: on the same {len(dv['ratios'])} problems ({det_bench['gpu']}, mode "
                 f"{det_bench['mode']}, {det_bench['date'][:10]}) it runs at {dv['geomean']:.2f}x the table's speed "
-                f"(geometric mean; lowest {dv['min']:.2f}x), the waiting CTA being the whole CTA.")
+                f"(geometric mean; lowest {dv['min']:.2f}x)"
+                + (f"; the previous ordering (ascending turns, or descending for causal where a head's n_blocks "
+                   f"were resident; a fence per thread before each release) ran at {old['geomean']:.2f}x on "
+                   f"{len(old['ratios'])} of them in the same run" if old else "")
+                + ". The rest is mostly barrier stalls: at each m_block the whole CTA waits for the one "
+                "thread that reads or releases the flag.")
         if "emulated" in modes:
             measured.append(EMULATED_NOTE + ".")
         measured += ["Table commands:", "\n".join(f"  {c}" for c in sorted({str(e.provenance['command']) for e in table}))]
-    n_sm_rule = inspect.getsource(pkg_driver_bwd._all_n_blocks_resident)  # the rule the adapter restates
-    if "num_sms" not in n_sm_rule or "varlen_k" not in n_sm_rule:
-        raise AnchorError("flash_attn_sm120/driver_bwd.py: _all_n_blocks_resident changed; revisit sm120_bwd_dq_descending")
+    check_plan_call()
     return commit_message(
         "[Cute,Sm120] Backward from a measured table (4 or 8 warps, any atom layout), deterministic mode",
         "SM120's backward ran one configuration for every head dim and mask: 4 warps, 64x64 tiles, all "
@@ -561,8 +697,9 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             "postprocess reads the accumulators with the same warps, atom layout and swap; where no config "
             "runs the head dims the previous default and class stay. deterministic=True allocates int32 "
             "turn counters per (batch, head, m_block) for dQ and per (batch, KV head, n_block) for GQA "
-            "dK/dV (3-D, not the 4-D SM90/SM100 ones) and the dQ turn order; with a sliding window it "
-            "raises NotImplementedError.",
+            "dK/dV (3-D, not the 4-D SM90/SM100 ones) and picks the dQ ordering "
+            "(sm120_bwd_deterministic_plan, the class's ordering keywords, part of the compile key); with "
+            "a sliding window it raises NotImplementedError.",
         ],
         "Why the subclass changes more than the tiles (three problems of the SM80/SM120 mainloop):",
         [
@@ -579,20 +716,43 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             "passes the offset that lands on the rounded one.",
         ],
         "Deterministic mode: a semaphore per accumulator tile fixes the order of the fp32 additions, as "
-        "on SM90/SM100. dQ: the CTA of n_block n adds at its turn, ascending (the launch order), or "
-        "descending for dense causal attention when every n_block CTA of a head fits on the GPU at once "
-        "(then the CTA on the diagonal arrives first and the waits vanish). GQA dK/dV: query head j of "
-        "a group adds at turn j. The wait sits inside the dQ product (on the load hooked after its "
-        "first k-slice), so the section held is the dQ product and its atomics, not the m_block.",
+        "on SM90/SM100. GQA dK/dV: query head j of a group adds at turn j. dQ: the CTA of n_block n adds "
+        "into an m_block's rows at its turn, in one of three orders (sm120_bwd_deterministic_plan):",
+        [
+            "causal, without cu_seqlens_k: descending turns (the CTA on the diagonal reaches an m_block "
+            "first) with the n_blocks launched last to first (ReversedNBlockScheduler, shortest first), "
+            "so that every wait is for a CTA launched earlier: no deadlock whatever the number of SMs;",
+            "no mask, dense, a head's n_blocks at most its m_blocks and resident (at most one per SM): "
+            "the rotated order, CTA n walking the m_blocks cyclically from n * M // N, where no two CTAs "
+            "reach an m_block at the same step and in steady state no CTA waits;",
+            "otherwise (causal with cu_seqlens_k; no mask with cu_seqlens or seqused, or with more "
+            "n_blocks than m_blocks or SMs): ascending turns, the launch order.",
+        ],
+        "The wait sits inside the dQ product (on the load hooked after its first k-slice), so the "
+        "section held is the dQ product and its atomics, not the m_block. The release is CUTLASS's "
+        "Semaphore::release (a CTA barrier, then one release increment; no fence per thread, so the dQ "
+        "adds stay fire-and-forget REDs), deferred to the next m_block's hook before its dQ product, "
+        "where the loads the release would wait for have landed. Orderings that can deadlock are "
+        "refused, whether chosen or given. The kernel also takes orderings the plan does not use (for "
+        "benchmarks and tests): an early flag read (fetch_early, fetch_relaxed) and per-warp turns "
+        "(warp_turns: each warp waits and releases on its own, no CTA barrier).",
         *measured,
         "Tested:",
         [
             "Correctness (flash_attn_sm120's own backward, the same kernel code, in the mode above): dQ/dK/dV "
-            "against an fp32 reference across table entries, causal, local, varlen and GQA; deterministic "
-            "runs bitwise identical over repeats; compute-sanitizer memcheck/racecheck clean on four cases.",
+            "against an fp32 reference across table entries, causal, local, varlen and GQA; compute-sanitizer "
+            "memcheck/racecheck clean on four cases (before the orderings above). Deterministic: "
+            f"{det_tests['test_file']}, {det_tests['passed']} passed: dq/dk/dv bitwise identical over three "
+            "runs and within tolerance of fp32 autograd, for the plan's orderings (GQA causal, "
+            "dense, rotated at several m/n block counts, varlen GQA causal, more n_blocks than SMs) and for "
+            f"{det_tests['forced']} given ones (per-warp turns came after that run). The orderings' deadlock freedom is checked on a CPU too: the rotated order's "
+            "formulas against its definition, and event simulations at random CTA speeds and with fewer "
+            "resident CTAs than n_blocks.",
             f"This patch applied to {UPSTREAM_DISTRIBUTION} {ctx.upstream_version}: the tuned class compiles "
-            "for sm_120a with fake tensors on a CPU for every table entry (and deterministic GQA) without "
-            "local memory.",
+            "for sm_120a with fake tensors on a CPU for every table entry, and deterministic in the "
+            "orderings the interface picks and two given ones, without local memory (the barrier release "
+            "keeps the dQ adds REDs); sm120_bwd_deterministic_plan gives the package's plan on a grid of "
+            "problems, refusals included; _flash_attn_bwd on fake CUDA tensors passes it to the kernel.",
             "The patched upstream's backward has not run on a GPU yet (its GPU test is written, not run), "
             "and not on a real SM120: do that before merging.",
         ],

@@ -141,9 +141,9 @@ _MODS_INTERFACE_EDITS = (
     (
         "the modifier class joins the compile key",
         "            deterministic,\n"
-        "            sm120_dq_descending,\n",
+        "            tuple(sm120_det_plan.items()),\n",
         "            deterministic,\n"
-        "            sm120_dq_descending,\n"
+        "            tuple(sm120_det_plan.items()),\n"
         "            sm120_mods,\n",
     ),
     (
@@ -159,9 +159,9 @@ _MODS_INTERFACE_EDITS = (
     ),
     (
         "the modifier class takes mask_mod and has_aux_tensors",
-        "                dq_descending=sm120_dq_descending,\n"
+        "                **sm120_det_plan,\n"
         "            )\n",
-        "                dq_descending=sm120_dq_descending,\n"
+        "                **sm120_det_plan,\n"
         "                **sm120_mod_kwargs,\n"
         "            )\n",
     ),
@@ -212,8 +212,11 @@ def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) ->
             "applies score_mod, mask_mod and score_mod_bwd there with softmax.py's and mask.py's "
             "helpers (apply_score_mod_inner, call_mask_mod, apply_score_mod_bwd_inner), and wraps the "
             "indices into the sequence with aux tensors as the SM90 backward does. Same configs, "
-            "padding and deterministic order as the tuned class. The step's use_mask_mod=False leaves "
-            "the mask_mod out of a tile (for the full tiles of block-sparse lists).",
+            "padding and deterministic orderings as the tuned class, plus one the tuned class's step "
+            "cannot run: late_dq_adds (the dQ accumulator held across the dK product, its turn waited "
+            "for right before the adds), which the interface's plan does not use. The step's "
+            "use_mask_mod=False leaves the mask_mod out of a tile (for the full tiles of block-sparse "
+            "lists).",
             "interface.py: _flash_attn_bwd on SM120 builds the modifier class, with mask_mod and "
             "has_aux_tensors, when a call has a user score_mod/score_mod_bwd, a mask_mod or aux "
             "tensors; the aux data is compiled and passed as for the other archs (AuxData). The "
