@@ -460,15 +460,16 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
                        index_tensors: tuple = (None, None, None, None)) -> dict:
     """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
 
-    * Causal, dense: descending turns with the n_blocks launched shortest first, so that every wait is
-      for a CTA launched earlier (no residency condition).
+    * Causal without cu_seqlens_k: descending turns with the n_blocks launched shortest first, so
+      that every wait is for a CTA launched earlier (no residency condition).
     * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
       most its m_blocks: no CTA waits in steady state.
-    * Otherwise (varlen, seqused): causal varlen keeps descending turns when a head's n_blocks are
-      resident, else everything ascending, as the n_block CTAs launch.
+    * Otherwise (varlen, seqused without a mask, more n_blocks than m_blocks or than SMs): ascending
+      turns, as the n_block CTAs launch.
     Every plan releases a turn as CUTLASS's semaphore does (CTA barrier, one release increment), in
-    the next m_block where the loads its fence would wait for have landed. num_sms: the GPU's (a head's n_blocks are resident when they
-    number at most that: 1 CTA per SM, the least any shipped config runs). `index_tensors`:
+    the next m_block, where the loads its fence would wait for have landed. num_sms: the GPU's (a
+    head's n_blocks are resident when they number at most that: 1 CTA per SM, the least any shipped
+    config runs). `index_tensors`:
     cu_seqlens_q/k, seqused_q/k."""
     cu_q, cu_k, used_q, used_k = (t is not None for t in index_tensors)
     dense = not (cu_q or cu_k or used_q or used_k)
