@@ -83,7 +83,7 @@ class BwdStatics:
     emulate_host_smem: Optional[object]  # hardware.EmulationHost in emulation
     deterministic: bool = False
     dq_descending: bool = False  # deterministic dQ turn order (kernels/bwd_deterministic.py)
-    dq_rotated: bool = False  # the rest of the deterministic ordering (deterministic_plan)
+    dq_rotated: bool = False  # the other deterministic ordering flags (deterministic_plan, _ORDERING_FLAGS)
     reverse_n_blocks: bool = False
     fetch_early: bool = False
     barrier_release: bool = False
@@ -460,16 +460,18 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
                        index_tensors: tuple = (None, None, None, None)) -> dict:
     """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
 
-    * Causal without cu_seqlens_k: descending turns with the n_blocks launched shortest first, so
-      that every wait is for a CTA launched earlier (no residency condition).
+    * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
+      first, so that every wait is for a CTA launched earlier (no residency condition).
     * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
-      most its m_blocks: no CTA waits in steady state.
-    * Otherwise (varlen, seqused without a mask, more n_blocks than m_blocks or than SMs): ascending
-      turns, as the n_block CTAs launch.
-    Every plan releases a turn as CUTLASS's semaphore does (CTA barrier, one release increment), in
-    the next m_block, where the loads its fence would wait for have landed. num_sms: the GPU's (a
-    head's n_blocks are resident when they number at most that: 1 CTA per SM, the least any shipped
-    config runs). `index_tensors`:
+      most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
+      every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel
+      sharing the GPU stalls it until its SMs free up.
+    * Otherwise (varlen, seqused, more n_blocks than m_blocks or than SMs): ascending turns, as the
+      n_block CTAs launch.
+    The shipped plans release a turn as CUTLASS's semaphore does (CTA barrier, one release increment),
+    deferred to the next m_block, where the loads the release's fence would wait for have landed.
+    num_sms: the GPU's (a head's n_blocks are resident when they number at most that: 1 CTA per SM,
+    the least any shipped config runs). `index_tensors`:
     cu_seqlens_q/k, seqused_q/k."""
     cu_q, cu_k, used_q, used_k = (t is not None for t in index_tensors)
     dense = not (cu_q or cu_k or used_q or used_k)
@@ -480,18 +482,22 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
         plan.update(barrier_release=True, release_deferred=True)
-        if causal and not cu_k:
+        if causal and not (cu_k or used_k):
+            # (with seqused_k the grid's n_blocks past the used keys still visit the last m_blocks, which
+            # descending turns counted from the used keys would not wait for: turn -1, a hang)
             plan.update(dq_descending=True, reverse_n_blocks=True)
         elif not causal and dense and n_blocks <= m_blocks and resident:
             plan.update(dq_rotated=True)
     # an order that can deadlock is refused, forced or not (a hang is the one failure with no message)
+    if plan["dq_descending"] and not causal:
+        plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
+    if plan["dq_descending"] and used_k:
+        raise ValueError("descending dQ turns are counted from the used keys: not with seqused_k")
     if plan["dq_rotated"] and (causal or not dense or n_blocks > m_blocks or not resident):
         raise ValueError("the rotated dQ order needs a dense problem without a causal mask whose n_blocks are "
                          f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
     if plan["reverse_n_blocks"] and (cu_k or not (plan["dq_descending"] or resident)):
         raise ValueError("the reversed n_block launch needs a dense problem and descending turns or resident n_blocks")
-    if plan["dq_descending"] and not causal:
-        plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
     if plan["dq_descending"] and not plan["reverse_n_blocks"] and not resident:
         raise ValueError("descending dQ turns with the ascending launch need a head's n_blocks resident")
     return plan

@@ -56,7 +56,7 @@ DETERMINISTIC = (
     ("rotated", "none", ("dense", "dense"), (1, 2)),  # no mask, dense, n_blocks <= m_blocks
     ("ascending", "causal", ("packed", "packed"), (2, 4)),  # cu_seqlens_k: ascending, even with a causal mask
     ("ascending", "none", ("dense", "dense"), (1, 3)),  # more n_blocks than m_blocks
-    ("descending+reversed", "causal", ("padded", "padded"), (1, 2)),  # seqused (no cu_seqlens_k), causal
+    ("ascending", "causal", ("padded", "padded"), (1, 2)),  # seqused_k, causal: ascending (descending hung)
     ("ascending", "none", ("padded", "packed"), (2, 4)),  # seqused q, cu_seqlens k
     ("rotated", "none", ("dense", "dense"), (4, 8)),  # rotated with a large group's dK/dV order
     ("descending+reversed", "causal", ("dense", "dense"), (1, 8)),

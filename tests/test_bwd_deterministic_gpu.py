@@ -54,6 +54,7 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (1, 1000, 700, 4, 2, 128, False),   # rotated: 16 m_blocks, 11 n_blocks (neither divides), GQA
     (2, 1024, 1024, 4, 4, 128, False),  # rotated: as many m_blocks as n_blocks
     (2, 2048, 1030, 4, 4, 64, False),   # rotated, the d64 entry's 64x128 tile: 32 m_blocks, 9 n_blocks
+    (1, 512, 1024, 2, 2, 64, False),    # rotated, 2/2 Q/dO stages, M == N == 8 (the wait-before-step crossing)
 ])
 def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
     q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=sq + d)
@@ -84,7 +85,8 @@ def test_varlen_gqa_bitwise_and_correct():
 
 
 def test_more_n_blocks_than_resident_ctas():
-    """sk / n_block above the GPU's SM count: the driver falls back to the ascending dQ order."""
+    """sk / n_block above the GPU's SM count: causal runs descending turns with the reversed launch,
+    which needs no residency."""
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     s = (n_sms + 9) * 64
     q, k, v, g = _inputs(1, s, s, 2, 2, 128, seed=11)
@@ -134,3 +136,14 @@ def test_every_forced_ordering_is_bitwise_and_correct(causal, flags):
         for a, c in zip(runs[0], other):
             assert torch.equal(a, c)
     _check(runs[0], *_reference_grads(q, k, v, g, causal))
+
+
+def test_causal_seqused_k_bitwise_and_correct():
+    """seqused_k with a causal mask (padded K/V): the grid's n_blocks past the used keys still visit the
+    last m_blocks, so the plan takes ascending turns (descending ones, counted from the used keys, would
+    hang). The harness runs the backward twice (bitwise) and against fp32 autograd."""
+    case = testing.AttnCase("bfloat16", 128, 128, 1, None, "causal", 0.0, False, "padded", "padded", True,
+                            deterministic=True)
+    problem = testing.AttnProblem((100, 70), (120, 200), nheads_kv=2, pad_q=28, pad_k=56, seed=31)
+    assert testing.deterministic_order(case, problem) == "ascending"
+    testing.run_case("cpasync-table", "public", case, problem)

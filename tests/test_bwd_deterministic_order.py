@@ -12,7 +12,7 @@ import random
 import pytest
 
 from flash_attn_sm120 import codegen, driver_bwd
-from flash_attn_sm120.kernels.bwd_deterministic import rotated_m_block, rotated_turn_of
+from flash_attn_sm120.kernels.bwd_deterministic import hook_plan, rotated_m_block, rotated_turn_of, step_points
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
 
 SHAPES = [(m, n) for m in range(1, 41) for n in range(1, m + 1)] + [(128, 128), (128, 17), (300, 188)]
@@ -83,6 +83,88 @@ def test_descending_turns_need_the_reversed_launch_when_not_resident():
     assert not _simulate(walks, turns, list(range(12)), capacity=4, seed=0)
 
 
+def _protocol(walk, turn_at, stages, late, deferred=True):
+    """One CTA's waits and releases in program order, as compute_one_m_block places them: the
+    kernel's own hook_plan / step_points, and upstream's step order (the release's hooked load, then
+    the wait's; a hooked load happens only when step + k < m_block_max)."""
+    (_, ahead), (_, release_ahead) = hook_plan(*stages)
+    m_min, m_max = 0, len(walk)  # steps of the walk (the kernel's m_block_min .. m_block_max)
+    ops = []
+    for step, m in enumerate(walk):
+        pts = step_points(step, m_min, m_max, ahead, release_ahead, late)
+        previous = walk[step - 1] if step else None
+        if deferred and pts["release_first"]:
+            ops.append(("release", previous))
+        if pts["wait_first"]:
+            ops.append(("wait", m, turn_at(m)))
+        if deferred and step + release_ahead < m_max and pts["release_in_hook"]:
+            ops.append(("release", previous))
+        if not late and step + ahead < m_max:
+            ops.append(("wait", m, turn_at(m)))
+        if late:
+            ops.append(("wait", m, turn_at(m)))
+        if not deferred or step == m_max - 1:
+            ops.append(("release", m))
+    return ops
+
+
+def _replay(programs, launch_order, capacity):
+    """Counters only grow, so whether a set of CTAs can finish does not depend on timing: run every
+    resident CTA as far as it gets, launch into freed slots, repeat. True if all finish."""
+    flag, pc, pending, running = {}, {n: 0 for n in programs}, list(launch_order), []
+    while True:
+        while pending and len(running) < capacity:
+            running.append(pending.pop(0))
+        moved = False
+        for n in list(running):
+            ops = programs[n]
+            while pc[n] < len(ops):
+                op = ops[pc[n]]
+                if op[0] == "wait" and flag.get(op[1], 0) != op[2]:
+                    break
+                if op[0] == "release":
+                    assert op[1] is not None, "a release of the m_block before the walk"
+                    flag[op[1]] = flag.get(op[1], 0) + 1
+                pc[n] += 1
+                moved = True
+            if pc[n] == len(ops):
+                running.remove(n)
+        if not pending and not running:
+            return True
+        if not moved:
+            return False
+
+
+STAGES = [(1, 1), (2, 1), (2, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("late,deferred", [(False, True), (True, True), (False, False)])
+def test_rotated_protocol_never_deadlocks(stages, late, deferred):
+    """Every stage count, M <= 24, N <= M, all of a head's CTAs resident (the plan's condition).
+    (This caught the 2/2-stage crossing: a wait before the step while the release still rode a hook.)"""
+    for m_blocks in range(1, 25):
+        for n_blocks in range(1, m_blocks + 1):
+            programs = {n: _protocol([rotated_m_block(t, n, m_blocks, n_blocks) for t in range(m_blocks)],
+                                     lambda i, n=n: rotated_turn_of(i, n, m_blocks, n_blocks), stages, late, deferred)
+                        for n in range(n_blocks)}
+            assert _replay(programs, list(range(n_blocks)), n_blocks), (stages, m_blocks, n_blocks)
+
+
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("late", [False, True])
+def test_causal_and_ascending_protocols_never_deadlock(stages, late):
+    """Causal walks (CTA n from its diagonal block): descending turns with the reversed launch, and
+    ascending turns with the usual launch, with fewer resident CTAs than n_blocks."""
+    for n_blocks in (1, 2, 5, 12):
+        walks = {n: list(range(n, n_blocks)) for n in range(n_blocks)}
+        descending = {n: _protocol(walks[n], lambda i, n=n: i - n, stages, late) for n in walks}
+        ascending = {n: _protocol(walks[n], lambda i, n=n: n, stages, late) for n in walks}
+        for capacity in (1, 3, n_blocks):
+            assert _replay(descending, list(reversed(range(n_blocks))), capacity)
+            assert _replay(ascending, list(range(n_blocks)), capacity)
+
+
 CFG = BwdConfig(256, 64, 64, 2, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2)
 NONE = (None, None, None, None)
 
@@ -102,6 +184,8 @@ def test_plan_per_problem():
     plan = driver_bwd.deterministic_plan(132, CFG, True, 8192, 8192, varlen)
     assert not plan["reverse_n_blocks"] and not plan["dq_descending"]
     assert not driver_bwd.deterministic_plan(132, CFG, False, 8192, 8192, (None, None, object(), None))["dq_rotated"]
+    plan = driver_bwd.deterministic_plan(132, CFG, True, 100, 256, (None, None, None, object()))  # seqused_k
+    assert not plan["dq_descending"] and not plan["reverse_n_blocks"]
     assert all(driver_bwd.deterministic_plan(132, CFG, c, 4096, 4096, NONE)[f]
                for c in (True, False) for f in ("barrier_release", "release_deferred"))
 
@@ -112,10 +196,14 @@ def test_plan_per_problem():
     (False, dict(dq_rotated=True), 64 * 140, 64 * 140, "rotated"),
     (False, dict(reverse_n_blocks=True), 64 * 140, 64 * 140, "reversed"),
     (True, dict(dq_descending=True), 64 * 140, 64 * 140, "descending"),
+    (False, dict(dq_descending=True, reverse_n_blocks=True), 64 * 140, 64 * 140, "reversed"),
 ])
 def test_forced_orders_that_can_deadlock_are_refused(causal, flags, sq, sk, match):
     with driver_bwd.force_deterministic_plan(**flags), pytest.raises(ValueError, match=match):
         driver_bwd.deterministic_plan(132, CFG, causal, sq, sk, NONE)
+    with driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True), \
+            pytest.raises(ValueError, match="seqused_k"):
+        driver_bwd.deterministic_plan(132, CFG, True, 100, 256, (None, None, None, object()))
     with pytest.raises(ValueError, match="unknown"):
         driver_bwd.force_deterministic_plan(dq_sideways=True)
 

@@ -86,7 +86,7 @@ DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each e
     "bwd-d128-det-none": "rotated",
     "bwd-d128-det-causal-gqa": "descending+reversed",
     "bwd-d64-det-varlen": "ascending",
-    "bwd-d96-det-seqused-causal": "descending+reversed",
+    "bwd-d96-det-seqused-causal": "ascending",
 }
 
 

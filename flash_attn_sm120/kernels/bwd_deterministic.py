@@ -84,6 +84,35 @@ def release(flag: cute.Pointer) -> None:
     barrier.arrive_inc(flag, tidx, 0, 1)
 
 
+def hook_plan(stages_q: int, stages_do: int) -> tuple:
+    """Which of upstream's hooked loads the wait and the deferred release ride on, with the lookahead
+    k of each (upstream's step makes that load only when step + k < m_block_max):
+    ((wait's load, k), (release's load, k)). The release's hook always comes first in the step
+    (dP's product with 2+ Q stages, dK's with 1), the wait's in the dQ product."""
+    if stages_q == 1:
+        return ("load_Q_LSE", 1), ("load_dO_dPsum", stages_do)
+    return ("load_dO_dPsum", stages_do), ("load_Q_LSE", stages_q - 1)
+
+
+def step_points(step, m_block_min, m_block_max, ahead: int, release_ahead: int, late: bool) -> dict:
+    """Where step `step` of a walk over [m_block_min, m_block_max) waits and releases (plain
+    arithmetic: Int32 in the kernel, int in the tests that replay the protocol).
+
+    wait_first: the wait's hooked load does not happen (or the adds come late), so the wait comes
+    before the step (late: after the dK product instead, at the adds). release_first /
+    release_in_hook: the previous m_block's deferred release before the step, or on its hook. A
+    release must precede this step's wait: when the wait comes first, so does the release (with 2/2
+    Q/dO stages the wait's lookahead exceeds the release's, and the two would otherwise cross)."""
+    has_previous = step > m_block_min
+    if late:
+        return dict(wait_first=False, release_first=has_previous & (step + release_ahead >= m_block_max),
+                    release_in_hook=has_previous)
+    wait_first = step + ahead >= m_block_max
+    return dict(wait_first=wait_first,
+                release_first=has_previous & ((step + release_ahead >= m_block_max) | wait_first),
+                release_in_hook=has_previous & (step + ahead < m_block_max))
+
+
 class ReversedNBlockScheduler(SingleTileScheduler):
     """Upstream's one-tile-per-CTA scheduler with the n_blocks launched last to first.
 
@@ -111,8 +140,9 @@ def rotated_turn_of(m_block, n_block, m_blocks, n_blocks):
     CTA n starts at s(n) = n * M // N, so at m_block i the CTAs arrive in the order of their distance
     (i - s(n)) mod M: first the last CTA to start at or before i, n*(i) = ceil((i + 1) * N / M) - 1,
     then n*(i) - 1, ..., wrapping to N - 1. Turn = (n*(i) - n) mod N. Every CTA's first block is its
-    turn 0, and a CTA at step t waits only for CTAs at steps < t: with all of a head's CTAs resident
-    no deadlock, and in steady state no wait at all."""
+    turn 0, and a CTA at step t waits only for CTAs at steps < t: with all of a head's CTAs resident,
+    and each step's release before the next step's wait (step_points), no deadlock; in steady state
+    no wait at all."""
     last_started = ((m_block + 1) * n_blocks + m_blocks - 1) // m_blocks - 1
     return (last_started - n_block + n_blocks) % n_blocks
 
@@ -144,8 +174,9 @@ def fetch(flag: cute.Pointer, relaxed: cutlass.Constexpr[bool] = False) -> Int32
 
     `relaxed`: a relaxed read, consumed later by acquire_fetched. When it already shows the turn, the
     adds that follow are ordered after the predecessor's only by their control dependency on the
-    value read (GPUs perform no store or reduction speculatively); a read that does not show it falls
-    back to acquire reads."""
+    value read: GPUs perform no store or reduction speculatively, but the PTX memory model does not
+    promise that ordering, so no shipped plan uses it. A read that does not show the turn falls back
+    to acquire reads."""
     tidx, _, _ = cute.arch.thread_idx()
     state = Int32(-1)
     if tidx == 0:

@@ -223,7 +223,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if dq_rotated and (is_causal or is_local):
             raise ValueError("the rotated dQ order is for attention without a causal or local mask")
         self.dq_rotated = deterministic and dq_rotated
-        self.reverse_n_blocks = reverse_n_blocks  # shortest-first launch (bwd_deterministic.ReversedNBlockScheduler)
+        self.reverse_n_blocks = deterministic and reverse_n_blocks  # shortest-first launch (bwd_deterministic.ReversedNBlockScheduler)
         self.fetch_early = fetch_early  # read the dQ turn flag at the m_block's start
         self.barrier_release = barrier_release  # release: CTA barrier + one release increment, no per-thread fence
         self.release_deferred = release_deferred  # release an m_block's turn in the next m_block, before its wait
@@ -349,13 +349,13 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         flag = fa_utils.elem_pointer(dq_sem, (*index, m_block))
         state = bwd_deterministic.fetch(flag, self.fetch_relaxed) if const_expr(self.fetch_early) else Int32(-1)
         # The wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
-        # on the last m_blocks that load does not happen, and the wait comes first. A deferred release
-        # of the previous m_block rides on the load hooked in before the dQ product (dP's with 2+ Q
-        # stages, dK's with 1), where the loads it would otherwise wait for behind its fence have landed;
-        # on the last m_blocks, where that load does not happen, it comes first.
-        (wait_on, ahead), (release_on, release_ahead) = (
-            (("load_Q_LSE", 1), ("load_dO_dPsum", self.num_stages_dO)) if self.num_stages_Q == 1
-            else (("load_dO_dPsum", self.num_stages_dO), ("load_Q_LSE", self.num_stages_Q - 1)))
+        # a deferred release of the previous m_block on the load hooked in before it, where the loads
+        # its fence would otherwise wait for have landed. Where those loads do not happen (the last
+        # m_blocks), they come before the step (bwd_deterministic.hook_plan / step_points).
+        (wait_on, ahead), (release_on, release_ahead) = bwd_deterministic.hook_plan(self.num_stages_Q,
+                                                                                    self.num_stages_dO)
+        points = bwd_deterministic.step_points(step, m_block_min, m_block_max, ahead, release_ahead,
+                                               self.late_dq_adds)
         wait = (partial(bwd_deterministic.acquire_warp, flag, turn, self.config.num_warps) if self.warp_turns
                 else partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early))
         if const_expr(self.late_dq_adds):
@@ -363,13 +363,12 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         else:
             kwargs[wait_on] = _after(kwargs[wait_on], wait)
         if const_expr(self.release_deferred):
-            # (the first m_block of the walk has no previous one: its hook must not release anything)
             release_previous = partial(self._release_dq, fa_utils.elem_pointer(dq_sem, (*index, previous)))
-            kwargs[release_on] = _after(kwargs[release_on],
-                                        partial(bwd_deterministic.call_if, step > m_block_min, release_previous))
-            bwd_deterministic.call_if((step > m_block_min) & (step + release_ahead >= m_block_max), release_previous)
+            in_hook = partial(bwd_deterministic.call_if, points["release_in_hook"], release_previous)
+            kwargs[release_on] = _after(kwargs[release_on], in_hook)
+            bwd_deterministic.call_if(points["release_first"], release_previous)
         if const_expr(not self.late_dq_adds):
-            bwd_deterministic.call_if(step + ahead >= m_block_max, wait)
+            bwd_deterministic.call_if(points["wait_first"], wait)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         if const_expr(self.release_deferred):
             bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release_dq, flag))
