@@ -40,6 +40,13 @@ def _check(actual, ref, pt, atol=2e-3):
         assert err <= bound, (name, err, bound)
 
 
+def _assert_bitwise(runs):
+    """Every run's (dq, dk, dv) equal to the first's, bit for bit."""
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert torch.equal(a, c)
+
+
 def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32).to(dtype).requires_grad_(True)  # noqa: E731
@@ -59,9 +66,7 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
 def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
     q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=sq + d)
     runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
-    for other in runs[1:]:
-        for a, c in zip(runs[0], other):
-            assert torch.equal(a, c)
+    _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, causal))
 
 
@@ -75,9 +80,7 @@ def test_varlen_gqa_bitwise_and_correct():
     ck = torch.tensor([0, 350, 440, 952], dtype=torch.int32, device="cuda")
     kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=512, max_seqlen_k=512, causal=True, deterministic=True)
     runs = [_grads(flash_attn_varlen_func, q, k, v, g, **kw) for _ in range(3)]
-    for other in runs[1:]:
-        for a, c in zip(runs[0], other):
-            assert torch.equal(a, c)
+    _assert_bitwise(runs)
     for i in range(3):  # per sequence against the reference
         sl_q, sl_k = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
         ref, pt = _reference_grads(q[sl_q][None], k[sl_k][None], v[sl_k][None], g[sl_q][None], True)
@@ -91,8 +94,7 @@ def test_more_n_blocks_than_resident_ctas():
     s = (n_sms + 9) * 64
     q, k, v, g = _inputs(1, s, s, 2, 2, 128, seed=11)
     runs = [_grads(flash_attn_func, q, k, v, g, causal=True, deterministic=True) for _ in range(2)]
-    for a, c in zip(*runs):
-        assert torch.equal(a, c)
+    _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, True))
 
 
@@ -102,8 +104,7 @@ def test_more_n_blocks_than_resident_ctas_no_mask():
     s = (n_sms + 9) * 64
     q, k, v, g = _inputs(1, s, s, 1, 1, 128, seed=12)
     runs = [_grads(flash_attn_func, q, k, v, g, causal=False, deterministic=True) for _ in range(2)]
-    for a, c in zip(*runs):
-        assert torch.equal(a, c)
+    _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, False))
 
 
@@ -132,9 +133,7 @@ def test_every_forced_ordering_is_bitwise_and_correct(causal, flags):
     q, k, v, g = _inputs(2, 900, 900, 4, 2, 128, seed=21 + len(flags) + causal)
     with driver_bwd.force_deterministic_plan(**flags):
         runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
-    for other in runs[1:]:
-        for a, c in zip(runs[0], other):
-            assert torch.equal(a, c)
+    _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, causal))
 
 
