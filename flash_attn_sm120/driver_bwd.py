@@ -91,6 +91,8 @@ class BwdStatics:
     fetch_relaxed: bool = False
     warp_turns: bool = False
     late_dq_adds: bool = False
+    diag_no_wait: bool = False  # benchmark diagnostics, not deterministic (kernels/bwd_sm120.py)
+    diag_no_sync: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -434,13 +436,15 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
-                   "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds")
+                   "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
+                   "diag_no_sync")
 _forced_plan: list[dict] = []
 
 
 class force_deterministic_plan:
     """Context manager: deterministic backwards inside use these ordering flags (benchmarks and tests
-    of the orderings; the flags' rules are the caller's to respect, see deterministic_plan)."""
+    of the orderings; the flags' rules are the caller's to respect, see deterministic_plan). The
+    diag_* flags are timing diagnostics whose gradients are NOT deterministic."""
 
     def __init__(self, **flags: bool):
         unknown = set(flags) - set(_ORDERING_FLAGS)

@@ -224,6 +224,13 @@ DET_VARIANTS = {
     "det_late_adds": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
                                      release_deferred=True, late_dq_adds=True),
                       "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)},
+    # diagnostics (not deterministic): the shipped plan with its waits replaced by CTA barriers, and
+    # with no waits, releases or barriers (what waiting costs; what the walk order and protocol cost)
+    "det_diag_no_wait": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                        release_deferred=True, diag_no_wait=True),
+                         "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, diag_no_wait=True)},
+    "det_diag_no_sync": {"causal": dict(dq_descending=True, reverse_n_blocks=True, diag_no_sync=True),
+                         "none": dict(dq_rotated=True, diag_no_sync=True)},
     "det_deferred_fetch_relaxed": {
         "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
                        fetch_early=True, fetch_relaxed=True),

@@ -219,6 +219,8 @@ def test_forced_orders_that_can_deadlock_are_refused(causal, flags, sq, sk, matc
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True, fetch_relaxed=True)),
     (True, dict(dq_descending=True, reverse_n_blocks=True, release_deferred=True, warp_turns=True)),
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)),
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, diag_no_wait=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, diag_no_sync=True)),
 ])
 def test_orderings_compile_for_sm120a_without_spills_and_keep_reds(causal, ordering):
     """The barrier release keeps the dQ adds fire-and-forget REDs (a fence per thread makes ptxas
@@ -227,3 +229,16 @@ def test_orderings_compile_for_sm120a_without_spills_and_keep_reds(causal, order
                                                                    ordering=ordering)[0])
     assert res["stack"] == 0 and res["local"] == 0 and hist.get("LDL", 0) == 0, res
     assert hist.get("REDG", 0) >= 32 and hist.get("ATOMG", 0) == 0, hist
+
+
+def test_timing_diagnostics_are_refused_outside_the_deterministic_kernel():
+    """diag_no_wait / diag_no_sync time the ordered kernel without its waits; they make no sense (and
+    must not silently run) on the default kernel, and they exclude each other."""
+    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+    import cutlass
+
+    with pytest.raises(ValueError, match="diagnostics of the deterministic kernel"):
+        FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, CFG, diag_no_wait=True)
+    with pytest.raises(ValueError, match="alternatives"):
+        FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, CFG, deterministic=True,
+                                         diag_no_wait=True, diag_no_sync=True)

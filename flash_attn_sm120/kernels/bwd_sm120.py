@@ -201,6 +201,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         fetch_relaxed: bool = False,
         warp_turns: bool = False,
         late_dq_adds: bool = False,
+        diag_no_wait: bool = False,
+        diag_no_sync: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -236,6 +238,15 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if late_dq_adds and type(self)._one_m_block is FlashAttentionBackwardSm120Tuned._one_m_block:
             raise ValueError("late_dq_adds needs the modifier step (FlashAttentionBackwardSm120Mods)")
         self.late_dq_adds = deterministic and late_dq_adds
+        # Diagnostics for benchmarks only (results are NOT deterministic): the ordered kernel with its dQ
+        # waits replaced by a CTA barrier (what the waiting itself costs), or with no waits, releases or
+        # barriers at all (what the walk order and the rest of the protocol cost).
+        if (diag_no_wait or diag_no_sync) and not deterministic:
+            raise ValueError("diag_no_wait / diag_no_sync are diagnostics of the deterministic kernel")
+        if diag_no_wait and diag_no_sync:
+            raise ValueError("diag_no_wait and diag_no_sync are alternatives; pick one")
+        self.diag_no_wait = diag_no_wait
+        self.diag_no_sync = diag_no_sync
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -358,6 +369,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                                                self.late_dq_adds)
         wait = (partial(bwd_deterministic.acquire_warp, flag, turn, self.config.num_warps) if self.warp_turns
                 else partial(bwd_deterministic.wait_turn, flag, turn, state, self.fetch_early))
+        if const_expr(self.diag_no_wait):
+            wait = cute.arch.barrier
+        elif const_expr(self.diag_no_sync):
+            wait = _nothing
         if const_expr(self.late_dq_adds):
             self._before_dq_adds = wait  # the step calls it right before its dQ adds
         else:
@@ -376,6 +391,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             self._release_dq(flag)
 
     def _release_dq(self, flag) -> None:
+        if const_expr(self.diag_no_sync):
+            return
         if const_expr(self.warp_turns):
             bwd_deterministic.release_warp(flag)
         else:
@@ -422,6 +439,10 @@ def _shifted_load(load, shift):
         return load(m_block - shift, *args, **kwargs)
 
     return shifted
+
+
+def _nothing() -> None:
+    """The diag_no_sync wait."""
 
 
 def _after(load, first):
