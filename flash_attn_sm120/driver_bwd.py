@@ -44,6 +44,7 @@ from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
+from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import (
     BwdConfig,
@@ -93,6 +94,8 @@ class BwdStatics:
     late_dq_adds: bool = False
     diag_no_wait: bool = False  # benchmark diagnostics, not deterministic (kernels/bwd_sm120.py)
     diag_no_sync: bool = False
+    dq_split: bool = False  # bwd_deterministic.dq_groups(True) dQ accumulators, summed before the postprocess (dense only)
+    fused_turns: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -210,7 +213,7 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
         return FlashAttentionBackwardSm120BlockSparse(
             *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
             kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
-    if mods.user or kwargs.get("late_dq_adds"):  # late dQ adds: an option of the modifier step
+    if mods.user or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):  # options of the modifier step
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
                                                has_aux_tensors=mods.aux_tensors is not None, **kwargs)
     return FlashAttentionBackwardSm120Tuned(*args, **kwargs)
@@ -368,8 +371,8 @@ def backward(
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
     cute_dtype = _TORCH_TO_CUTE[q.dtype]
     occupancy.note_unchecked(UNCHECKED)
-    _bwd_preprocess(
-        out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dlse,
+    _bwd_preprocess(  # (it zeroes dq_accum; dq_split's accumulators come zeroed)
+        out, dout, dpsum, lse, lse_log2, None if statics.dq_split else dq_accum, cu_seqlens_q, seqused_q, dlse,
         cute_dtype, head_dim, head_dim_v, cfg.m_block, fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE,
     )
     gqa = qhead_per_kvhead > 1
@@ -384,6 +387,11 @@ def backward(
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
                             *sems, None, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
+    if statics.dq_split:  # the groups' accumulators, summed in group order (deterministic)
+        groups = dq_accum.view(*dq_accum.shape[:-1], dq_groups(True), -1).unbind(-2)
+        dq_accum = groups[0] + groups[1]  # a new contiguous tensor in upstream's layout
+        for g in groups[2:]:
+            dq_accum += g
     _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
                              head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
     if gqa:
@@ -419,7 +427,10 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
         dpsum = torch.empty(num_heads, rows_q, dtype=f32, device=dev)
     else:
         rows_q = _round_up(seqlen_q, cfg.m_block)
-        dq_accum = torch.empty(batch, num_heads, rows_q * hd, dtype=f32, device=dev)
+        if statics.dq_split:  # group g's tiles at [g * rows_q * hd, (g + 1) * rows_q * hd) of each row
+            dq_accum = torch.zeros(batch, num_heads, dq_groups(True) * rows_q * hd, dtype=f32, device=dev)
+        else:
+            dq_accum = torch.empty(batch, num_heads, rows_q * hd, dtype=f32, device=dev)
         dpsum = torch.empty(batch, num_heads, rows_q, dtype=f32, device=dev)
     lse_log2 = torch.empty_like(dpsum)
     dk_accum = dv_accum = None
@@ -437,7 +448,8 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
                    "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
-                   "diag_no_sync")
+                   "diag_no_sync", "dq_split", "fused_turns")
+_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns")  # need kernels/bwd_mods.py's step
 _forced_plan: list[dict] = []
 
 
@@ -500,6 +512,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
     if plan["dq_rotated"] and (causal or not dense or n_blocks > m_blocks or not resident):
         raise ValueError("the rotated dQ order needs a dense problem without a causal mask whose n_blocks are "
                          f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
+    if plan["dq_split"] and (cu_q or cu_k):
+        raise ValueError("dq_split needs dense dQ accumulators: not with cu_seqlens_q / cu_seqlens_k")
     if plan["reverse_n_blocks"] and (cu_k or not (plan["dq_descending"] or resident)):
         raise ValueError("the reversed n_block launch needs a dense problem and descending turns or resident n_blocks")
     if plan["dq_descending"] and not plan["reverse_n_blocks"] and not resident:
@@ -511,7 +525,8 @@ def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: 
     """Zeroed int32 turn counters: dQ per (batch, head, m_block), dK/dV per (batch, KV head, n_block)."""
     cfg = statics.config
     m_blocks, n_blocks = -(-seqlen_q // cfg.m_block), -(-seqlen_k // cfg.n_block)
-    dq_sem = torch.zeros(batch, q.shape[-2], max(m_blocks, 1), dtype=torch.int32, device=q.device)
+    groups = dq_groups(statics.dq_split)  # dq_split: group g's counters at [g * M, (g + 1) * M)
+    dq_sem = torch.zeros(batch, q.shape[-2], groups * max(m_blocks, 1), dtype=torch.int32, device=q.device)
     dkv_sem = None
     if statics.qhead_per_kvhead > 1:
         dkv_sem = torch.zeros(batch, k.shape[-2], max(n_blocks, 1), dtype=torch.int32, device=q.device)

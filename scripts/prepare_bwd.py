@@ -231,6 +231,15 @@ DET_VARIANTS = {
                          "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, diag_no_wait=True)},
     "det_diag_no_sync": {"causal": dict(dq_descending=True, reverse_n_blocks=True, diag_no_sync=True),
                          "none": dict(dq_rotated=True, diag_no_sync=True)},
+    # the turns on the step's own barriers (no barrier of the protocol's own), two dQ accumulators
+    # (twice the slack between a release and the wait for it), and both
+    "det_fused": {"causal": dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True),
+                  "none": dict(dq_rotated=True, fused_turns=True)},
+    "det_split": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                 release_deferred=True, dq_split=True),
+                  "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, dq_split=True)},
+    "det_split_fused": {"causal": dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True),
+                        "none": dict(dq_rotated=True, dq_split=True, fused_turns=True)},
     "det_deferred_fetch_relaxed": {
         "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
                        fetch_early=True, fetch_relaxed=True),

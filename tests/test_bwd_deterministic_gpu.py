@@ -128,6 +128,16 @@ def test_more_n_blocks_than_resident_ctas_no_mask():
                 late_dq_adds=True)),  # the dQ adds and their wait at the m_block's end (modifier step)
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)),
     (False, dict(late_dq_adds=True)),
+    # the turns on the step's own barriers; two dQ accumulators (bwd_deterministic.py: fused_turns, dq_split)
+    (True, dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True)),
+    (False, dict(dq_rotated=True, fused_turns=True)),
+    (False, dict(fused_turns=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True, dq_split=True)),
+    (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, dq_split=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True)),
+    (False, dict(dq_rotated=True, dq_split=True, fused_turns=True)),
+    (False, dict(dq_split=True, fused_turns=True)),  # ascending
+    (True, dict(dq_split=True, barrier_release=True)),  # ascending, causal
 ])
 def test_every_forced_ordering_is_bitwise_and_correct(causal, flags):
     q, k, v, g = _inputs(2, 900, 900, 4, 2, 128, seed=21 + len(flags) + causal)
@@ -146,3 +156,30 @@ def test_causal_seqused_k_bitwise_and_correct():
     problem = testing.AttnProblem((100, 70), (120, 200), nheads_kv=2, pad_q=28, pad_k=56, seed=31)
     assert testing.deterministic_order(case, problem) == "ascending"
     testing.run_case("cpasync-table", "public", case, problem)
+
+
+SPLIT_FUSED = {True: dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True),
+               False: dict(dq_rotated=True, dq_split=True, fused_turns=True)}
+
+
+@pytest.mark.parametrize("d,causal,sq,sk", [
+    (64, True, 700, 700), (64, False, 1024, 512),  # the d64 entry: 64x128, Q/dO 2/2 stages
+    (96, True, 600, 600), (96, False, 640, 640),   # the d96 entry: 4 warps, one Q stage (the wait after dK)
+])
+def test_split_fused_at_every_entry(d, causal, sq, sk):
+    """dq_split + fused_turns on the other table entries (their steps place the wait differently)."""
+    q, k, v, g = _inputs(2, sq, sk, 4, 2, d, seed=40 + d + causal)
+    with driver_bwd.force_deterministic_plan(**SPLIT_FUSED[causal]):
+        runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
+    _assert_bitwise(runs)
+    _check(runs[0], *_reference_grads(q, k, v, g, causal))
+
+
+def test_split_with_seqused_is_bitwise_and_correct():
+    """dq_split with seqused_q / seqused_k (padded batches): the kernel finds its group's tiles from the
+    allocated accumulator, not from the used length (ascending turns, as the plan takes there)."""
+    case = testing.AttnCase("bfloat16", 128, 128, 1, None, "none", 0.0, False, "padded", "padded", True,
+                            deterministic=True)
+    problem = testing.AttnProblem((100, 170), (120, 200), nheads_kv=2, pad_q=60, pad_k=56, seed=32)
+    with driver_bwd.force_deterministic_plan(dq_split=True, fused_turns=True):
+        testing.run_case("cpasync-table", "public", case, problem)

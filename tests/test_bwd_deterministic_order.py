@@ -12,9 +12,11 @@ import random
 import pytest
 
 from flash_attn_sm120 import codegen, driver_bwd
-from flash_attn_sm120.kernels.bwd_deterministic import hook_plan, rotated_m_block, rotated_turn_of, step_points
+from flash_attn_sm120.kernels.bwd_deterministic import (dq_groups, group_of, hook_plan, rotated_m_block, rotated_turn_of,
+                                                       step_points)
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
 
+DQ_GROUPS = dq_groups(True)
 SHAPES = [(m, n) for m in range(1, 41) for n in range(1, m + 1)] + [(128, 128), (128, 17), (300, 188)]
 
 
@@ -221,6 +223,8 @@ def test_forced_orders_that_can_deadlock_are_refused(causal, flags, sq, sk, matc
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)),
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, diag_no_wait=True)),
     (True, dict(dq_descending=True, reverse_n_blocks=True, diag_no_sync=True)),
+    (False, dict(dq_rotated=True, dq_split=True, fused_turns=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True)),
 ])
 def test_orderings_compile_for_sm120a_without_spills_and_keep_reds(causal, ordering):
     """The barrier release keeps the dQ adds fire-and-forget REDs (a fence per thread makes ptxas
@@ -242,3 +246,71 @@ def test_timing_diagnostics_are_refused_outside_the_deterministic_kernel():
     with pytest.raises(ValueError, match="alternatives"):
         FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, CFG, deterministic=True,
                                          diag_no_wait=True, diag_no_sync=True)
+
+
+def _grouped_rotated(m_blocks, n_blocks, groups):
+    """dq_split's rotated order as the kernel computes it: CTA n in group n % G walks its group's
+    rotation (bwd_deterministic.rotated / rotated_turn with group_of). Per CTA: (group, walk, turns)."""
+    out = {}
+    for n in range(n_blocks):
+        g, j, members = group_of(n, n_blocks, groups)
+        walk = [rotated_m_block(t, j, m_blocks, members) for t in range(m_blocks)]
+        out[n] = (g, walk, {i: rotated_turn_of(i, j, m_blocks, members) for i in walk})
+    return out
+
+
+@pytest.mark.parametrize("m_blocks,n_blocks", [(m, n) for m in range(1, 26) for n in range(1, m + 1)][::3]
+                         + [(64, 64), (128, 128), (128, 17)])
+def test_grouped_rotated_turns_follow_arrival_with_slack(m_blocks, n_blocks):
+    """Each dQ group is its own rotated order over its own CTAs: within a group the turns at an
+    m_block follow arrival, every group member visits it once, and (the point of the split) the CTA a
+    turn waits for arrived at least G steps earlier when the group has M / G members or fewer."""
+    plan = _grouped_rotated(m_blocks, n_blocks, DQ_GROUPS)
+    for g in range(DQ_GROUPS):
+        members = [n for n in plan if plan[n][0] == g]
+        assert len(members) == group_of(g, n_blocks, DQ_GROUPS)[2]
+        for i in range(m_blocks):
+            arrival = sorted(members, key=lambda n: plan[n][1].index(i))
+            assert [plan[n][2][i] for n in arrival] == list(range(len(members)))
+            steps = [plan[n][1].index(i) for n in arrival]
+            if len(members) * DQ_GROUPS <= m_blocks:
+                assert all(b - a >= DQ_GROUPS for a, b in zip(steps, steps[1:])), (g, i, steps)
+
+
+def test_grouped_orders_never_deadlock():
+    """dq_split with the fused protocol (release the previous m_block, wait for this one, release the
+    last at the walk's end): rotated (all resident) and causal descending with the reversed launch
+    and ascending with the usual launch (few resident CTAs); counters are per (group, m_block)."""
+    def fused(n, walk, turn):
+        ops = []
+        for step, i in enumerate(walk):
+            if step:
+                ops.append(("release", (n % DQ_GROUPS, walk[step - 1])))
+            ops.append(("wait", (n % DQ_GROUPS, i), turn(i)))
+        return ops + ([("release", (n % DQ_GROUPS, walk[-1]))] if walk else [])
+
+    for m_blocks in range(1, 19):
+        for n_blocks in range(1, m_blocks + 1):
+            plan = _grouped_rotated(m_blocks, n_blocks, DQ_GROUPS)
+            programs = {n: fused(n, plan[n][1], plan[n][2].__getitem__) for n in plan}
+            assert _replay(programs, list(range(n_blocks)), n_blocks), (m_blocks, n_blocks)
+    for n_blocks in (1, 2, 5, 12):
+        walks = {n: list(range(n, n_blocks)) for n in range(n_blocks)}  # n_max(i) = i + 1
+        descending = {n: fused(n, walks[n], lambda i, n=n: (i - n) // DQ_GROUPS) for n in walks}
+        ascending = {n: fused(n, walks[n], lambda i, n=n: n // DQ_GROUPS) for n in walks}
+        for capacity in (1, 3, n_blocks):
+            assert _replay(descending, list(reversed(range(n_blocks))), capacity)
+            assert _replay(ascending, list(range(n_blocks)), capacity)
+
+
+def test_split_and_fused_flags_need_the_modifier_step_and_a_dense_problem():
+    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+    import cutlass
+
+    for flag in ("dq_split", "fused_turns"):
+        with pytest.raises(ValueError, match="modifier step"):
+            FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, CFG, deterministic=True, **{flag: True})
+    with driver_bwd.force_deterministic_plan(dq_split=True), pytest.raises(ValueError, match="dense dQ"):
+        driver_bwd.deterministic_plan(132, CFG, False, 1000, 1000, (object(), object(), None, None))
+    assert driver_bwd.kernel_for(cutlass.BFloat16, 128, 128, 1, CFG, driver_bwd.Mods(), deterministic=True,
+                                 dq_split=True).dq_groups == DQ_GROUPS > 1

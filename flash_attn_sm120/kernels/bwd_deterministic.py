@@ -19,6 +19,17 @@ Which turn a CTA gets at an m_block (driver_bwd.deterministic_plan chooses):
     a turn has come before it is asked for (rotated_m_block, rotated_turn_of).
   * dK/dV (GQA), per (batch, KV head, n_block): query head j of the group adds at turn j.
 
+dq_split: the n_block CTAs add into dq_groups(True) = G dQ accumulators (CTA n into n % G), each with
+its own turns among its own CTAs, summed in a fixed order before the postprocess. In each order above
+the CTA a turn waits for then reaches the m_block G steps earlier instead of one, which is
+the slack a release needs to arrive before it is waited for. It costs G - 1 more fp32 dQ
+accumulators (dense problems only).
+
+fused_turns: the wait (thread 0 spinning) right before the step's last barrier ahead of the dQ
+adds, and the previous m_block's release (thread 0's increment) right after the step's barrier
+ahead of the dP product, where the step's copies have landed (all of them with one dO stage): the
+protocol adds no barrier of its own (the modifier step places both).
+
 Where the waits and releases sit (kernels/bwd_sm120.py, compute_one_m_block): upstream's step runs
 the dQ product with a hook after its first k-slice (the next Q or dO load); the wait rides on that
 hook, so the adds that follow are ordered. The release is either at the end of the m_block (a fence
@@ -40,14 +51,27 @@ from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.tile_scheduler import SingleTileScheduler
 
 
+def dq_groups(dq_split: bool) -> int:
+    """How many dQ accumulators the CTAs add into: 2 with dq_split (CTA n into n % 2), else 1."""
+    return 2 if dq_split else 1
+
+
+def group_of(n_block, n_blocks, groups: int):
+    """(group, index in the group, CTAs in the group) of CTA n_block with `groups` dQ accumulators
+    (n_block % groups; plain arithmetic, kernel and tests alike). groups = 1: (0, n_block, n_blocks)."""
+    group = n_block % groups
+    return group, n_block // groups, (n_blocks - group + groups - 1) // groups
+
+
 @cute.jit
 def dq_turn(block_info: BlockInfo, seqlen, m_block: Int32, n_block: Int32,
-            descending: cutlass.Constexpr[bool]) -> Int32:
-    """This n_block's turn among the CTAs adding into m_block's dQ rows."""
-    turn = n_block
+            descending: cutlass.Constexpr[bool], groups: cutlass.Constexpr[int] = 1) -> Int32:
+    """This n_block's turn among the CTAs of its group adding into m_block's dQ rows (ascending:
+    the group's members below it; descending: those above it, up to the m_block's n_block_max)."""
+    turn = n_block // groups
     if const_expr(descending):
         _, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
-        turn = n_block_max - 1 - n_block
+        turn = (n_block_max - 1 - n_block) // groups
     return turn
 
 
@@ -148,15 +172,33 @@ def rotated_turn_of(m_block, n_block, m_blocks, n_blocks):
 
 
 @cute.jit
-def rotated(step: Int32, m_blocks: Int32) -> Int32:
+def rotated(step: Int32, m_blocks: Int32, groups: cutlass.Constexpr[int] = 1) -> Int32:
     """This CTA's m_block at `step` (n_block: the CTA's x index, n_blocks: the grid's x size, as
-    upstream's dense scheduler lays them out)."""
-    return rotated_m_block(step, cute.arch.block_idx()[0], m_blocks, cute.arch.grid_dim()[0])
+    upstream's dense scheduler lays them out). With dQ groups each group walks its own rotation."""
+    _, index, members = group_of(cute.arch.block_idx()[0], cute.arch.grid_dim()[0], groups)
+    return rotated_m_block(step, index, m_blocks, members)
 
 
 @cute.jit
-def rotated_turn(m_block: Int32, m_blocks: Int32) -> Int32:
-    return rotated_turn_of(m_block, cute.arch.block_idx()[0], m_blocks, cute.arch.grid_dim()[0])
+def rotated_turn(m_block: Int32, m_blocks: Int32, groups: cutlass.Constexpr[int] = 1) -> Int32:
+    _, index, members = group_of(cute.arch.block_idx()[0], cute.arch.grid_dim()[0], groups)
+    return rotated_turn_of(m_block, index, m_blocks, members)
+
+
+@cute.jit
+def spin(flag: cute.Pointer, turn: Int32) -> None:
+    """fused_turns' wait: thread 0 spins (acquire reads) until the flag shows the turn. No barrier of
+    its own: it sits right before a barrier of the step that precedes the dQ adds."""
+    tidx, _, _ = cute.arch.thread_idx()
+    barrier.wait_eq(flag, tidx, 0, turn)
+
+
+@cute.jit
+def release_unfenced(flag: cute.Pointer) -> None:
+    """fused_turns' release: thread 0's release increment right after a barrier of the step that
+    follows the dQ adds being released (cumulative over that barrier, as release_after_barrier)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    barrier.arrive_inc(flag, tidx, 0, 1)
 
 
 @dsl_user_op

@@ -164,6 +164,8 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         acc_dP.fill(0.0)
         cute.arch.cp_async_wait_group(1 if const_expr(self.num_stages_dO > 1) else 0)
         cute.arch.barrier()
+        if const_expr(self._after_dp_barrier is not None):
+            self._after_dp_barrier()  # fused_turns: the previous m_block's release
         sm80_utils.gemm(
             thr_mma, acc_dP, mma_params.tdPrdO, mma_params.tdPrV, smem_copy_params.tdPsdO[None, None, None, do_stage],
             smem_copy_params.tdPsV, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
@@ -196,25 +198,29 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             smem_copy_params.tdVsdOt[None, None, None, do_stage], smem_copy_params.smem_thr_copy_PdSt,
             smem_copy_params.smem_thr_copy_QdOt,
         )
+        if const_expr(self._before_dq_barrier is not None and self.num_stages_Q > 1):
+            self._before_dq_barrier()  # fused_turns: thread 0 waits for the turn; the barrier tells the rest
         cute.arch.barrier()  # dS is written
         # with one Q stage, dK goes first so that the next Q load can start under the dQ product
         late = self.late_dq_adds  # deterministic: the adds and their turn's wait at the m_block's end
         if const_expr(self.num_stages_Q > 1):
             acc_dQ = self._dq_gemm(mma_params, smem_copy_params, load_dO_next)
             if const_expr(not late):
-                self._dq_adds(acc_dQ, m_block, gmem_copy_params)
+                self._dq_adds(acc_dQ, m_block + self._dq_block_offset, gmem_copy_params)
         sm80_utils.gemm(
             mma_params.thr_mma_dkv, mma_params.acc_dK, mma_params.tdKrdS, mma_params.tdKrQ, smem_copy_params.tdKsdSt,
             smem_copy_params.tdKsQt[None, None, None, q_stage], smem_copy_params.smem_thr_copy_PdSt,
             smem_copy_params.smem_thr_copy_QdOt, hook_fn=load_dO_next if const_expr(self.num_stages_Q == 1) else None,
         )
         if const_expr(self.num_stages_Q == 1):
+            if const_expr(self._before_dq_barrier is not None):
+                self._before_dq_barrier()
             cute.arch.barrier()
             acc_dQ = self._dq_gemm(mma_params, smem_copy_params, load_Q_next)
         if const_expr(late):
             self._before_dq_adds()
         if const_expr(late or self.num_stages_Q == 1):
-            self._dq_adds(acc_dQ, m_block, gmem_copy_params)
+            self._dq_adds(acc_dQ, m_block + self._dq_block_offset, gmem_copy_params)
 
     @cute.jit
     def _dq_gemm(self, mma_params, smem_copy_params, hook_fn: Callable):
@@ -232,7 +238,8 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
 
     @cute.jit
     def _dq_adds(self, acc_dQ: cute.Tensor, m_block: Int32, gmem_copy_params) -> None:
-        """dQ_accum[m_block] += acc_dQ with fp32 atomics."""
+        """dQ_accum[m_block] += acc_dQ with fp32 atomics (m_block: the accumulator tile; with dq_split
+        offset to this CTA's accumulator)."""
         acc_dQ_atomic = gmem_copy_params.gmem_thr_copy_dQaccum.retile(acc_dQ)
         tdQgdQaccum = gmem_copy_params.tdQgdQaccum[None, None, m_block]
         for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):

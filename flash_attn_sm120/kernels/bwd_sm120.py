@@ -203,6 +203,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         late_dq_adds: bool = False,
         diag_no_wait: bool = False,
         diag_no_sync: bool = False,
+        dq_split: bool = False,
+        fused_turns: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -235,9 +237,20 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.warp_turns = warp_turns  # dQ turns waited for and released per warp, no CTA barrier
         # the dQ adds (and their wait) after the dK product, at the m_block's end: the modifier step's
         # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them
-        if late_dq_adds and type(self)._one_m_block is FlashAttentionBackwardSm120Tuned._one_m_block:
-            raise ValueError("late_dq_adds needs the modifier step (FlashAttentionBackwardSm120Mods)")
+        own_step = type(self)._one_m_block is not FlashAttentionBackwardSm120Tuned._one_m_block
+        for name, on in (("late_dq_adds", late_dq_adds), ("dq_split", dq_split), ("fused_turns", fused_turns)):
+            if on and not own_step:
+                raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
         self.late_dq_adds = deterministic and late_dq_adds
+        # dq_groups() dQ accumulators (the driver allocates and sums them), and the
+        # turns' wait and release on the step's own barriers
+        self.dq_groups = bwd_deterministic.dq_groups(deterministic and dq_split)
+        if fused_turns and (warp_turns or fetch_early or late_dq_adds):
+            raise ValueError("fused_turns places the wait and release itself: not with warp_turns, fetch_early "
+                             "or late_dq_adds")
+        self.fused_turns = deterministic and fused_turns
+        self._dq_block_offset = 0  # dq_split: this CTA's accumulator, as an m_block offset (trace time)
+        self._after_dp_barrier = self._before_dq_barrier = None  # fused_turns' hooks into the step
         # Diagnostics for benchmarks only (results are NOT deterministic): the ordered kernel with its dQ
         # waits replaced by a CTA barrier (what the waiting itself costs), or with no waits, releases or
         # barriers at all (what the walk order and the rest of the protocol cost).
@@ -315,7 +328,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     def load_Q_LSE(self, gmem_tiled_copy_Q, gmem_tiled_copy_LSE, tQgQ, tQsQ, tQcQ, t0QcQ, tQpQ, tLSEgLSE, tLSEsLSE,
                    tLSEcLSE, block: Int32, smem_pipe_write_q: Int32, seqlen: Int32):
         if const_expr(self.dq_rotated):  # the walk's step -> its m_block (prologue and in-loop loads alike)
-            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size))
+            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size), self.dq_groups)
         FlashAttentionBackwardSm120.load_Q_LSE(self, gmem_tiled_copy_Q, gmem_tiled_copy_LSE, tQgQ, tQsQ, tQcQ, t0QcQ,
                                                tQpQ, tLSEgLSE, tLSEsLSE, tLSEcLSE, block, smem_pipe_write_q, seqlen)
 
@@ -323,7 +336,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     def load_dO_dPsum(self, gmem_tiled_copy_dO, gmem_tiled_copy_dPsum, tdOgdO, tdOsdO, tdOcdO, t0dOcdO, tdOpdO,
                       tdPsumgdPsum, tdPsumsdPsum, tdPsumcdPsum, block: Int32, smem_pipe_write_q: Int32, seqlen: Int32):
         if const_expr(self.dq_rotated):
-            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size))
+            block = bwd_deterministic.rotated(block, cute.ceil_div(seqlen, self.m_block_size), self.dq_groups)
         FlashAttentionBackwardSm120.load_dO_dPsum(self, gmem_tiled_copy_dO, gmem_tiled_copy_dPsum, tdOgdO, tdOsdO,
                                                   tdOcdO, t0dOcdO, tdOpdO, tdPsumgdPsum, tdPsumsdPsum, tdPsumcdPsum,
                                                   block, smem_pipe_write_q, seqlen)
@@ -341,23 +354,32 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if const_expr(self.dq_rotated):
             # upstream's step sees the rotated m_block; its "next" loads (m_block + k < m_block_max) are
             # shifted back to steps, which load_Q_LSE / load_dO_dPsum rotate again
-            m_block = bwd_deterministic.rotated(step, m_block_max)
-            previous = bwd_deterministic.rotated(step - 1, m_block_max)
+            m_block = bwd_deterministic.rotated(step, m_block_max, self.dq_groups)
+            previous = bwd_deterministic.rotated(step - 1, m_block_max, self.dq_groups)
             shift = m_block - step
             kwargs["m_block_max"] = m_block_max + shift
             for name in ("load_Q_LSE", "load_dO_dPsum"):
                 kwargs[name] = _shifted_load(kwargs[name], shift)
-            turn = bwd_deterministic.rotated_turn(m_block, m_block_max)
+            turn = bwd_deterministic.rotated_turn(m_block, m_block_max, self.dq_groups)
             m_block_min = 0  # no mask: every CTA walks every m_block
         else:
             block_info = BlockInfo(self.m_block_size, self.n_block_size, self.is_causal, self.is_local, False,
                                    mask.window_size_left, mask.window_size_right)
             turn = bwd_deterministic.dq_turn(block_info, mask.seqlen_info, m_block, kw["n_block"],
-                                             self.dq_descending)
+                                             self.dq_descending, self.dq_groups)
             m_block_min, _ = block_info.get_m_block_min_max(mask.seqlen_info, kw["n_block"])
             previous = m_block - 1
         index = (kw["batch_idx"], kw["head_idx"])
-        flag = fa_utils.elem_pointer(dq_sem, (*index, m_block))
+        if const_expr(self.dq_groups > 1):
+            # this CTA's group owns accumulator tiles [g * M, (g + 1) * M) and their turn counters, M the
+            # allocated m_blocks (the host allocates both G times over)
+            m_blocks_allocated = cute.size(kwargs["gmem_copy_params"].tdQgdQaccum, mode=[2]) // self.dq_groups
+            self._dq_block_offset = (kw["n_block"] % self.dq_groups) * m_blocks_allocated
+        flag = fa_utils.elem_pointer(dq_sem, (*index, m_block + self._dq_block_offset))
+        if const_expr(self.fused_turns):
+            return self._fused_turns_step(m_block, step, m_block_min, m_block_max, flag, turn,
+                                          fa_utils.elem_pointer(dq_sem, (*index, previous + self._dq_block_offset)),
+                                          args, mask_fn, kwargs)
         state = bwd_deterministic.fetch(flag, self.fetch_relaxed) if const_expr(self.fetch_early) else Int32(-1)
         # The wait rides on the load that upstream hooks into the dQ product (after its first k-slice);
         # a deferred release of the previous m_block on the load hooked in before it, where the loads
@@ -378,7 +400,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         else:
             kwargs[wait_on] = _after(kwargs[wait_on], wait)
         if const_expr(self.release_deferred):
-            release_previous = partial(self._release_dq, fa_utils.elem_pointer(dq_sem, (*index, previous)))
+            release_previous = partial(self._release_dq,
+                                       fa_utils.elem_pointer(dq_sem, (*index, previous + self._dq_block_offset)))
             in_hook = partial(bwd_deterministic.call_if, points["release_in_hook"], release_previous)
             kwargs[release_on] = _after(kwargs[release_on], in_hook)
             bwd_deterministic.call_if(points["release_first"], release_previous)
@@ -389,6 +412,18 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             bwd_deterministic.call_if(step == m_block_max - 1, partial(self._release_dq, flag))
         else:
             self._release_dq(flag)
+
+    def _fused_turns_step(self, m_block, step, m_block_min, m_block_max, flag, turn, previous_flag, args, mask_fn,
+                          kwargs) -> None:
+        """One step with the turn's wait and the previous m_block's release on the step's own barriers
+        (bwd_deterministic.spin / release_unfenced, placed by the modifier step): release the previous
+        m_block, then wait for this one, then at the walk's end release this one."""
+        self._after_dp_barrier = partial(bwd_deterministic.call_if, step > m_block_min,
+                                         partial(bwd_deterministic.release_unfenced, previous_flag))
+        self._before_dq_barrier = partial(bwd_deterministic.spin, flag, turn)
+        self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
+        # (a barrier, then the increment: a per-thread fence would turn every dQ add into a returning atomic)
+        bwd_deterministic.call_if(step == m_block_max - 1, partial(bwd_deterministic.release_after_barrier, flag))
 
     def _release_dq(self, flag) -> None:
         if const_expr(self.diag_no_sync):
