@@ -96,6 +96,7 @@ class BwdStatics:
     diag_no_sync: bool = False
     dq_split: bool = False  # bwd_deterministic.dq_groups(True) dQ accumulators, summed before the postprocess (dense only)
     fused_turns: bool = False
+    fused_fetch: bool = False
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -448,8 +449,8 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
                    "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
-                   "diag_no_sync", "dq_split", "fused_turns")
-_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns")  # need kernels/bwd_mods.py's step
+                   "diag_no_sync", "dq_split", "fused_turns", "fused_fetch")
+_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch")  # need kernels/bwd_mods.py's step
 _forced_plan: list[dict] = []
 
 
@@ -473,7 +474,7 @@ class force_deterministic_plan:
 
 
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
-                       index_tensors: tuple = (None, None, None, None)) -> dict:
+                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:
     """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
 
     * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
@@ -484,8 +485,12 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       sharing the GPU stalls it until its SMs free up.
     * Otherwise (varlen, seqused, more n_blocks than m_blocks or than SMs): ascending turns, as the
       n_block CTAs launch.
-    The shipped plans release a turn as CUTLASS's semaphore does (CTA barrier, one release increment),
-    deferred to the next m_block, where the loads the release's fence would wait for have landed.
+    The shipped plans place the turns on the step's own barriers (fused_turns: thread 0 waits right
+    before the barrier ahead of the dQ adds and releases the previous m_block right after the one ahead
+    of the dP product), which needs this package's step (kernels/bwd_mods.py). With
+    `modifier_step=False` (upstream's step) a turn is released as CUTLASS's semaphore does (CTA
+    barrier, one release increment), deferred to the next m_block, where the loads the release's
+    fence would wait for have landed.
     num_sms: the GPU's (a head's n_blocks are resident when they number at most that: 1 CTA per SM,
     the least any shipped config runs). `index_tensors`:
     cu_seqlens_q/k, seqused_q/k."""
@@ -497,7 +502,10 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
-        plan.update(barrier_release=True, release_deferred=True)
+        if modifier_step:
+            plan.update(fused_turns=True)
+        else:
+            plan.update(barrier_release=True, release_deferred=True)
         if causal and not (cu_k or used_k):
             # (with seqused_k the grid's n_blocks past the used keys still visit the last m_blocks, which
             # descending turns counted from the used keys would not wait for: turn -1, a hang)

@@ -233,8 +233,14 @@ DET_VARIANTS = {
                          "none": dict(dq_rotated=True, diag_no_sync=True)},
     # the turns on the step's own barriers (no barrier of the protocol's own), two dQ accumulators
     # (twice the slack between a release and the wait for it), and both
+    # session 13's shipped plan: CUTLASS's barrier release, deferred to the next m_block (upstream's step)
+    "det_session13": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
+                                     release_deferred=True),
+                      "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True)},
     "det_fused": {"causal": dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True),
                   "none": dict(dq_rotated=True, fused_turns=True)},
+    "det_fused_fetch": {"causal": dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True, fused_fetch=True),
+                        "none": dict(dq_rotated=True, fused_turns=True, fused_fetch=True)},
     "det_split": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
                                  release_deferred=True, dq_split=True),
                   "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, dq_split=True)},

@@ -132,6 +132,9 @@ def test_more_n_blocks_than_resident_ctas_no_mask():
     (True, dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True)),
     (False, dict(dq_rotated=True, fused_turns=True)),
     (False, dict(fused_turns=True)),
+    (True, dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True, fused_fetch=True)),
+    (False, dict(dq_rotated=True, fused_turns=True, fused_fetch=True)),
+    (False, dict(fused_turns=True, fused_fetch=True)),  # ascending: early reads that often miss the turn
     (True, dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True, dq_split=True)),
     (False, dict(dq_rotated=True, barrier_release=True, release_deferred=True, dq_split=True)),
     (True, dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True)),
@@ -160,16 +163,20 @@ def test_causal_seqused_k_bitwise_and_correct():
 
 SPLIT_FUSED = {True: dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True),
                False: dict(dq_rotated=True, dq_split=True, fused_turns=True)}
+FUSED_FETCH = {True: dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True, fused_fetch=True),
+               False: dict(dq_rotated=True, fused_turns=True, fused_fetch=True)}
 
 
+@pytest.mark.parametrize("flags", [SPLIT_FUSED, FUSED_FETCH], ids=["split_fused", "fused_fetch"])
 @pytest.mark.parametrize("d,causal,sq,sk", [
     (64, True, 700, 700), (64, False, 1024, 512),  # the d64 entry: 64x128, Q/dO 2/2 stages
     (96, True, 600, 600), (96, False, 640, 640),   # the d96 entry: 4 warps, one Q stage (the wait after dK)
 ])
-def test_split_fused_at_every_entry(d, causal, sq, sk):
-    """dq_split + fused_turns on the other table entries (their steps place the wait differently)."""
+def test_fused_orders_at_every_entry(d, causal, sq, sk, flags):
+    """dq_split + fused_turns, and fused_turns + fused_fetch, on the other table entries (their steps
+    place the wait differently)."""
     q, k, v, g = _inputs(2, sq, sk, 4, 2, d, seed=40 + d + causal)
-    with driver_bwd.force_deterministic_plan(**SPLIT_FUSED[causal]):
+    with driver_bwd.force_deterministic_plan(**flags[causal]):
         runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
     _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, causal))

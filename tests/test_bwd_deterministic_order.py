@@ -192,8 +192,11 @@ def test_plan_per_problem():
     assert not driver_bwd.deterministic_plan(132, CFG, False, 8192, 8192, (None, None, object(), None))["dq_rotated"]
     plan = driver_bwd.deterministic_plan(132, CFG, True, 100, 256, (None, None, None, object()))  # seqused_k
     assert not plan["dq_descending"] and not plan["reverse_n_blocks"]
-    assert all(driver_bwd.deterministic_plan(132, CFG, c, 4096, 4096, NONE)[f]
-               for c in (True, False) for f in ("barrier_release", "release_deferred"))
+    for c in (True, False):  # the turns on the step's own barriers; upstream's step: CUTLASS's release, deferred
+        plan = driver_bwd.deterministic_plan(132, CFG, c, 4096, 4096, NONE)
+        assert plan["fused_turns"] and not (plan["barrier_release"] or plan["release_deferred"] or plan["dq_split"])
+        plan = driver_bwd.deterministic_plan(132, CFG, c, 4096, 4096, NONE, modifier_step=False)
+        assert plan["barrier_release"] and plan["release_deferred"] and not plan["fused_turns"]
 
 
 @pytest.mark.parametrize("causal,flags,sq,sk,match", [
@@ -314,3 +317,14 @@ def test_split_and_fused_flags_need_the_modifier_step_and_a_dense_problem():
         driver_bwd.deterministic_plan(132, CFG, False, 1000, 1000, (object(), object(), None, None))
     assert driver_bwd.kernel_for(cutlass.BFloat16, 128, 128, 1, CFG, driver_bwd.Mods(), deterministic=True,
                                  dq_split=True).dq_groups == DQ_GROUPS > 1
+
+
+@pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
+def test_fused_fetch_fence_turns_the_adds_into_returning_atomics():
+    """fused_fetch's fence.acq_rel (thread 0 only, when its early read showed the turn) is enough for
+    ptxas to make every dQ add a returning ATOMG (as a per-thread fence does); pinned so that a
+    timing of fused_fetch is read with that in mind. Spill-free all the same."""
+    res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
+        CFG, 128, causal=False, deterministic=True, ordering=dict(dq_rotated=True, fused_turns=True, fused_fetch=True))[0])
+    assert res["stack"] == 0 and res["local"] == 0 and hist.get("LDL", 0) == 0, res
+    assert hist.get("ATOMG", 0) >= 32, hist

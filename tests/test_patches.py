@@ -829,7 +829,7 @@ def test_patched_upstream_bwd_host_path_runs_on_fake_tensors(tmp_path, monkeypat
     """Patch 0004's edits to _flash_attn_bwd, run end to end on the CPU with fake CUDA tensors and SM120
     selected (FLASH_ATTENTION_ARCH): MHA and GQA, deterministic or not (a branch left dK_semaphore
     unset when not deterministic; only the GPU probe had run it), and the deterministic ordering the
-    interface passes to the kernel: the package's deterministic_plan for the same problem."""
+    interface passes to the kernel: the package's deterministic_plan for the same problem and step."""
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
@@ -842,7 +842,8 @@ def test_patched_upstream_bwd_host_path_runs_on_fake_tensors(tmp_path, monkeypat
     for r in result:
         assert r["dq"] == [2, 300, 4, 128] and r["dk"] == r["dv"] == [2, 300, r["hk"], 128], r
         cfg = select_bwd_config(tuple(load_bwd_table()), 128, 128, r["causal"], False)
-        want = driver_bwd.deterministic_plan(188, cfg, r["causal"], 300, 300) if r["det"] else {}
+        # (the interface builds the tuned class: upstream's step, modifier_step=False)
+        want = driver_bwd.deterministic_plan(188, cfg, r["causal"], 300, 300, modifier_step=False) if r["det"] else {}
         assert r["plans"] == [want], r
     assert result[2]["plans"][0]["reverse_n_blocks"] and result[4]["plans"][0]["dq_rotated"], result
 
@@ -866,6 +867,7 @@ def outcome(fn):
 
 
 def package(args, flags):
+    args = (*args, False)  # modifier_step: the patched interface builds the tuned class
     if flags is None:
         return driver_bwd.deterministic_plan(*args)
     try:

@@ -28,7 +28,9 @@ accumulators (dense problems only).
 fused_turns: the wait (thread 0 spinning) right before the step's last barrier ahead of the dQ
 adds, and the previous m_block's release (thread 0's increment) right after the step's barrier
 ahead of the dP product, where the step's copies have landed (all of them with one dO stage): the
-protocol adds no barrier of its own (the modifier step places both).
+protocol adds no barrier of its own (the modifier step places both). With fused_fetch thread 0
+reads the flag (relaxed) after the step's barrier ahead of the dV product, and at the wait only
+fences when that read showed the turn (spin): the read's latency hides under the dV product.
 
 Where the waits and releases sit (kernels/bwd_sm120.py, compute_one_m_block): upstream's step runs
 the dQ product with a hook after its first k-slice (the next Q or dO load); the wait rides on that
@@ -186,11 +188,23 @@ def rotated_turn(m_block: Int32, m_blocks: Int32, groups: cutlass.Constexpr[int]
 
 
 @cute.jit
-def spin(flag: cute.Pointer, turn: Int32) -> None:
+def spin(flag: cute.Pointer, turn: Int32, fetched=None) -> None:
     """fused_turns' wait: thread 0 spins (acquire reads) until the flag shows the turn. No barrier of
-    its own: it sits right before a barrier of the step that precedes the dQ adds."""
+    its own: it sits right before a barrier of the step that precedes the dQ adds.
+
+    `fetched` (fused_fetch): thread 0's relaxed read of the flag from earlier in the step. When it
+    already shows the turn, a fence.acq_rel makes that read an acquire (the PTX memory model's fence
+    pattern: the predecessor's release synchronizes with the fence), with no second round trip to
+    memory; otherwise the acquire spin as without it."""
     tidx, _, _ = cute.arch.thread_idx()
-    barrier.wait_eq(flag, tidx, 0, turn)
+    if const_expr(fetched is None):
+        barrier.wait_eq(flag, tidx, 0, turn)
+    else:
+        if tidx == 0:
+            if fetched == turn:
+                cute.arch.fence_acq_rel_gpu()
+            else:
+                barrier.wait_eq(flag, tidx, 0, turn)
 
 
 @cute.jit

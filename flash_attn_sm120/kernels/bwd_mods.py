@@ -190,6 +190,9 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.arch.barrier()  # P is written
+        fetched = None  # fused_fetch: thread 0's early (relaxed) read of the turn's flag
+        if const_expr(self._after_p_barrier is not None):
+            fetched = self._after_p_barrier()
         cute.copy(r2s, r2s.retile(rdS), smem_copy_params.tdSsdS)
 
         # dV += P^T dO
@@ -199,7 +202,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             smem_copy_params.smem_thr_copy_QdOt,
         )
         if const_expr(self._before_dq_barrier is not None and self.num_stages_Q > 1):
-            self._before_dq_barrier()  # fused_turns: thread 0 waits for the turn; the barrier tells the rest
+            self._before_dq_barrier(fetched)  # fused_turns: thread 0 waits for the turn; the barrier tells the rest
         cute.arch.barrier()  # dS is written
         # with one Q stage, dK goes first so that the next Q load can start under the dQ product
         late = self.late_dq_adds  # deterministic: the adds and their turn's wait at the m_block's end
@@ -214,7 +217,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         )
         if const_expr(self.num_stages_Q == 1):
             if const_expr(self._before_dq_barrier is not None):
-                self._before_dq_barrier()
+                self._before_dq_barrier(fetched)
             cute.arch.barrier()
             acc_dQ = self._dq_gemm(mma_params, smem_copy_params, load_Q_next)
         if const_expr(late):

@@ -205,6 +205,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         diag_no_sync: bool = False,
         dq_split: bool = False,
         fused_turns: bool = False,
+        fused_fetch: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -249,8 +250,11 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             raise ValueError("fused_turns places the wait and release itself: not with warp_turns, fetch_early "
                              "or late_dq_adds")
         self.fused_turns = deterministic and fused_turns
+        if fused_fetch and not fused_turns:
+            raise ValueError("fused_fetch is an option of fused_turns")
+        self.fused_fetch = self.fused_turns and fused_fetch
         self._dq_block_offset = 0  # dq_split: this CTA's accumulator, as an m_block offset (trace time)
-        self._after_dp_barrier = self._before_dq_barrier = None  # fused_turns' hooks into the step
+        self._after_dp_barrier = self._after_p_barrier = self._before_dq_barrier = None  # fused_turns' hooks
         # Diagnostics for benchmarks only (results are NOT deterministic): the ordered kernel with its dQ
         # waits replaced by a CTA barrier (what the waiting itself costs), or with no waits, releases or
         # barriers at all (what the walk order and the rest of the protocol cost).
@@ -420,6 +424,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         m_block, then wait for this one, then at the walk's end release this one."""
         self._after_dp_barrier = partial(bwd_deterministic.call_if, step > m_block_min,
                                          partial(bwd_deterministic.release_unfenced, previous_flag))
+        if const_expr(self.fused_fetch):
+            self._after_p_barrier = partial(bwd_deterministic.fetch, flag, True)
         self._before_dq_barrier = partial(bwd_deterministic.spin, flag, turn)
         self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         # (a barrier, then the increment: a per-thread fence would turn every dQ add into a returning atomic)

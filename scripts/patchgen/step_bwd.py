@@ -381,10 +381,13 @@ def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool) 
 PLAN_WHERE = "flash_attn_sm120/driver_bwd.py (deterministic_plan)"
 _PLAN_EDITS = (
     ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
-     "                       index_tensors: tuple = (None, None, None, None)) -> dict:\n",
+     "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:\n",
      "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                                 index_tensors: tuple = (None, None, None, None),\n"
-     "                                 flags: Optional[dict] = None) -> dict:\n"),
+     "                                 modifier_step: bool = False, flags: Optional[dict] = None) -> dict:\n"),
+    ("), which needs this package's step (kernels/bwd_mods.py). With\n",
+     "), which needs FlashAttentionBackwardSm120Mods's step (the interface builds the tuned\n"
+     "    class for deterministic calls, hence the default). With\n"),
     ("    \"\"\"How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).\n",
      "    \"\"\"How the deterministic backward orders its dQ additions: the ordering keywords of\n"
      "    FlashAttentionBackwardSm120Tuned (flash_bwd_sm120_tuned.py: dq_turn, rotated_turn,\n"
@@ -584,7 +587,8 @@ def check_plan_call() -> None:
     sm120_bwd_deterministic_plan (same arguments, the result as the kernel's keywords) and the kernel
     takes every ordering flag as a keyword."""
     sig = list(inspect.signature(pkg_driver_bwd.deterministic_plan).parameters)
-    if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors"]:
+    # (modifier_step keeps its patched default, False: the interface builds the tuned class)
+    if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors", "modifier_step"]:
         raise AnchorError(f"{PLAN_WHERE}: takes {sig}; revisit the interface's sm120_bwd_deterministic_plan call")
     backward = " ".join(inspect.getsource(pkg_driver_bwd.backward).split())
     call = ("**(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=( "
