@@ -328,3 +328,13 @@ def test_fused_fetch_fence_turns_the_adds_into_returning_atomics():
         CFG, 128, causal=False, deterministic=True, ordering=dict(dq_rotated=True, fused_turns=True, fused_fetch=True))[0])
     assert res["stack"] == 0 and res["local"] == 0 and hist.get("LDL", 0) == 0, res
     assert hist.get("ATOMG", 0) >= 32, hist
+
+
+@pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
+def test_fused_turns_gqa_epilogue_keeps_reds():
+    """With GQA the ordered dK/dV epilogue releases too: under fused_turns it takes the barrier release,
+    so its adds (and the dQ adds) stay REDs (a review caught the fenced release there)."""
+    res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
+        CFG, 128, causal=True, deterministic=True, qhead_per_kvhead=2,
+        ordering=dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True))[0])
+    assert res["stack"] == 0 and hist.get("ATOMG", 0) == 0 and hist.get("REDG", 0) >= 96, hist

@@ -250,6 +250,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             raise ValueError("fused_turns places the wait and release itself: not with warp_turns, fetch_early "
                              "or late_dq_adds")
         self.fused_turns = deterministic and fused_turns
+        if fused_turns and (diag_no_wait or diag_no_sync):
+            raise ValueError("the diag_* timing diagnostics apply to the hooked-load placement, not fused_turns")
         if fused_fetch and not fused_turns:
             raise ValueError("fused_fetch is an option of fused_turns")
         self.fused_fetch = self.fused_turns and fused_fetch
@@ -440,7 +442,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             self._release(flag)
 
     def _release(self, flag) -> None:
-        if const_expr(self.barrier_release):
+        # (fused_turns: the GQA dK/dV epilogue's release too; a per-thread fence would make its adds ATOMGs)
+        if const_expr(self.barrier_release or self.fused_turns):
             bwd_deterministic.release_after_barrier(flag)
         else:
             bwd_deterministic.release(flag)
