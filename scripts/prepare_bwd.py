@@ -210,47 +210,33 @@ def table_candidate(info) -> list[BwdImpl]:
 # The deterministic orderings of kernels/bwd_deterministic.py, for attribution (--det-variants): per
 # mask, the flags forced through driver_bwd.force_deterministic_plan. The table's own deterministic
 # row runs driver_bwd.deterministic_plan's choice.
+def _walk(**flags) -> dict:
+    """Per mask: the shipped walks (causal: descending turns, shortest-first launch; no mask: the
+    rotated order) with these protocol flags."""
+    return {"causal": dict(dq_descending=True, reverse_n_blocks=True, **flags), "none": dict(dq_rotated=True, **flags)}
+
+
+_DEFERRED = dict(barrier_release=True, release_deferred=True)  # session 13's release (upstream's step)
 DET_VARIANTS = {
     # session 8's: descending turns when resident (every seed problem), per-thread release fences
     "det_session8": {"causal": dict(dq_descending=True), "none": {}},
-    "det_order_barrier_release": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True),
-                                  "none": dict(dq_rotated=True, barrier_release=True)},
-    "det_deferred_fetch": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                          release_deferred=True, fetch_early=True),
-                           "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True)},
-    "det_warp_turns": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                      release_deferred=True, warp_turns=True),
-                       "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, warp_turns=True)},
-    "det_late_adds": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                     release_deferred=True, late_dq_adds=True),
-                      "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, late_dq_adds=True)},
-    # diagnostics (not deterministic): the shipped plan with its waits replaced by CTA barriers, and
+    "det_order_barrier_release": _walk(barrier_release=True),
+    "det_deferred_fetch": _walk(**_DEFERRED, fetch_early=True),
+    "det_warp_turns": _walk(**_DEFERRED, warp_turns=True),
+    "det_late_adds": _walk(**_DEFERRED, late_dq_adds=True),
+    # diagnostics (not deterministic): session 13's plan with its waits replaced by CTA barriers, and
     # with no waits, releases or barriers (what waiting costs; what the walk order and protocol cost)
-    "det_diag_no_wait": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                        release_deferred=True, diag_no_wait=True),
-                         "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, diag_no_wait=True)},
-    "det_diag_no_sync": {"causal": dict(dq_descending=True, reverse_n_blocks=True, diag_no_sync=True),
-                         "none": dict(dq_rotated=True, diag_no_sync=True)},
-    # the turns on the step's own barriers (no barrier of the protocol's own), two dQ accumulators
-    # (twice the slack between a release and the wait for it), and both
-    # session 13's shipped plan: CUTLASS's barrier release, deferred to the next m_block (upstream's step)
-    "det_session13": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                     release_deferred=True),
-                      "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True)},
-    "det_fused": {"causal": dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True),
-                  "none": dict(dq_rotated=True, fused_turns=True)},
-    "det_fused_fetch": {"causal": dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True, fused_fetch=True),
-                        "none": dict(dq_rotated=True, fused_turns=True, fused_fetch=True)},
-    "det_split": {"causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True,
-                                 release_deferred=True, dq_split=True),
-                  "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, dq_split=True)},
-    "det_split_fused": {"causal": dict(dq_descending=True, reverse_n_blocks=True, dq_split=True, fused_turns=True),
-                        "none": dict(dq_rotated=True, dq_split=True, fused_turns=True)},
-    "det_deferred_fetch_relaxed": {
-        "causal": dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True,
-                       fetch_early=True, fetch_relaxed=True),
-        "none": dict(dq_rotated=True, barrier_release=True, release_deferred=True, fetch_early=True,
-                     fetch_relaxed=True)},
+    "det_diag_no_wait": _walk(**_DEFERRED, diag_no_wait=True),
+    "det_diag_no_sync": _walk(diag_no_sync=True),
+    # session 13's shipped plan: CUTLASS's barrier release, deferred to the next m_block
+    "det_session13": _walk(**_DEFERRED),
+    # the turns on the step's own barriers (no barrier of the protocol's own, the shipped plan), with an
+    # early relaxed read; two dQ accumulators (twice the slack between a release and its wait); both
+    "det_fused": _walk(fused_turns=True),
+    "det_fused_fetch": _walk(fused_turns=True, fused_fetch=True),
+    "det_split": _walk(**_DEFERRED, dq_split=True),
+    "det_split_fused": _walk(dq_split=True, fused_turns=True),
+    "det_deferred_fetch_relaxed": _walk(**_DEFERRED, fetch_early=True, fetch_relaxed=True),
 }
 
 
