@@ -259,9 +259,8 @@ def release_after_barrier(flag: cute.Pointer) -> None:
 
     Release is cumulative over the barrier, so the other threads' atomics need no fence of their own
     (release() fences every thread, which makes ptxas turn their REDs into returning ATOMGs)."""
-    tidx, _, _ = cute.arch.thread_idx()
     cute.arch.barrier()
-    barrier.arrive_inc(flag, tidx, 0, 1)
+    release_unfenced(flag)
 
 
 # Warp-granular turns: every warp waits and releases on its own, with no CTA barrier. A CTA's turn
