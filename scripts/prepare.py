@@ -294,7 +294,8 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
                          "in this run and report each row's of_ceiling (default on; --no-ceiling skips it)")
     ap.add_argument("--ceiling-size", type=int, default=8192, help="the ceiling GEMM's M = N = K (default 8192)")
     ap.add_argument("--bwd-configs", type=Path, default=None,
-                    help="--set bwd: JSON file {name: BwdConfig fields [+ head_dims]} timed next to the table's")
+                    help="--set bwd: JSON file {name: BwdConfig fields [+ head_dims] [+ deterministic]} timed next to the "
+                         "table's (deterministic: true also times it deterministic, as <name>_det)")
     ap.add_argument("--det-variants", default="",
                     help="--set bwd: also time these deterministic orderings (comma-separated names of "
                          "prepare_bwd.DET_VARIANTS, or all), on the problems whose name contains --det-subset")
@@ -342,9 +343,13 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
     impls = [] if args.baseline else prepare_bwd.table_candidate(info)
     if args.bwd_configs and not args.baseline:
         raw = json.loads(args.bwd_configs.read_text())
-        configs = {n: (BwdConfig(**{k: v for k, v in c.items() if k != "head_dims"}), c.get("head_dims"))
+        extra = ("head_dims", "deterministic")
+        configs = {n: (BwdConfig(**{k: v for k, v in c.items() if k not in extra}), c.get("head_dims"))
                    for n, c in raw.items()}
         impls += prepare_bwd.config_candidates(info, configs)
+        # entries with "deterministic": true are also timed deterministic, as "<name>_det"
+        impls += prepare_bwd.config_candidates(info, {f"{n}_det": configs[n] for n, c in raw.items()
+                                                      if c.get("deterministic")}, deterministic=True)
     if args.det_variants and not args.baseline:
         names = None if args.det_variants == "all" else set(args.det_variants.split(","))
         for impl in prepare_bwd.deterministic_variants(info, names):

@@ -258,14 +258,14 @@ def deterministic_variants(info, names=None) -> list[BwdImpl]:
     return out
 
 
-def config_candidates(info, configs: dict) -> list[BwdImpl]:
+def config_candidates(info, configs: dict, deterministic: bool = False) -> list[BwdImpl]:
     """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
-    dim the config can run)."""
+    dim the config can run); with `deterministic`, through driver_bwd.deterministic_plan's ordering."""
     from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
 
     out = []
     for name, (cfg, dims) in configs.items():
-        impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info)
+        impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info, deterministic=deterministic)
         impl.supports = lambda p, _c=cfg, _d=dims: (not p.is_varlen and (_d is None or p.head_dim in _d)
                                                   and bwd_config_error(p.head_dim, p.dv, _c) is None)
         out.append(impl)
