@@ -19,7 +19,13 @@ import itertools
 import json
 import os
 import re
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from config_search import read_rows, run_prune
 
@@ -28,6 +34,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upst
 ROOT = Path(__file__).resolve().parent.parent
 
 BWD_HEAD_DIMS = (64, 96, 128)
+TABLE = "sm120_bwd_table"  # the shipped table's own row in a prepare.py --set bwd run
 BWD_MASKS = ("none", "causal")
 # A judged grid, not the full product (that is ~1,800-4,700 points per head dim, each a ~20 s compile):
 # tiles that 99 KB can hold at d <= 128, FA2's warp atom layouts for the warp count (S/dP, dK/dV, dQ
@@ -139,10 +146,12 @@ def stage_candidates(out: Path, head_dims, path: Path, per_dim: int = 6) -> dict
 
 
 def pick_bwd_winners(doc: dict, candidates: dict) -> dict:
-    """(bucket, mask) -> (BwdConfig, name, [(problem, tflops, upstream_tflops)]) from a prepare.py --set bwd JSON.
+    """(bucket, mask) -> (BwdConfig, name, [(problem, tflops, upstream_tflops)]) from a prepare.py --set bwd JSON,
+    or None where the shipped table's own row ("sm120_bwd_table") is at least as fast (its entry stays).
 
     A candidate must be correct on every problem of its key; the best geomean wins, and upstream's
-    own config is kept unless the winner beats it by more than the larger timing spread."""
+    own config, or the table's entry, is kept unless the winner beats it by more than the larger
+    timing spread. Deterministic rows (`<name>_det`) are not table candidates."""
     from flash_attn_sm120.bench import geomean
     from flash_attn_sm120.config import head_dim_bucket
 
@@ -156,13 +165,17 @@ def pick_bwd_winners(doc: dict, candidates: dict) -> dict:
     winners = {}
     for key, by_prob in problems.items():
         names = set.intersection(*(set(v) for v in by_prob.values()))
-        names = {n for n in names if n in candidates or n == "upstream_sm120"}
+        names = {n for n in names if n in candidates or n in ("upstream_sm120", TABLE)}
         score = {n: geomean([by_prob[p][n]["bwd_tflops"] for p in by_prob]) for n in names}
         best = max(score, key=score.get)
-        if best != "upstream_sm120" and "upstream_sm120" in score:
-            spread = max(max(by_prob[p][best]["spread"], by_prob[p]["upstream_sm120"]["spread"]) for p in by_prob)
-            if score[best] <= score["upstream_sm120"] * (1 + spread):
-                best = "upstream_sm120"
+        for incumbent in (TABLE, "upstream_sm120"):
+            if best not in (TABLE, "upstream_sm120") and incumbent in score:
+                spread = max(max(by_prob[p][best]["spread"], by_prob[p][incumbent]["spread"]) for p in by_prob)
+                if score[best] <= score[incumbent] * (1 + spread):
+                    best = incumbent
+        if best == TABLE:
+            winners[key] = None
+            continue
         cfg = upstream_bwd_config(key[0]) if best == "upstream_sm120" else candidates[best]
         rows = [(p, by_prob[p][best]["bwd_tflops"], by_prob[p].get("upstream_sm120", {}).get("bwd_tflops"))
                 for p in sorted(by_prob)]
@@ -184,18 +197,26 @@ def entry_text(bucket: int, mask: str, cfg: BwdConfig, name: str, rows, gpu: str
 
 
 def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
-    """Write the winners of a prepare.py --set bwd JSON into the backward table (header kept)."""
+    """Write the winners of a prepare.py --set bwd JSON into the backward table (header kept). Entries
+    of keys the run did not time, or where the table's own row won, stay as they are."""
     doc = json.loads(result.read_text())
-    cands = {n: BwdConfig(**{k: v for k, v in c.items() if k != "head_dims"})
+    cands = {n: BwdConfig(**{k: v for k, v in c.items() if k not in ("head_dims", "deterministic")})
              for n, c in json.loads(candidates_path.read_text()).items()}
     winners = pick_bwd_winners(doc, cands)
     text = toml_path.read_text()
-    header = text.split("\n[[bwd]]", 1)[0].rstrip() + "\n"
+    header, *old_blocks = text.split("\n[[bwd]]")
+    blocks = {}
+    for b in old_blocks:
+        b = "[[bwd]]" + b.rstrip()
+        entry = tomllib.loads(b)["bwd"][0]
+        blocks[(entry["head_dim"], entry["mask"])] = b
     # the run's own command, with the files it read and wrote as committed in the repository
     command = re.sub(r"--bwd-configs \S+", f"--bwd-configs {os.path.relpath(candidates_path, ROOT)}", doc["command"])
     command = re.sub(r"--json \S+", f"--json {os.path.relpath(result, ROOT)}", command)
-    blocks = [entry_text(b, m, *winners[(b, m)], doc["gpu"], doc["mode"], doc["date"][:10], command)
-              for b, m in sorted(winners)]
-    toml_path.write_text(header + "\n" + "\n\n".join(blocks) + "\n")
-    for (b, m), (cfg, name, _) in sorted(winners.items()):
-        print(f"d{b} {m}: {name} {cfg.name}")
+    for (b, m), won in winners.items():
+        if won is not None:
+            blocks[(b, m)] = entry_text(b, m, *won, doc["gpu"], doc["mode"], doc["date"][:10], command)
+    order = sorted(blocks, key=lambda k: (k[0], {"causal": 0, "none": 1}.get(k[1], 2), k[1]))
+    toml_path.write_text(header.rstrip() + "\n\n" + "\n\n".join(blocks[k] for k in order) + "\n")
+    for (b, m), won in sorted(winners.items()):
+        print(f"d{b} {m}: " + ("the table's entry stays" if won is None else f"{won[1]} {won[0].name}"))
