@@ -96,9 +96,11 @@ def test_shipped_backward_configs_do_not_spill_on_sm120a(name, cfg, d, mask):
     assert hist.get("HMMA", 0) > 0
     if d > 192:
         # d > 192, the one exception, and why: no 8-warp tile fits 99 KB, so 4 warps hold the dK/dV/dQ
-        # accumulators and spill a little (measured: 16-48 B of stack)
+        # accumulators and spill (measured: 16-24 B of stack at d256; 160-208 B at d200-224, where the
+        # preprocess's 64-row passes need a 64-row tile, config_bwd.BWD_FALLBACKS)
         assert not [c for c in _eight_warp_tiles() if bwd_config_error(d, d, c) is None]
-        assert res["stack"] <= 64 and hist.get("LDL", 0) <= 16, (name, res)
+        small = d % 64 == 0
+        assert res["stack"] <= (64 if small else 256) and hist.get("LDL", 0) <= (16 if small else 64), (name, res)
         return
     assert res["stack"] == 0 and res["local"] == 0, (name, res)
     assert hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0, name

@@ -60,6 +60,23 @@ def test_every_head_dim_has_a_config(d):
     assert bwd_config_error(d, d, cfg) is None
 
 
+@pytest.mark.parametrize("d,dv,m_block,refused", [
+    (96, 96, 32, True), (224, 224, 32, True), (160, 160, 32, True), (80, 64, 32, False), (64, 96, 32, True),
+    (64, 64, 32, False), (128, 128, 32, False), (192, 192, 32, False), (256, 256, 32, False), (96, 96, 64, False),
+])
+def test_tiles_shorter_than_the_preprocess_pass_are_refused(d, dv, m_block, refused):
+    """Upstream's preprocess covers preprocess_rows(dv) rows per pass with m_block as its tile; a shorter
+    tile's last m_block per head zeroes the next head's first dPsum rows (wrong gradients on the H200
+    at b1 s4096 h16 d96, measured). The rule keys on head_dim_v, the preprocess's O/dO width."""
+    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_rows
+
+    assert [preprocess_rows(x) for x in (64, 96, 128, 160, 192, 224, 256)] == [32, 64, 16, 64, 32, 64, 16]
+    cfg = BwdConfig(128, m_block, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=1 if dv % 64 == 0 else 2,
+                    atom_m_dq=1 if d % 64 == 0 else 2)
+    error = bwd_config_error(d, dv, cfg) or ""
+    assert ("preprocess" in error) == refused, error
+
+
 def test_forced_config_is_checked():
     with driver_bwd.force_config(BwdConfig(128, 128, 128, 2, 2)):
         with pytest.raises(ValueError, match="not implementable.*shared memory"):

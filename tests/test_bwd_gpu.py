@@ -64,6 +64,9 @@ FEATURES = [
      AttnProblem((300,), (100,), nheads_kv=2, seed=7)),
     ("d192", AttnCase("bfloat16", 192, 192, 2, None, "causal"), AttnProblem((150,), (150,), nheads_kv=1, seed=8)),
     ("d256", AttnCase("bfloat16", 256, 256, 1, None, "none"), AttnProblem((100,), (150,), nheads_kv=1, seed=9)),
+    # d200-224: the 64-row 4-warp fallback (the preprocess's 64-row passes need m_block >= 64)
+    ("d224-gqa", AttnCase("bfloat16", 224, 224, 2, None, "causal"), AttnProblem((300,), (300,), nheads_kv=2, seed=11)),
+    ("d200", AttnCase("float16", 200, 200, 1, None, "none"), AttnProblem((1100,), (700,), nheads_kv=3, seed=12)),
     ("d80-dv64", AttnCase("float16", 80, 64, 1, None, "none"), AttnProblem((70,), (90,), nheads_kv=2, seed=10)),
 ]
 

@@ -132,6 +132,15 @@ def _layout_error(what: str, rows: int, cols: int, atom: int, warps: int) -> Opt
     return None
 
 
+def preprocess_rows(head_dim_v: int, threads: int = 256) -> int:
+    """Rows of O/dO one pass of upstream's backward preprocess covers (its 256 threads, 16-byte loads,
+    and a power-of-two k-block of 128, 64 or 32 columns that divides the padded head dim). With a tile
+    (m_block) smaller than this it writes past its tile's dPsum rows."""
+    hdv = _round_up(head_dim_v, _HDIM_MULTIPLE)
+    k_block = 128 if hdv % 128 == 0 else 64 if hdv % 64 == 0 else 32
+    return threads // (k_block // 8)
+
+
 def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional[str]:
     """Why a backward config cannot run on SM120, or None if it can."""
     if cfg.num_threads not in (128, 256):
@@ -152,6 +161,13 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         return "v_in_regs gives wrong dQ in upstream's SM80/SM120 mainloop (measured); not offered"
     if cfg.dq_swapab and _round_up(head_dim, _HDIM_MULTIPLE) % 64:
         return f"dq_swapab needs the padded head dim ({_round_up(head_dim, _HDIM_MULTIPLE)}) to be a multiple of 64"
+    rows = preprocess_rows(head_dim_v)
+    if cfg.m_block < rows:
+        # measured on the H200 (session 15's probe log): d96 32x64 wrong dQ/dK/dV at b1 s4096 h16,
+        # right at s1024 -- the preprocess's last m_block of a head writes zeros over the next head's
+        # first dPsum rows, a race that larger grids lose
+        return (f"m_block={cfg.m_block} is smaller than the {rows} rows upstream's preprocess covers per pass "
+                f"at head_dim_v={head_dim_v}: its last m_block per head overwrites the next head's dPsum")
     warps = cfg.num_warps
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     for err in (

@@ -361,8 +361,7 @@ _BWD_CONFIG_EDITS = (
     ("# sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,\n"
      "# 64x64) is not among them",
      "# sm_120a up to d=192. SM120's earlier default (4 warps,\n# 64x64) is not among them"),
-    ("    # the second serves the rest (d 200-224). tests/test_bwd_codegen.py pins both.\n",
-     "    # the second serves the rest (d 200-224).\n"),
+    ("    # ~200 B. tests/test_bwd_codegen.py pins both.\n", "    # ~200 B.\n"),
 )
 _BWD_ADAPTER = '''
 
