@@ -338,18 +338,13 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
     sys.path.insert(0, str(ROOT / "scripts"))
     import prepare_bwd
 
-    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
-
     impls = [] if args.baseline else prepare_bwd.table_candidate(info)
     if args.bwd_configs and not args.baseline:
-        raw = json.loads(args.bwd_configs.read_text())
-        extra = ("head_dims", "deterministic")
-        configs = {n: (BwdConfig(**{k: v for k, v in c.items() if k not in extra}), c.get("head_dims"))
-                   for n, c in raw.items()}
-        impls += prepare_bwd.config_candidates(info, configs)
+        cands = prepare_bwd.read_bwd_candidates(args.bwd_configs)
+        impls += prepare_bwd.config_candidates(info, {n: (cfg, dims) for n, (cfg, dims, _) in cands.items()})
         # entries with "deterministic": true are also timed deterministic, as "<name>_det"
-        impls += prepare_bwd.config_candidates(info, {f"{n}_det": configs[n] for n, c in raw.items()
-                                                      if c.get("deterministic")}, deterministic=True)
+        impls += prepare_bwd.config_candidates(info, {f"{n}_det": (cfg, dims) for n, (cfg, dims, det) in cands.items()
+                                                      if det}, deterministic=True)
     if args.det_variants and not args.baseline:
         names = None if args.det_variants == "all" else set(args.det_variants.split(","))
         for impl in prepare_bwd.deterministic_variants(info, names):

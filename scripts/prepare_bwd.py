@@ -140,14 +140,19 @@ def reference_grads(p: Problem, x: dict, heads_per_chunk: int = 4):
     return out["ref"], out["pt"]
 
 
+def grad_bound(ref, pt) -> float:
+    """Upstream's rule's bound for one gradient: 2 max|pt - ref| + atol (pt: the reference in the inputs' precision)."""
+    return 2 * (pt.float() - ref).abs().max().item() + GRAD_ATOL
+
+
 def check_grads(actual, ref, pt) -> tuple[bool, float, str]:
-    """Upstream's rule per gradient: max|actual - ref| <= 2 max|pt - ref| + atol, every element finite."""
+    """Upstream's rule per gradient: max|actual - ref| <= grad_bound(ref, pt), every element finite."""
     worst, detail = 0.0, ""
     for name, a, r, lo in zip(("dq", "dk", "dv"), actual, ref, pt):
         if not bool(a.isfinite().all()):
             return False, float("inf"), f"{name}: non-finite (unwritten) elements"
         err = (a.float() - r).abs().max().item()
-        bound = 2 * (lo.float() - r).abs().max().item() + GRAD_ATOL
+        bound = grad_bound(r, lo)
         worst = max(worst, err)
         if err > bound:
             return False, err, f"{name}: error {err:.3e} > bound {bound:.3e}"
@@ -256,6 +261,22 @@ def deterministic_variants(info, names=None) -> list[BwdImpl]:
 
         out.append(BwdImpl(name, run, "candidate", supports=lambda p: not p.is_varlen and p.window == (None, None)))
     return out
+
+
+CANDIDATE_EXTRAS = ("head_dims", "deterministic")  # a candidates file's keys beside the BwdConfig fields
+
+
+def read_bwd_candidates(path) -> dict:
+    """A --bwd-configs file (scripts/search_bwd.py stage_candidates writes one): name -> (BwdConfig, head
+    dims or None, whether to time it deterministic too)."""
+    import json
+    from pathlib import Path
+
+    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+
+    raw = json.loads(Path(path).read_text())
+    return {n: (BwdConfig(**{k: v for k, v in c.items() if k not in CANDIDATE_EXTRAS}), c.get("head_dims"),
+                bool(c.get("deterministic"))) for n, c in raw.items()}
 
 
 def config_candidates(info, configs: dict, deterministic: bool = False) -> list[BwdImpl]:

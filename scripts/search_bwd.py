@@ -28,6 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from config_search import read_rows, run_prune
+from prepare_bwd import read_bwd_candidates
 
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config
 
@@ -200,8 +201,7 @@ def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
     """Write the winners of a prepare.py --set bwd JSON into the backward table (header kept). Entries
     of keys the run did not time, or where the table's own row won, stay as they are."""
     doc = json.loads(result.read_text())
-    cands = {n: BwdConfig(**{k: v for k, v in c.items() if k not in ("head_dims", "deterministic")})
-             for n, c in json.loads(candidates_path.read_text()).items()}
+    cands = {n: cfg for n, (cfg, _, _) in read_bwd_candidates(candidates_path).items()}
     winners = pick_bwd_winners(doc, cands)
     text = toml_path.read_text()
     header, *old_blocks = text.split("\n[[bwd]]")

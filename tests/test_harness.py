@@ -255,3 +255,38 @@ def test_write_keeps_a_cpasync_fallback_after_a_tma_winner(tmp_path):
     assert got[:2] == [(128, "causal", tma), (128, "causal", cp_a)]
     # none: the round's cp.async finalist follows the TMA winner
     assert got[2:] == [(128, "none", tma), (128, "none", cp_b)]
+
+
+def test_bwd_write_merges_and_keeps_an_entry_the_table_wins(tmp_path):
+    """Backward bwd-write: a candidate that beats the table's own row (by more than the spread) replaces
+    that key's entry; where the table's row is as fast, and for keys the run did not time, the entry
+    stays byte for byte; deterministic rows (<name>_det) are never candidates."""
+    import json
+    import shutil
+
+    search_bwd = _load("search_bwd")
+    from flash_attn_sm120.config_bwd import BWD_TABLE_PATH, parse_bwd_table, tomllib
+    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+
+    toml = tmp_path / "bwd.toml"
+    shutil.copy(BWD_TABLE_PATH, toml)
+    before = {(e.head_dim, e.mask): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
+    fast = BwdConfig(256, 32, 128, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2)
+    (tmp_path / "c.json").write_text(json.dumps({"fast": dict(fast.to_dict(), head_dims=[128], deterministic=True)}))
+
+    def row(impl, problem, tflops):
+        return dict(impl=impl, problem=problem, status="ok", bwd_tflops=tflops, spread=0.01)
+
+    rows = [row("sm120_bwd_table", "b1s8192h16d128", 250.0), row("fast", "b1s8192h16d128", 280.0),
+            row("fast_det", "b1s8192h16d128", 400.0), row("upstream_sm120", "b1s8192h16d128", 210.0),
+            row("sm120_bwd_table", "b1s8192h16d128-causal", 250.0), row("fast", "b1s8192h16d128-causal", 251.0),
+            row("fast_det", "b1s8192h16d128-causal", 400.0), row("upstream_sm120", "b1s8192h16d128-causal", 210.0)]
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(dict(rows=rows, gpu="G", mode="emulated", date="2026-12-02T00:00",
+                                      command="prepare --bwd-configs X --json Y")))
+    search_bwd.stage_write(result, tmp_path / "c.json", toml)
+    after = {(e.head_dim, e.mask): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
+    assert after[(128, "none")] == fast
+    assert {k: v for k, v in after.items() if k != (128, "none")} == {k: v for k, v in before.items()
+                                                                   if k != (128, "none")}
+    assert list(after) == list(before)  # the table's order is kept
