@@ -76,6 +76,11 @@ BWD_SHAPES = (
      AttnProblem((77, 150), (90, 160), nheads_kv=1, window_left=50, window_right=-3, seed=13)),
     ("bwd-d192-causal", AttnCase("bfloat16", 192, 192, 1, None, "causal", 0.0, False, "dense", "dense", True),
      AttnProblem((100,), (130,), nheads_kv=1, seed=14)),
+    # d128 without a mask: the 8-warp 32x128 entry (10 m_blocks, 3 n_blocks); d224: the 4-warp 64x32 fallback
+    ("bwd-d128-none-gqa", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, False, "dense", "dense", True),
+     AttnProblem((300,), (270,), nheads_kv=2, seed=18)),
+    ("bwd-d224-gqa", AttnCase("bfloat16", 224, 224, 2, None, "none", 0.0, False, "dense", "dense", True),
+     AttnProblem((100,), (130,), nheads_kv=1, seed=19)),
     # the modifier step (kernels/bwd_mods.py): a mask_mod over an aux tensor with a score_mod pair, varlen
     ("bwd-d128-mods-varlen", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, False, "packed", "packed", True,
                                       mods="prefix+position"),
@@ -85,10 +90,10 @@ BWD_SHAPES = (
      AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
     # deterministic=True (kernels/bwd_deterministic.py), one per dQ ordering of driver_bwd.deterministic_plan, with
     # several m_blocks and n_blocks so the CTAs' turns interleave; the backward runs twice, compared bit for bit.
-    # rotated (no mask, dense, n_blocks <= m_blocks): d128's 64x64 tile, 5 m_blocks, 4 n_blocks
+    # rotated (no mask, dense, n_blocks <= m_blocks): d128's 32x128 tile, 10 m_blocks, 3 n_blocks
     ("bwd-d128-det-none", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
-     AttnProblem((300,), (250,), nheads_kv=2, seed=20)),
+     AttnProblem((300,), (300,), nheads_kv=2, seed=20)),
     # causal dense: descending turns, the shortest-first launch; GQA orders dK/dV: 5 m_blocks, 5 n_blocks
     ("bwd-d128-det-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, True, "dense", "dense", True,
                                          deterministic=True),

@@ -698,6 +698,7 @@ from quack.compile_utils import make_fake_tensor
 from flash_attn.cute import interface  # the patched interface imports the new modules
 from flash_attn.cute import flash_bwd_sm120_configs as configs
 from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned, Sm120BwdConfig
+from flash_attn.cute.flash_bwd_sm120_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.codegen import TARGET_ARCH, inspect_cubin
 from flash_attn_sm120.driver_bwd import compile_kernel
 from flash_attn_sm120.occupancy import cubin_of
@@ -718,12 +719,13 @@ except ValueError as e:
     out["refusals"]["v_in_regs"] = str(e)
 for c in cases:
     cfg = Sm120BwdConfig(**c["config"])
-    gqa, det = c["qhead_per_kvhead"] > 1, c["deterministic"]
+    gqa, det, mods = c["qhead_per_kvhead"] > 1, c["deterministic"], c["step"] == "mods"
     # the ordering the patched interface picks for a 4096 x 4096 problem on 188 SMs (or the case's own)
-    plan = configs.sm120_bwd_deterministic_plan(188, cfg, c["causal"], 4096, 4096, flags=c.get("flags")) if det else {}
-    kernel = FlashAttentionBackwardSm120Tuned(
-        cutlass.BFloat16, c["d"], c["d"], c["qhead_per_kvhead"], cfg, is_causal=c["causal"],
-        deterministic=det, **plan)
+    plan = configs.sm120_bwd_deterministic_plan(188, cfg, c["causal"], 4096, 4096, modifier_step=mods,
+                                                flags=c.get("flags")) if det else {}
+    cls = FlashAttentionBackwardSm120Mods if mods else FlashAttentionBackwardSm120Tuned
+    kernel = cls(cutlass.BFloat16, c["d"], c["d"], c["qhead_per_kvhead"], cfg, is_causal=c["causal"],
+                 deterministic=det, **plan)
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = interface.make_fake_bwd_tensors(cutlass.BFloat16, has_gqa=gqa, varlen_q=False, varlen_k=False)
     sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
@@ -741,27 +743,36 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# patch 0004's own deterministic step (the tuned class, modifier_step=False) is checked on the 8-warp
+# 64x64 tile (the d128 entries before round 3); at 32x128 its CTA-barrier release spills, which is
+# why the interface runs deterministic calls on the modifier step (patch 0005)
+_TUNED_STEP_CFG = dict(num_threads=256, m_block=64, n_block=64, stages_q=2, stages_do=1, atom_m_sdp=2,
+                       atom_n_dkv=4, atom_m_dq=2)
+
+
 def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
-    """Patch 0004: the patched upstream's tuned backward compiles for sm_120a on the CPU for every
-    shipped backward table entry, and deterministic in the orderings the patched interface picks
-    (GQA causal: descending turns, reversed launch; no mask: rotated) and in two it can be given (an
-    early relaxed read with a fence per thread; per-warp turns), without register spills, the
-    barrier release keeping the dQ adds REDs; its table and selection are the package's; deterministic + local and V in
-    registers are refused."""
+    """Patches 0004-0005: the patched upstream's backward compiles for sm_120a on the CPU for every
+    shipped backward table entry (the tuned class), deterministic as the patched interface runs it
+    (the modifier class with fused turns: GQA causal with descending turns and the reversed launch, no
+    mask rotated, GQA without a mask), and patch 0004's own deterministic step (the tuned class's
+    CTA-barrier release, and two orderings it can be given: an early relaxed read with a fence per
+    thread; per-warp turns), without register spills, the barrier release keeping the dQ adds REDs;
+    its table and selection are the package's; deterministic + local and V in registers are refused."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     table = load_bwd_table()
     cases = [dict(d=e.head_dim, causal=e.mask == "causal", config=e.config.to_dict(), qhead_per_kvhead=1,
-                  deterministic=False) for e in table]
+                  deterministic=False, step="tuned") for e in table]
     det = next((e for e in table if e.head_dim == 128 and e.mask == "causal"), table[0])
     dense = next((e for e in table if e.head_dim == 128 and e.mask == "none"), table[0])
-    cases.append(dict(d=det.head_dim, causal=True, config=det.config.to_dict(), qhead_per_kvhead=4, deterministic=True))
-    cases.append(dict(d=dense.head_dim, causal=False, config=dense.config.to_dict(), qhead_per_kvhead=1,
-                      deterministic=True))
-    cases.append(dict(d=det.head_dim, causal=True, config=det.config.to_dict(), qhead_per_kvhead=1, deterministic=True,
-                      flags=dict(dq_descending=True, fetch_early=True, fetch_relaxed=True)))
-    cases.append(dict(d=dense.head_dim, causal=False, config=dense.config.to_dict(), qhead_per_kvhead=1,
-                      deterministic=True, flags=dict(dq_rotated=True, release_deferred=True, warp_turns=True)))
+    for e, causal, gqa in ((det, True, 4), (dense, False, 1), (dense, False, 4)):  # what the interface runs
+        cases.append(dict(d=e.head_dim, causal=causal, config=e.config.to_dict(), qhead_per_kvhead=gqa,
+                          deterministic=True, step="mods"))
+    for causal, gqa, flags in ((True, 4, None), (False, 1, None),
+                               (True, 1, dict(dq_descending=True, fetch_early=True, fetch_relaxed=True)),
+                               (False, 1, dict(dq_rotated=True, release_deferred=True, warp_turns=True))):
+        cases.append(dict(d=128, causal=causal, config=_TUNED_STEP_CFG, qhead_per_kvhead=gqa, deterministic=True,
+                          step="tuned", flags=flags))
     result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), cases, script=_BWD_PROBE)
 
     assert [(r["d"], r["mask"], r["config"]) for r in result["table"]] == [
@@ -774,18 +785,21 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     assert len(result["cases"]) == len(cases)
     for c in result["cases"]:
         where = (f"d={c['d']} causal={c['causal']} gqa={c['qhead_per_kvhead']} det={c['deterministic']} "
-                 f"{c['plan']} {c['config']}")
+                 f"step={c['step']} {c['plan']} {c['config']}")
         assert c["hmma"] > 0, where
         assert c["stack"] == 0 and c["ldl"] == 0 and c["stl"] == 0, f"{where}: spills {c}"
         if c["plan"].get("barrier_release"):
             assert c["redg"] >= 32 and c["atomg"] == 0, f"{where}: the dQ adds are not REDs ({c})"
-    plans = [c["plan"] for c in result["cases"] if c["deterministic"]]
+    plans = [(c["step"], c["plan"]) for c in result["cases"] if c["deterministic"]]
     on = lambda plan: sorted(f for f, v in plan.items() if v)  # noqa: E731
-    assert [on(p) for p in plans] == [
-        ["barrier_release", "dq_descending", "release_deferred", "reverse_n_blocks"],
-        ["barrier_release", "dq_rotated", "release_deferred"],
-        ["dq_descending", "fetch_early", "fetch_relaxed"],
-        ["dq_rotated", "release_deferred", "warp_turns"],
+    assert [(step, on(p)) for step, p in plans] == [
+        ("mods", ["dq_descending", "fused_turns", "reverse_n_blocks"]),
+        ("mods", ["dq_rotated", "fused_turns"]),
+        ("mods", ["dq_rotated", "fused_turns"]),
+        ("tuned", ["barrier_release", "dq_descending", "release_deferred", "reverse_n_blocks"]),
+        ("tuned", ["barrier_release", "dq_rotated", "release_deferred"]),
+        ("tuned", ["dq_descending", "fetch_early", "fetch_relaxed"]),
+        ("tuned", ["dq_rotated", "release_deferred", "warp_turns"]),
     ], plans
 
 
@@ -801,15 +815,20 @@ from flash_attn.cute import interface
 from flash_attn.cute.flash_bwd_sm120_configs import SM120_BWD_ORDERING_FLAGS
 
 built = []
-base = interface.FlashAttentionBackwardSm120Tuned
 
 
-def init(self, *args, **kwargs):  # test-only: the ordering keywords the dispatch passes
-    built.append({f: kwargs[f] for f in SM120_BWD_ORDERING_FLAGS if f in kwargs})
-    base.__init__(self, *args, **kwargs)
+def recording(name):  # test-only: the class the dispatch builds and the ordering keywords it passes
+    base = getattr(interface, name)
+
+    def init(self, *args, **kwargs):
+        built.append(dict(cls=name, **{f: kwargs[f] for f in SM120_BWD_ORDERING_FLAGS if f in kwargs}))
+        base.__init__(self, *args, **kwargs)
+
+    setattr(interface, name, type(name, (base,), {"__init__": init}))
 
 
-interface.FlashAttentionBackwardSm120Tuned = type("FlashAttentionBackwardSm120Tuned", (base,), {"__init__": init})
+recording("FlashAttentionBackwardSm120Tuned")
+recording("FlashAttentionBackwardSm120Mods")
 out = []
 for det, hk, causal in ((False, 4, True), (False, 1, True), (True, 4, True), (True, 1, True), (True, 4, False)):
     with FakeTensorMode():
@@ -842,9 +861,10 @@ def test_patched_upstream_bwd_host_path_runs_on_fake_tensors(tmp_path, monkeypat
     for r in result:
         assert r["dq"] == [2, 300, 4, 128] and r["dk"] == r["dv"] == [2, 300, r["hk"], 128], r
         cfg = select_bwd_config(tuple(load_bwd_table()), 128, 128, r["causal"], False)
-        # (the interface builds the tuned class: upstream's step, modifier_step=False)
-        want = driver_bwd.deterministic_plan(188, cfg, r["causal"], 300, 300, modifier_step=False) if r["det"] else {}
-        assert r["plans"] == [want], r
+        # deterministic calls run the modifier class (its fused turns, modifier_step=True), as the package's
+        want = driver_bwd.deterministic_plan(188, cfg, r["causal"], 300, 300, modifier_step=True) if r["det"] else {}
+        cls = "FlashAttentionBackwardSm120Mods" if r["det"] else "FlashAttentionBackwardSm120Tuned"
+        assert r["plans"] == [dict(cls=cls, **want)], r
     assert result[2]["plans"][0]["reverse_n_blocks"] and result[4]["plans"][0]["dq_rotated"], result
 
 
@@ -867,7 +887,6 @@ def outcome(fn):
 
 
 def package(args, flags):
-    args = (*args, False)  # modifier_step: the patched interface builds the tuned class
     if flags is None:
         return driver_bwd.deterministic_plan(*args)
     try:
@@ -887,12 +906,13 @@ CONFIGS = [dict(num_threads=256, m_block=64, n_block=64, stages_q=2, stages_do=1
                 atom_m_dq=2), dict(num_threads=256, m_block=64, n_block=128, stages_q=2, stages_do=2, atom_m_sdp=2,
                                    atom_n_dkv=4, atom_m_dq=2)]
 compared, differ, seen = 0, [], set()
-for num_sms, causal, (sq, sk), present, flags, cfg in itertools.product(
-        (16, 132, 188), (False, True), SEQLENS, itertools.product((False, True), repeat=4), FORCED, CONFIGS):
+for num_sms, causal, (sq, sk), present, flags, cfg, step in itertools.product(
+        (16, 132, 188), (False, True), SEQLENS, itertools.product((False, True), repeat=4), FORCED, CONFIGS,
+        (False, True)):
     index = tuple(object() if p else None for p in present)
     got = outcome(lambda: configs.sm120_bwd_deterministic_plan(num_sms, Sm120BwdConfig(**cfg), causal, sq, sk,
-                                                               index_tensors=index, flags=flags))
-    want = package((num_sms, BwdConfig(**cfg), causal, sq, sk, index), flags)
+                                                               index_tensors=index, modifier_step=step, flags=flags))
+    want = package((num_sms, BwdConfig(**cfg), causal, sq, sk, index, step), flags)
     compared += 1
     seen.add("refused" if isinstance(want, str) else ",".join(sorted(f for f, v in want.items() if v)))
     if got != want:
@@ -905,15 +925,16 @@ print("RESULT " + json.dumps(dict(compared=compared, differ=differ[:10], n_diffe
 
 def test_patched_upstream_deterministic_plan_is_the_packages(tmp_path):
     """Patch 0004's sm120_bwd_deterministic_plan (the interface's dQ ordering on SM120) gives the package's
-    driver_bwd.deterministic_plan result on a grid of SM counts, masks, seqlens, index tensors, configs
-    and given orderings (force_deterministic_plan in the package), refusals and their messages included."""
+    driver_bwd.deterministic_plan result on a grid of SM counts, masks, seqlens, index tensors, configs,
+    both steps (modifier_step) and given orderings (force_deterministic_plan in the package), refusals and their messages included."""
     from flash_attn_sm120 import driver_bwd
 
     result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_BWD_PLAN_PROBE)
     assert result["compared"] > 10000 and result["n_differ"] == 0, result["differ"]
     assert result["flags"] == list(driver_bwd._ORDERING_FLAGS)
     for choice in ("refused", "barrier_release,dq_rotated,release_deferred",
-                   "barrier_release,dq_descending,release_deferred,reverse_n_blocks", "barrier_release,release_deferred"):
+                   "barrier_release,dq_descending,release_deferred,reverse_n_blocks", "barrier_release,release_deferred",
+                   "dq_rotated,fused_turns", "dq_descending,fused_turns,reverse_n_blocks", "fused_turns"):
         assert choice in result["seen"], result["seen"]
 
 
@@ -988,16 +1009,20 @@ assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__
 from flash_attn.cute import interface
 
 built = []
-base = interface.FlashAttentionBackwardSm120Tuned
 
 
-class Recording(base):  # test-only: see what the dispatch builds
-    def __init__(self, *a, **k):
-        built.append(a[4].__dict__)
-        super().__init__(*a, **k)
+def recording(name):  # test-only: see which class the dispatch builds
+    base = getattr(interface, name)
+
+    def init(self, *a, **k):
+        built.append(name)
+        base.__init__(self, *a, **k)
+
+    setattr(interface, name, type(name, (base,), {"__init__": init}))
 
 
-interface.FlashAttentionBackwardSm120Tuned = Recording
+recording("FlashAttentionBackwardSm120Tuned")
+recording("FlashAttentionBackwardSm120Mods")
 out = []
 for d, causal, h, hkv, det in ((128, True, 4, 4, False), (64, False, 8, 2, False), (128, True, 8, 2, True)):
     torch.manual_seed(0)
@@ -1015,24 +1040,26 @@ for d, causal, h, hkv, det in ((128, True, 4, 4, False), (64, False, 8, 2, False
     dout = torch.randn_like(q)
     o.backward(dout.float())
     ref = [x.grad.float() for x in (q, k, v)]
+    before = len(built)
     res = [interface._flash_attn_bwd(q.detach(), k.detach(), v.detach(), o.to(q.dtype).detach(), dout, lse.detach(),
                                      softmax_scale=scale, causal=causal, deterministic=det) for _ in range(2 if det else 1)]
     torch.cuda.synchronize()
     errs = [((g.float() - r).abs().max() / r.abs().max()).item() for g, r in zip(res[0], ref)]  # relative
     same = all(torch.equal(a, b) for a, b in zip(res[0], res[-1]))
-    out.append(dict(d=d, causal=causal, gqa=h // hkv, det=det, errs=errs, same=same, built=bool(built)))
+    out.append(dict(d=d, causal=causal, gqa=h // hkv, det=det, errs=errs, same=same, built=sorted(set(built[before:]))))
 print("RESULT " + json.dumps(out))
 """
 
 
 @pytest.mark.gpu
 def test_patched_upstream_bwd_matches_reference(tmp_path, monkeypatch):
-    """Patch 0004 on a GPU (SM120 dispatch forced with FLASH_ATTENTION_ARCH): the tuned class runs,
-    dq/dk/dv match fp32 autograd, and deterministic=True is bitwise repeatable (GQA causal)."""
+    """Patches 0004-0005 on a GPU (SM120 dispatch forced with FLASH_ATTENTION_ARCH): the tuned class runs
+    (the modifier class for deterministic=True), dq/dk/dv match fp32 autograd, and deterministic=True is
+    bitwise repeatable (GQA causal)."""
     monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_120")  # for the probe subprocess's environment
     results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_BWD_PROBE, gpu=True)
     for r in results:
-        assert r["built"], r
+        assert r["built"] == ["FlashAttentionBackwardSm120Mods" if r["det"] else "FlashAttentionBackwardSm120Tuned"], r
         # relative to the largest gradient: bf16 dQ/dK/dV (GQA dK/dV sum 4 heads of 777 rows: one bf16 ulp
         # at their magnitude was 0.0625 absolute, measured)
         assert max(r["errs"]) < 0.02, r

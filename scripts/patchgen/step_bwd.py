@@ -385,8 +385,8 @@ _PLAN_EDITS = (
      "                                 index_tensors: tuple = (None, None, None, None),\n"
      "                                 modifier_step: bool = False, flags: Optional[dict] = None) -> dict:\n"),
     ("), which needs this package's step (kernels/bwd_mods.py). With\n",
-     "), which needs FlashAttentionBackwardSm120Mods's step (the interface builds the tuned\n"
-     "    class for deterministic calls, hence the default). With\n"),
+     "), which needs the modifier backward's step (FlashAttentionBackwardSm120Mods in\n"
+     "    flash_bwd_sm120_mods.py; the interface passes modifier_step=True when it builds that class). With\n"),
     ("    \"\"\"How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).\n",
      "    \"\"\"How the deterministic backward orders its dQ additions: the ordering keywords of\n"
      "    FlashAttentionBackwardSm120Tuned (flash_bwd_sm120_tuned.py: dq_turn, rotated_turn,\n"

@@ -147,12 +147,22 @@ _MODS_INTERFACE_EDITS = (
         "            sm120_mods,\n",
     ),
     (
+        "SM120 deterministic calls take the modifier step's ordering",
+        "            index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),\n"
+        "        )\n",
+        "            index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),\n"
+        "            modifier_step=True,  # FlashAttentionBackwardSm120Mods runs deterministic calls (below)\n"
+        "        )\n",
+    ),
+    (
         "SM120 builds the modifier class",
         "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
         "            fa_bwd_obj = FlashAttentionBackwardSm120Tuned(\n",
         "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
         "            sm120_bwd_cls, sm120_mod_kwargs = FlashAttentionBackwardSm120Tuned, {}\n"
-        "            if sm120_mods:\n"
+        "            # deterministic: the modifier step places the dQ turns on its own barriers (fused_turns),\n"
+        "            # where the tuned step's CTA-barrier release spills registers on the larger tiles\n"
+        "            if sm120_mods or deterministic:\n"
         "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
         "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n"
         "            fa_bwd_obj = sm120_bwd_cls(\n",
@@ -212,16 +222,22 @@ def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) ->
             "applies score_mod, mask_mod and score_mod_bwd there with softmax.py's and mask.py's "
             "helpers (apply_score_mod_inner, call_mask_mod, apply_score_mod_bwd_inner), and wraps the "
             "indices into the sequence with aux tensors as the SM90 backward does. Same configs, "
-            "padding and deterministic orderings as the tuned class, plus one the tuned class's step "
-            "cannot run: late_dq_adds (the dQ accumulator held across the dK product, its turn waited "
-            "for right before the adds), which the interface's plan does not use. The step's "
+            "padding and deterministic orderings as the tuned class, plus ones the tuned class's step "
+            "cannot run: fused_turns (thread 0 waits for the dQ turn right before the barrier ahead of "
+            "the dQ adds and releases the previous m_block's right after the one ahead of the dP "
+            "product), which the interface's plan uses, and late_dq_adds (the dQ accumulator held "
+            "across the dK product), which it does not. The step's "
             "use_mask_mod=False leaves the mask_mod out of a tile (for the full tiles of block-sparse "
             "lists).",
             "interface.py: _flash_attn_bwd on SM120 builds the modifier class, with mask_mod and "
             "has_aux_tensors, when a call has a user score_mod/score_mod_bwd, a mask_mod or aux "
             "tensors; the aux data is compiled and passed as for the other archs (AuxData). The "
             "softcap pair, which is index-free, keeps the tuned class. The choice joins the compile "
-            "key. A mask_mod replaces causal/local as the forward resolves it. Other archs are "
+            "key. A mask_mod replaces causal/local as the forward resolves it. deterministic=True "
+            "builds the modifier class too, with sm120_bwd_deterministic_plan(modifier_step=True): "
+            "the dQ turns on the step's own barriers (fused_turns), as the package's driver runs "
+            "them; the tuned step's CTA-barrier release spills 88-104 B of registers at the 8-warp "
+            "32x128 d128 tile (sm_120a, cuobjdump), the fused turns none. Other archs are "
             "unchanged; SM8x still refuses a user score_mod.",
         ],
         "Tested:",
