@@ -248,16 +248,32 @@ def bwd_report_row(
     note: str = "",
     keep_sass: Optional[dict] = None,
     block_sparse: Optional[tuple] = None,
+    mods=None,
 ) -> CodegenResult:
     """The sm_120a codegen row of one backward kernel (a kernels.bwd_sm120.BwdConfig); block_sparse:
-    (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py)."""
+    (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py); mods: a
+    driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
-                                        qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse)
+                                        qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse, mods=mods)
     mask = "-causal" if causal else "-local" if local else ""
     return _row_of_cubin(cubin, smem_dyn, config.num_threads, config, keep_sass,
                          name=name or f"{config.name}-d{head_dim}{mask}", shipped=shipped, head_dim=head_dim,
                          head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)
+
+
+def report_mods():
+    """The modifiers a modifier-step codegen row compiles (and the tests pin spill-free): a position-dependent
+    score_mod pair and a document mask_mod over an aux tensor (fake), the heaviest of testing_mods's."""
+    import cutlass
+    import cutlass.cute as cute
+    from quack.compile_utils import make_fake_tensor
+
+    from flash_attn_sm120.driver_bwd import Mods
+    from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, same_document
+
+    doc = make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()))
+    return Mods(position_scale, position_scale_bwd, same_document, (doc,))
 
 
 def _row_of_cubin(cubin: bytes, smem_dyn: int, threads: int, config, keep_sass: Optional[dict], **fields) -> CodegenResult:

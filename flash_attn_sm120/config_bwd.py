@@ -3,7 +3,10 @@
 Mirrors config.py for the backward. The table is data: one entry per (head_dim bucket, mask kind) with
 a `kernels.bwd_sm120.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layouts, swapAB flags, V in
 registers) and the provenance of the measurement that chose it (scripts/config_search.py, stage
-bwd-*). `select_bwd_config` is a pure function of the table and the problem's static properties.
+bwd-*). An entry marked `modifiers = true` serves only the calls with user modifiers (score_mod,
+mask_mod, aux tensors: the modifier step, kernels/bwd_mods.py, which holds more registers), where the
+plain entry of its key does not suit that step. `select_bwd_config` is a pure function of the table
+and the problem's static properties.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class BwdTableEntry:
     mask: str
     config: BwdConfig
     provenance: dict = field(default_factory=dict, compare=False, hash=False)
+    modifiers: bool = False  # an entry for calls with user modifiers only (the modifier step)
 
 
 def config_from_row(raw: dict) -> BwdConfig:
@@ -80,14 +84,18 @@ def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
         except KeyError as e:
             raise ValueError(f"{where}: missing key(s) {e}") from None
         check_entry_key(where, head_dim, mask)
+        modifiers = raw.get("modifiers", False)
+        if not isinstance(modifiers, bool):
+            raise ValueError(f"{where}: modifiers must be true or false, got {modifiers!r}")
         err = bwd_config_error(head_dim, head_dim, cfg)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
         prov = checked_provenance(where, raw)
-        if (head_dim, mask) in seen:
-            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask})")
-        seen.add((head_dim, mask))
-        entries.append(BwdTableEntry(head_dim, mask, cfg, prov))
+        if (head_dim, mask, modifiers) in seen:
+            kind = ", modifiers" if modifiers else ""
+            raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}{kind})")
+        seen.add((head_dim, mask, modifiers))
+        entries.append(BwdTableEntry(head_dim, mask, cfg, prov, modifiers=modifiers))
     return entries
 
 
@@ -103,19 +111,21 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
 
 
 @lru_cache(maxsize=1024)
-def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> BwdConfig:
+def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                      modifiers: bool = False) -> BwdConfig:
     """The table's config for this problem, else the first fallback that runs; pure.
 
     Lookup order as the forward's: exact (bucket, mask); local tries causal; then the bucket's
-    non-causal entry; then BWD_FALLBACKS. A config that cannot run the actual head dims is skipped.
+    non-causal entry; then BWD_FALLBACKS. With `modifiers` (a call with user modifiers), each key's
+    modifier entry comes before its plain one. A config that cannot run the actual head dims is skipped.
     """
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
-    by_key = {(e.head_dim, e.mask): e.config for e in table}
+    by_key = {(e.head_dim, e.mask, e.modifiers): e.config for e in table}
     for m in [kind] + (["causal"] if kind == "local" else []) + ["none"]:
-        cfg = by_key.get((bucket, m))
-        if cfg is not None and bwd_config_error(head_dim, head_dim_v, cfg) is None:
-            return cfg
+        for cfg in [by_key.get((bucket, m, True))] * modifiers + [by_key.get((bucket, m, False))]:
+            if cfg is not None and bwd_config_error(head_dim, head_dim_v, cfg) is None:
+                return cfg
     for cfg in BWD_FALLBACKS:
         if bwd_config_error(head_dim, head_dim_v, cfg) is None:
             return cfg

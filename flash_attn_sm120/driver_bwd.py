@@ -138,12 +138,14 @@ def clear_cache() -> None:
     _verified_keys.clear()
 
 
-def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig]) -> BwdConfig:
-    """The given or forced config (refused with the reason if SM120 cannot run it), else the table's."""
+def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig],
+                  modifiers: bool = False) -> BwdConfig:
+    """The given or forced config (refused with the reason if SM120 cannot run it), else the table's
+    (its modifier entries for a call with user modifiers: `Mods.user`)."""
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
-        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local)
+        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers)
     err = bwd_config_error(head_dim, head_dim_v, config)
     if err is not None:
         raise ValueError(f"SM120 backward config {config.name} not implementable: {err}")
@@ -339,7 +341,9 @@ def backward(
     num_heads_kv, head_dim_v = v.shape[-2:]
     qhead_per_kvhead = num_heads // num_heads_kv
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    cfg = choose_config(head_dim, head_dim_v, causal, local, config)
+    # the table's modifier entries where the modifier step runs for the call (the block-sparse walk is one)
+    cfg = choose_config(head_dim, head_dim_v, causal, local, config,
+                        modifiers=mods.user or block_sparse_tensors is not None)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:

@@ -50,7 +50,7 @@ def _run(jobs: list, desc: str) -> list[dict]:
 def bwd_rows(include_upstream: bool = True) -> list[dict]:
     """The backward: every entry of flash_attn_sm120/configs/sm120_bwd.toml (at its bucket's head dim, with its mask), the
     fallbacks at the largest head dim each serves, and upstream's own SM120 backward at d=128."""
-    from flash_attn_sm120.codegen import bwd_report_row
+    from flash_attn_sm120.codegen import bwd_report_row, report_mods
     from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table
     from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error, upstream_bwd_config
 
@@ -58,9 +58,10 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
     if include_upstream:
         jobs.append(lambda: bwd_report_row(upstream_bwd_config(128), 128, name="bwd/upstream-sm120-default-d128",
                                            note="upstream FlashAttentionBackwardSm120, its own config"))
-    for e in load_bwd_table():
-        jobs.append(lambda e=e: bwd_report_row(e.config, e.head_dim, name=f"bwd/{e.head_dim}/{e.mask}/{e.config.name}",
-                                               shipped=True, causal=e.mask == "causal", local=e.mask == "local"))
+    for e in load_bwd_table():  # a modifier entry (modifiers = true) compiles the modifier step, with report_mods
+        jobs.append(lambda e=e: bwd_report_row(
+            e.config, e.head_dim, name=f"bwd/{e.head_dim}/{e.mask}{'/mods' if e.modifiers else ''}/{e.config.name}",
+            shipped=True, causal=e.mask == "causal", local=e.mask == "local", mods=report_mods() if e.modifiers else None))
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
         jobs.append(lambda i=i, cfg=cfg, d=d: bwd_report_row(cfg, d, name=f"bwd/fallback{i}/d{d}/{cfg.name}",
@@ -83,7 +84,8 @@ def sparse_rows() -> list[dict]:
             factors = (128 // cfg.tile_m, 128 // cfg.tile_n, True)
             jobs.append(lambda d=d, cfg=cfg, f=factors: report_row(cfg, d, name=f"sparse/{d}/{cfg.name}", shipped=True,
                                                                    block_sparse=f))
-        bwd = replace(select_bwd_config(load_bwd_table(), d, d, False, False), stages_q=1, stages_do=1, v_in_regs=False)
+        bwd = replace(select_bwd_config(load_bwd_table(), d, d, False, False, modifiers=True), stages_q=1, stages_do=1,
+                      v_in_regs=False)
         factors = (128 // bwd.m_block, 128 // bwd.n_block, True)
         jobs.append(lambda d=d, bwd=bwd, f=factors: bwd_report_row(bwd, d, name=f"sparse/bwd/{d}/{bwd.name}",
                                                                    shipped=True, block_sparse=f))

@@ -250,7 +250,8 @@ def bwd_tile(case: AttnCase) -> tuple[int, int]:
     """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd)."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, case.causal, case.local)
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, case.causal, case.local,
+                            modifiers=bool(case.mods))
     return cfg.m_block, cfg.n_block
 
 

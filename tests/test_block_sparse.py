@@ -105,7 +105,8 @@ def test_block_sparse_backward_walk_compiles_spill_free_for_sm120a(d):
     from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
     from flash_attn_sm120.testing_mods import prefix_lm
 
-    cfg = replace(select_bwd_config(load_bwd_table(), d, d, False, False), stages_q=1, stages_do=1, v_in_regs=False)
+    cfg = replace(select_bwd_config(load_bwd_table(), d, d, False, False, modifiers=True), stages_q=1, stages_do=1,
+                  v_in_regs=False)
     kernels = []
     cubin, _ = codegen.compile_bwd_cubin(cfg, d, mods=driver_bwd.Mods(mask_mod=prefix_lm), kernel_out=kernels,
                                          block_sparse=(128 // cfg.m_block, 128 // cfg.n_block, True))
@@ -120,7 +121,7 @@ def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
     from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
 
-    cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False)
+    cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False, modifiers=True)  # the walk's entry
     with pytest.raises(ValueError, match="stages_q = stages_do = 1"):
         FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, cfg.__class__(**{**cfg.to_dict(),
                                                                                             "stages_q": 2}))

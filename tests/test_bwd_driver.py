@@ -54,6 +54,58 @@ def test_selection_order():
     assert select_bwd_config(table, 64, 64, False, False) in BWD_FALLBACKS  # no d64 entry
 
 
+def test_modifier_entries_serve_only_calls_with_user_modifiers():
+    """An entry with modifiers = true is tried before its key's plain entry by calls with user modifiers,
+    and by nothing else; the mask lookup order comes first (local: causal, then none)."""
+    mods_row = {**ROW, "modifiers": True, "atom_m_dq": 4}
+    causal_row = {**ROW, "mask": "causal", "stages_q": 2}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, mods_row, causal_row]}))
+    assert [e.modifiers for e in table] == [False, True, False]
+    assert select_bwd_config(table, 128, 128, False, False) == table[0].config
+    assert select_bwd_config(table, 128, 128, False, False, modifiers=True) == table[1].config
+    assert select_bwd_config(table, 128, 128, True, False, modifiers=True) == table[2].config  # causal: plain
+    assert select_bwd_config(table, 128, 128, False, True, modifiers=True) == table[2].config  # local -> causal
+    only_mods = tuple(parse_bwd_table({"schema": 1, "bwd": [mods_row]}))
+    assert select_bwd_config(only_mods, 128, 128, False, False) in BWD_FALLBACKS  # never for a plain call
+    with pytest.raises(ValueError, match="duplicate entry for \\(128, none, modifiers\\)"):
+        parse_bwd_table({"schema": 1, "bwd": [mods_row, mods_row]})
+    with pytest.raises(ValueError, match="modifiers must be true or false"):
+        parse_bwd_table({"schema": 1, "bwd": [{**ROW, "modifiers": "yes"}]})
+
+
+class _Chosen(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse"])
+def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
+    """backward() asks for the modifier entries for user modifiers (Mods.user) and for the block-sparse
+    walk, not for a plain or softcap call (upstream's step)."""
+    from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
+
+    seen = []
+
+    def spy(*args, modifiers=False):
+        seen.append(modifiers)
+        raise _Chosen
+
+    monkeypatch.setattr(driver_bwd, "choose_config", spy)
+    kw = dict(softcap=30.0) if kind == "softcap" else dict(mask_mod=prefix_lm) if kind == "mask_mod" else \
+        dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd) if kind == "score_mod" else \
+        dict(aux_tensors=[torch.zeros(4)]) if kind == "aux" else \
+        dict(block_sparse_tensors=object()) if kind == "block_sparse" else {}
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(_Chosen):
+        driver_bwd.backward(q, q, q, q, q, lse, softmax_scale=None, causal=False, window_size_left=None,
+                            window_size_right=None, **kw)
+    assert seen == [kind not in ("plain", "softcap")]
+    shipped = config_bwd.load_bwd_table()
+    if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
+        e = next(e for e in shipped if e.modifiers)
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, e.mask == "causal", False, modifiers=True) == e.config
+
+
 @pytest.mark.parametrize("d", range(8, 257, 8))
 def test_every_head_dim_has_a_config(d):
     cfg = select_bwd_config((), d, d, False, False)

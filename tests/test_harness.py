@@ -270,8 +270,10 @@ def test_bwd_write_merges_and_keeps_an_entry_the_table_wins(tmp_path):
 
     toml = tmp_path / "bwd.toml"
     shutil.copy(BWD_TABLE_PATH, toml)
-    before = {(e.head_dim, e.mask): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
-    fast = BwdConfig(256, 32, 128, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2)
+    key = lambda e: (e.head_dim, e.mask, e.modifiers)  # noqa: E731
+    before = {key(e): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
+    fast = BwdConfig(256, 32, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2)
+    assert fast != before[(128, "none", False)]
     (tmp_path / "c.json").write_text(json.dumps({"fast": dict(fast.to_dict(), head_dims=[128], deterministic=True)}))
 
     def row(impl, problem, tflops):
@@ -285,8 +287,9 @@ def test_bwd_write_merges_and_keeps_an_entry_the_table_wins(tmp_path):
     result.write_text(json.dumps(dict(rows=rows, gpu="G", mode="emulated", date="2026-12-02T00:00",
                                       command="prepare --bwd-configs X --json Y")))
     search_bwd.stage_write(result, tmp_path / "c.json", toml)
-    after = {(e.head_dim, e.mask): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
-    assert after[(128, "none")] == fast
-    assert {k: v for k, v in after.items() if k != (128, "none")} == {k: v for k, v in before.items()
-                                                                   if k != (128, "none")}
+    after = {key(e): e.config for e in parse_bwd_table(tomllib.loads(toml.read_text()))}
+    assert after[(128, "none", False)] == fast
+    # every other entry stays, a modifier entry of the written key (modifiers = true) included
+    assert {k: v for k, v in after.items() if k != (128, "none", False)} == {
+        k: v for k, v in before.items() if k != (128, "none", False)}
     assert list(after) == list(before)  # the table's order is kept

@@ -103,7 +103,7 @@ def test_backward_keywords_keep_aux_tensors_through_save_for_backward():
 # ---- sm_120a codegen ---------------------------------------------------------------------------------------
 
 def _table_config(d: int) -> BwdConfig:
-    return select_bwd_config(load_bwd_table(), d, d, False, False)
+    return select_bwd_config(load_bwd_table(), d, d, False, False, modifiers=True)  # what a modifier call runs
 
 
 @pytest.mark.parametrize("d", [64, 128])

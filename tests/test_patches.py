@@ -703,12 +703,13 @@ from flash_attn_sm120.codegen import TARGET_ARCH, inspect_cubin
 from flash_attn_sm120.driver_bwd import compile_kernel
 from flash_attn_sm120.occupancy import cubin_of
 
-out = {"table": [dict(d=e.head_dim, mask=e.mask, config=e.config.__dict__) for e in configs.SM120_BWD_TABLE],
-       "select": {}, "cases": [], "refusals": {}}
+out = {"table": [dict(d=e.head_dim, mask=e.mask, config=e.config.__dict__, modifiers=e.modifiers)
+                 for e in configs.SM120_BWD_TABLE], "select": {}, "cases": [], "refusals": {}}
 for d in (64, 96, 128, 160, 192, 256):
-    for causal, local in ((False, False), (True, False), (False, True)):
-        cfg = configs.sm120_bwd_config(d, d, causal, local)
-        out["select"][f"{d}/{causal}/{local}"] = None if cfg is None else cfg.__dict__
+    for causal, local, modifiers in ((False, False, False), (True, False, False), (False, True, False),
+                                     (False, False, True), (True, False, True), (False, True, True)):
+        cfg = configs.sm120_bwd_config(d, d, causal, local, modifiers=modifiers)
+        out["select"][f"{d}/{causal}/{local}/{modifiers}"] = None if cfg is None else cfg.__dict__
 try:
     FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(), is_local=True, deterministic=True)
 except NotImplementedError as e:
@@ -775,11 +776,11 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
                           step="tuned", flags=flags))
     result = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), cases, script=_BWD_PROBE)
 
-    assert [(r["d"], r["mask"], r["config"]) for r in result["table"]] == [
-        (e.head_dim, e.mask, e.config.to_dict()) for e in table]
+    assert [(r["d"], r["mask"], r["config"], r["modifiers"]) for r in result["table"]] == [
+        (e.head_dim, e.mask, e.config.to_dict(), e.modifiers) for e in table]
     for key, cfg in result["select"].items():
-        d, causal, local = int(key.split("/")[0]), key.split("/")[1] == "True", key.split("/")[2] == "True"
-        assert cfg == select_bwd_config(tuple(table), d, d, causal, local).to_dict(), key
+        d, causal, local, modifiers = int(key.split("/")[0]), *(f == "True" for f in key.split("/")[1:])
+        assert cfg == select_bwd_config(tuple(table), d, d, causal, local, modifiers).to_dict(), key
     assert "sliding window" in result["refusals"].get("deterministic local", ""), result["refusals"]
     assert "v_in_regs" in result["refusals"].get("v_in_regs", ""), result["refusals"]
     assert len(result["cases"]) == len(cases)

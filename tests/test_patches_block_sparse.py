@@ -84,7 +84,8 @@ for d, cfg, causal, mask_mod in fwd_cases:
                                 mask_mod=mask_mod is not None, kv_subtile=kernel.kv_subtile_factor,
                                 q_subtile=kernel.q_subtile_factor))
 for d, block, full, mask_mod in ((128, BLOCK, True, prefix_lm), (64, (128, 64), False, None)):
-    cfg = bwd_configs.sm120_bwd_block_sparse_config(bwd_configs.sm120_bwd_config(d, d, False, False), d, d, block)
+    cfg = bwd_configs.sm120_bwd_block_sparse_config(bwd_configs.sm120_bwd_config(d, d, False, False, modifiers=True),
+                                                    d, d, block)  # the list walk takes the modifier entries
     kernel = FlashAttentionBackwardSm120BlockSparse(
         cutlass.BFloat16, d, d, 1, cfg, is_causal=False, mask_mod=mask_mod, has_aux_tensors=False,
         q_subtile_factor=block[0] // cfg.m_block, kv_subtile_factor=block[1] // cfg.n_block, has_full=full)

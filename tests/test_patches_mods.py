@@ -44,7 +44,7 @@ for c in cases:
         score_mod=position_scale, score_mod_bwd=position_scale_bwd, mask_mod=same_document if doc else None,
         has_aux_tensors=doc is not None, deterministic=det,
         **(configs.sm120_bwd_deterministic_plan(188, Sm120BwdConfig(**c["config"]), c["causal"], 4096, 4096,
-                                                flags=c.get("flags")) if det else {}))
+                                                modifier_step=True, flags=c.get("flags")) if det else {}))
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = interface.make_fake_bwd_tensors(cutlass.BFloat16, has_gqa=gqa, varlen_q=False, varlen_k=False)
     sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
@@ -64,13 +64,13 @@ print("RESULT " + json.dumps(out))
 
 def test_mods_patch_compiles_modifier_backward_for_sm120a(tmp_path):
     """Patch 0005: the patched upstream's FlashAttentionBackwardSm120Mods compiles for sm_120a on the CPU
-    with a position-dependent score_mod pair and a document mask_mod over an aux tensor (the table's d128
-    entry), and deterministic GQA causal with the score_mod pair (d64; the interface's ordering, and the
+    with a position-dependent score_mod pair and a document mask_mod over an aux tensor (the d128 entry
+    a modifier call takes), and deterministic GQA causal with the score_mod pair (d64; the interface's ordering, and the
     late dQ adds of the modifier step, a given ordering), without register spills."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     table = tuple(load_bwd_table())
-    cases = [dict(d=d, causal=causal, config=select_bwd_config(table, d, d, causal, False).to_dict(),
+    cases = [dict(d=d, causal=causal, config=select_bwd_config(table, d, d, causal, False, modifiers=True).to_dict(),
                   qhead_per_kvhead=qh, deterministic=det, document=doc)
              for d, causal, qh, det, doc in ((128, False, 1, False, True), (64, True, 2, True, False))]
     late = dict(dq_descending=True, reverse_n_blocks=True, barrier_release=True, release_deferred=True, late_dq_adds=True)

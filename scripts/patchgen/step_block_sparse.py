@@ -390,8 +390,11 @@ _BS_INTERFACE_EDITS = (
     ),
     (
         "SM120 block-sparse backward config",
-        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n",
-        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n"
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local, modifiers=sm120_mods)\n",
+        "        sm120_bwd_cfg = sm120_bwd_config(\n"
+        "            head_dim, head_dim_v, causal, local,\n"
+        "            modifiers=sm120_mods or block_sparse_tensors is not None,  # the list walk is the modifier step\n"
+        "        )\n"
         "        if block_sparse_tensors is not None:\n"
         "            # block sparsity: FlashAttentionBackwardSm120BlockSparse walks the Q-direction lists\n"
         "            # (flash_bwd_sm120_block_sparse.py) with one Q and one dO stage, on the table's tile or\n"

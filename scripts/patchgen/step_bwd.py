@@ -318,12 +318,16 @@ def _table_literal(table) -> str:
             perf = f"{_geomean(tf):.1f} TFLOPS"
             if up:
                 perf += f" vs {_geomean(up):.1f} before ({_geomean(tf) / _geomean(up):.2f}x)"
-        lines.append(f"    # {e.head_dim}/{e.mask}: {_describe(e.config)}")
+        kind = ", calls with user modifiers" if e.modifiers else ""
+        lines.append(f"    # {e.head_dim}/{e.mask}{kind}: {_describe(e.config)}")
         lines.append(f"    #   {perf}; {p['gpu']}, {p['mode']}, {p['date']}")
+        if p.get("note"):
+            lines += [f"    #   {line}" for line in textwrap.wrap(str(p["note"]), 92)]
         lit = _config_literal(e.config)
         s, a = lit.index("stages_q"), lit.index("atom_m_sdp")
+        end = ", modifiers=True" if e.modifiers else ""
         lines.append(f'    BwdTableEntry({e.head_dim}, "{e.mask}", {lit[:s].rstrip()}\n'
-                     f'        {lit[s:a].rstrip()}\n        {lit[a:]}),')
+                     f'        {lit[s:a].rstrip()}\n        {lit[a:]}{end}),')
     lines.append(")")
     commands = sorted({str(e.provenance["command"]) for e in table})
     head = ["# The measured SM120 backward configs, one per (head-dim bucket, mask kind).", "#"]
@@ -342,8 +346,10 @@ The SM120 backward (flash_bwd_sm120_tuned.py) runs any feasible tiling; which is
 the head dim and the mask, so the choice is data: SM120_BWD_TABLE holds one measured entry per
 (head-dim bucket, mask kind). select_bwd_config is a pure function of the table and the problem's
 static properties: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
-entry; then BWD_FALLBACKS. An entry that cannot run the actual head dims (bwd_config_error) is
-skipped.
+entry; then BWD_FALLBACKS. An entry marked modifiers=True serves only calls with user modifiers
+(score_mod, mask_mod, aux tensors: FlashAttentionBackwardSm120Mods's step, which holds more
+registers), tried before its key's plain entry. An entry that cannot run the actual head dims
+(bwd_config_error) is skipped.
 """
 
 from __future__ import annotations
@@ -365,11 +371,13 @@ _BWD_CONFIG_EDITS = (
 )
 _BWD_ADAPTER = '''
 
-def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> Optional[Sm120BwdConfig]:
-    """The backward config the interface runs on SM120 (select_bwd_config), or None where no config
-    runs these head dims: the interface then keeps SM120's earlier default (4 warps, 64x64)."""
+def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                     modifiers: bool = False) -> Optional[Sm120BwdConfig]:
+    """The backward config the interface runs on SM120 (select_bwd_config; modifiers: a call with user
+    modifiers), or None where no config runs these head dims: the interface then keeps SM120's earlier
+    default (4 warps, 64x64)."""
     try:
-        return select_bwd_config(SM120_BWD_TABLE, head_dim, head_dim_v, causal, local)
+        return select_bwd_config(SM120_BWD_TABLE, head_dim, head_dim_v, causal, local, modifiers)
     except ValueError:
         return None
 '''
@@ -611,7 +619,7 @@ def _measurement_rows(table) -> str:
         p = e.provenance
         tf, up = p.get("tflops"), p.get("upstream_tflops")
         rows.append((
-            str(e.head_dim), e.mask, _describe(e.config),
+            str(e.head_dim), e.mask + (" (modifiers)" if e.modifiers else ""), _describe(e.config),
             f"{_geomean(tf):.1f}" if tf is not None else "-",
             f"{_geomean(up):.1f}" if up else "-",
             f"{_geomean(tf) / _geomean(up):.2f}x" if tf is not None and up else "-",

@@ -127,6 +127,11 @@ _MODS_INTERFACE_EDITS = (
         "            )\n",
     ),
     (
+        "SM120 modifier calls take the table's modifier entries",
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n",
+        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local, modifiers=sm120_mods)\n",
+    ),
+    (
         "SM120 modifiers need a tuned config",
         "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
         "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
@@ -233,7 +238,9 @@ def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) ->
             "has_aux_tensors, when a call has a user score_mod/score_mod_bwd, a mask_mod or aux "
             "tensors; the aux data is compiled and passed as for the other archs (AuxData). The "
             "softcap pair, which is index-free, keeps the tuned class. The choice joins the compile "
-            "key. A mask_mod replaces causal/local as the forward resolves it. deterministic=True "
+            "key, and such calls take the table's modifier entries (modifiers=True: the d128 "
+            "non-causal one keeps the 8-warp 64x64 tile, where the 32x128 one spills 8 B in this "
+            "step). A mask_mod replaces causal/local as the forward resolves it. deterministic=True "
             "builds the modifier class too, with sm120_bwd_deterministic_plan(modifier_step=True): "
             "the dQ turns on the step's own barriers (fused_turns), as the package's driver runs "
             "them; the tuned step's CTA-barrier release spills 88-104 B of registers at the 8-warp "
