@@ -43,8 +43,8 @@ BWD_FALLBACKS = (
     BwdConfig(256, 64, 32, 1, 1, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4),  # d <= 192
     # d > 192: no 8-warp tile fits 99 KB there, and every 4-warp one runs out of registers. The first
     # spills least on sm_120a (16-24 B of stack) but needs a padded head dim that is a multiple of 64;
-    # the second serves the rest (d 200-224): there upstream's preprocess covers 64 rows per pass, so
-    # m_block must be 64 (a 32-row tile raced: preprocess_rows), and it spills
+    # the second serves the rest (d 200-224), chosen when upstream's preprocess, covering 64 rows per
+    # pass there, made a 32-row tile race (before preprocess_multiple widened the pass), and it spills
     # ~200 B. tests/test_bwd_codegen.py pins both.
     BwdConfig(128, 32, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=1, atom_m_dq=1),
     BwdConfig(128, 64, 32, 1, 1, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2),

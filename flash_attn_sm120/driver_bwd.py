@@ -50,6 +50,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import (
     BwdConfig,
     FlashAttentionBackwardSm120Tuned,
     bwd_config_error,
+    preprocess_multiple,
     upstream_bwd_config,
 )
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
@@ -376,9 +377,15 @@ def backward(
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
     cute_dtype = _TORCH_TO_CUTE[q.dtype]
     occupancy.note_unchecked(UNCHECKED)
-    _bwd_preprocess(  # (it zeroes dq_accum; dq_split's accumulators come zeroed)
-        out, dout, dpsum, lse, lse_log2, None if statics.dq_split else dq_accum, cu_seqlens_q, seqused_q, dlse,
-        cute_dtype, head_dim, head_dim_v, cfg.m_block, fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE,
+    # the preprocess's pass must not cover more rows than the tile (preprocess_multiple); with a wider
+    # multiple its dQ accumulator layout differs, so the accumulator is zeroed here instead of there
+    multiple = preprocess_multiple(head_dim_v, cfg.m_block)
+    preprocess_zeroes = multiple == HDIM_MULTIPLE and not statics.dq_split  # dq_split: zeroed at allocation
+    if multiple != HDIM_MULTIPLE and not statics.dq_split:
+        dq_accum.zero_()
+    _bwd_preprocess(
+        out, dout, dpsum, lse, lse_log2, dq_accum if preprocess_zeroes else None, cu_seqlens_q, seqused_q, dlse,
+        cute_dtype, head_dim, head_dim_v, cfg.m_block, fake_mode=False, hdim_multiple_of=multiple,
     )
     gqa = qhead_per_kvhead > 1
     dk_target, dv_target = (dk_accum, dv_accum) if gqa else (dk, dv)

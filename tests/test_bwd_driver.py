@@ -112,21 +112,27 @@ def test_every_head_dim_has_a_config(d):
     assert bwd_config_error(d, d, cfg) is None
 
 
-@pytest.mark.parametrize("d,dv,m_block,refused", [
-    (96, 96, 32, True), (224, 224, 32, True), (160, 160, 32, True), (80, 64, 32, False), (64, 96, 32, True),
-    (64, 64, 32, False), (128, 128, 32, False), (192, 192, 32, False), (256, 256, 32, False), (96, 96, 64, False),
+@pytest.mark.parametrize("d,dv,m_block,multiple", [
+    (96, 96, 32, 64), (224, 224, 32, 64), (160, 160, 32, 64), (80, 64, 32, 32), (64, 96, 32, 64),
+    (64, 64, 32, 32), (128, 128, 32, 32), (192, 192, 32, 32), (256, 256, 32, 32), (96, 96, 64, 32),
+    (96, 96, 16, 64), (160, 160, 16, 128), (64, 64, 16, 128), (128, 128, 16, 32),
 ])
-def test_tiles_shorter_than_the_preprocess_pass_are_refused(d, dv, m_block, refused):
+def test_the_preprocess_pass_is_widened_for_short_tiles(d, dv, m_block, multiple):
     """Upstream's preprocess covers preprocess_rows(dv) rows per pass with m_block as its tile; a shorter
-    tile's last m_block per head zeroes the next head's first dPsum rows (wrong gradients on the H200
-    at b1 s4096 h16 d96, measured). The rule keys on head_dim_v, the preprocess's O/dO width."""
-    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_rows
+    tile's last m_block per head zeroed the next head's first dPsum rows (wrong gradients on the H200
+    at b1 s4096 h16 d96, measured). The driver runs it at the smallest head-dim multiple whose pass fits
+    the tile (preprocess_multiple; a wider k-block covers fewer rows), so no tile of 16+ rows is refused.
+    The rule keys on head_dim_v, the preprocess's O/dO width."""
+    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_multiple, preprocess_rows
 
     assert [preprocess_rows(x) for x in (64, 96, 128, 160, 192, 224, 256)] == [32, 64, 16, 64, 32, 64, 16]
-    cfg = BwdConfig(128, m_block, 32, 1, 1, atom_m_sdp=2, atom_n_dkv=1 if dv % 64 == 0 else 2,
+    assert [preprocess_rows(x, multiple=128) for x in (64, 96, 160, 224)] == [16] * 4
+    assert preprocess_multiple(dv, m_block) == multiple
+    assert preprocess_rows(dv, multiple=multiple) <= m_block
+    assert preprocess_multiple(dv, 8) is None
+    cfg = BwdConfig(128, m_block, 32, 1, 1, atom_m_sdp=m_block // 16, atom_n_dkv=1 if dv % 64 == 0 else 2,
                     atom_m_dq=1 if d % 64 == 0 else 2)
-    error = bwd_config_error(d, dv, cfg) or ""
-    assert ("preprocess" in error) == refused, error
+    assert "preprocess" not in (bwd_config_error(d, dv, cfg) or "")
 
 
 def test_forced_config_is_checked():

@@ -23,6 +23,7 @@ EXTRA = [
     BwdConfig(256, 128, 64, 1, 1, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4),
     BwdConfig(256, 64, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2, v_in_regs=True),
     BwdConfig(128, 64, 64, 1, 1, dq_swapab=True),
+    BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),  # d96: the preprocess's widened pass
 ]
 CONFIGS = ([("upstream", upstream_bwd_config(64)), ("upstream", upstream_bwd_config(128))]
            + [(f"fallback{i}", c) for i, c in enumerate(BWD_FALLBACKS)]
@@ -44,6 +45,21 @@ def test_configs_dense(label, cfg, d):
     for mask, hk, ratio, sq, sk in (("none", 2, 1, 200, 333), ("causal", 1, 4, 257, 300)):
         case = AttnCase("bfloat16", d, d, ratio, None, mask)
         _run(cfg, case, AttnProblem((sq, sq), (sk, sk), nheads_kv=hk, seed=d + sq))
+
+
+@pytest.mark.parametrize("layout,mask", [("dense", "none"), ("dense", "causal"), ("packed", "causal")])
+def test_tiles_shorter_than_the_preprocess_pass_on_a_large_grid(layout, mask):
+    """d96 with 32-row tiles, where upstream's preprocess at its default multiple covers 64 rows a pass:
+    the driver widens the pass (preprocess_multiple) and zeroes dQaccum itself. At b1 s4096 h16 the
+    unwidened pass zeroed the next head's first dPsum rows (wrong dQ/dK/dV, session 15); varlen runs the
+    padded per-sequence offsets."""
+    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_multiple
+
+    cfg = BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
+    assert bwd_config_error(96, 96, cfg) is None and preprocess_multiple(96, 32) == 64
+    lens = (4096,) if layout == "dense" else (1500, 33, 2100)
+    case = AttnCase("bfloat16", 96, 96, 1, None, mask, q_layout=layout, k_layout=layout)
+    _run(cfg, case, AttnProblem(lens, lens, nheads_kv=16, seed=31))
 
 
 FEATURES = [

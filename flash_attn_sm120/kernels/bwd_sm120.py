@@ -132,13 +132,24 @@ def _layout_error(what: str, rows: int, cols: int, atom: int, warps: int) -> Opt
     return None
 
 
-def preprocess_rows(head_dim_v: int, threads: int = 256) -> int:
+def preprocess_rows(head_dim_v: int, threads: int = 256, multiple: int = _HDIM_MULTIPLE) -> int:
     """Rows of O/dO one pass of upstream's backward preprocess covers (its 256 threads, 16-byte loads,
-    and a power-of-two k-block of 128, 64 or 32 columns that divides the padded head dim). With a tile
-    (m_block) smaller than this it writes past its tile's dPsum rows."""
-    hdv = _round_up(head_dim_v, _HDIM_MULTIPLE)
+    and a power-of-two k-block of 128, 64 or 32 columns that divides the head dim padded to `multiple`).
+    With a tile (m_block) smaller than this it writes past its tile's dPsum rows."""
+    hdv = _round_up(head_dim_v, multiple)
     k_block = 128 if hdv % 128 == 0 else 64 if hdv % 64 == 0 else 32
     return threads // (k_block // 8)
+
+
+def preprocess_multiple(head_dim_v: int, m_block: int) -> Optional[int]:
+    """The head-dim multiple to run upstream's preprocess with for a tile of m_block rows: the
+    backward's own (32), unless a pass then covers more rows than the tile; else 64 or 128, whose wider
+    k-block covers fewer rows (the columns past head_dim_v are predicated off; the caller then zeroes
+    the dQ accumulator itself, whose layout keeps the multiple of 32). None if none covers few enough."""
+    for multiple in (_HDIM_MULTIPLE, 64, 128):
+        if preprocess_rows(head_dim_v, multiple=multiple) <= m_block:
+            return multiple
+    return None
 
 
 def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional[str]:
@@ -161,13 +172,13 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         return "v_in_regs gives wrong dQ in upstream's SM80/SM120 mainloop (measured); not offered"
     if cfg.dq_swapab and _round_up(head_dim, _HDIM_MULTIPLE) % 64:
         return f"dq_swapab needs the padded head dim ({_round_up(head_dim, _HDIM_MULTIPLE)}) to be a multiple of 64"
-    rows = preprocess_rows(head_dim_v)
-    if cfg.m_block < rows:
-        # measured on the H200 (session 15's probe log): d96 32x64 wrong dQ/dK/dV at b1 s4096 h16,
-        # right at s1024 -- the preprocess's last m_block of a head writes zeros over the next head's
-        # first dPsum rows, a race that larger grids lose
+    if preprocess_multiple(head_dim_v, cfg.m_block) is None:
+        # measured on the H200: d96 32x64 with the preprocess's 64-row passes
+        # gave wrong dQ/dK/dV at b1 s4096 h16, right at s1024 -- the last m_block of a head wrote zeros
+        # over the next head's first dPsum rows, a race that larger grids lose (preprocess_multiple)
+        rows = preprocess_rows(head_dim_v, multiple=128)
         return (f"m_block={cfg.m_block} is smaller than the {rows} rows upstream's preprocess covers per pass "
-                f"at head_dim_v={head_dim_v}: its last m_block per head overwrites the next head's dPsum")
+                f"at head_dim_v={head_dim_v}: its last m_block per head would overwrite the next head's dPsum")
     warps = cfg.num_warps
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     for err in (

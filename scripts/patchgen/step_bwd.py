@@ -459,7 +459,8 @@ _BWD_INTERFACE_EDITS = (
         "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n",
         "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n"
         "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n"
-        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n",
+        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n"
+        "from flash_attn.cute.flash_bwd_sm120_tuned import preprocess_multiple as sm120_bwd_preprocess_multiple\n",
     ),
     (
         "SM120 backward config from the table",
@@ -516,6 +517,35 @@ _BWD_INTERFACE_EDITS = (
         "        dV_semaphore = None\n"
         "    # The dedicated hd256 backward is deterministic without semaphores.\n"
         "    elif deterministic and not use_dedicated_hd256_kernel:\n",
+    ),
+    (
+        "SM120 widens the preprocess pass for short tiles",
+        "    _bwd_preprocess(\n"
+        "        out, dout, dpsum, lse, lse_log2, dq_accum,\n"
+        "        cu_seqlens_q, seqused_q, dlse,\n"
+        "        dtype, head_dim, head_dim_v, m_block_size,\n"
+        "        cu_total_m_blocks=cu_total_m_blocks_q,\n"
+        "        fake_mode=fake_mode,\n"
+        "        hdim_multiple_of=hdim_multiple_of,\n"
+        "    )\n",
+        "    # SM120: a preprocess pass must not cover more rows than a short m_block (its last m_block of a\n"
+        "    # head would zero the next head's first dPsum rows); a wider head-dim multiple (a wider k-block,\n"
+        "    # the columns past head_dim_v predicated off) covers fewer, and dQaccum, whose layout keeps\n"
+        "    # hdim_multiple_of, is then zeroed here\n"
+        "    preprocess_hdim_multiple = hdim_multiple_of\n"
+        "    if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
+        "        preprocess_hdim_multiple = sm120_bwd_preprocess_multiple(head_dim_v, m_block_size)\n"
+        "    preprocess_zeroes_dq = preprocess_hdim_multiple == hdim_multiple_of\n"
+        "    if not preprocess_zeroes_dq and dq_accum is not None:\n"
+        "        dq_accum.zero_()\n"
+        "    _bwd_preprocess(\n"
+        "        out, dout, dpsum, lse, lse_log2, dq_accum if preprocess_zeroes_dq else None,\n"
+        "        cu_seqlens_q, seqused_q, dlse,\n"
+        "        dtype, head_dim, head_dim_v, m_block_size,\n"
+        "        cu_total_m_blocks=cu_total_m_blocks_q,\n"
+        "        fake_mode=fake_mode,\n"
+        "        hdim_multiple_of=preprocess_hdim_multiple,\n"
+        "    )\n",
     ),
     (
         "SM120 keeps its dK/dV semaphores",
@@ -710,7 +740,11 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             "turn counters per (batch, head, m_block) for dQ and per (batch, KV head, n_block) for GQA "
             "dK/dV (3-D, not the 4-D SM90/SM100 ones) and picks the dQ ordering "
             "(sm120_bwd_deterministic_plan, the class's ordering keywords, part of the compile key); with "
-            "a sliding window it raises NotImplementedError.",
+            "a sliding window it raises NotImplementedError. The preprocess runs at the smallest "
+            "head-dim multiple whose pass covers no more rows than m_block (preprocess_multiple: at the "
+            "default multiple of 32 a pass covers 64 rows at d96, and a 32-row tile's last m_block of a "
+            "head zeroed the next head's first dPsum rows, wrong gradients measured at b1 s4096 h16); "
+            "dQaccum is then zeroed by the interface.",
         ],
         "Why the subclass changes more than the tiles (three problems of the SM80/SM120 mainloop):",
         [
