@@ -103,7 +103,7 @@ BWD_SHAPES = (
                                     deterministic=True),
      AttnProblem((260, 0, 130), (400, 70, 300), nheads_kv=1, seed=22)),
     # seqused, causal: ascending turns (descending ones, counted from the used keys, would miss the grid's
-    # n_blocks past them); d96's 64x64 tile
+    # n_blocks past them); d96's 32x64 tile
     ("bwd-d96-det-seqused-causal", AttnCase("float16", 96, 96, 2, None, "causal", 0.0, False, "padded", "padded",
                                             True, deterministic=True),
      AttnProblem((200, 90), (260, 150), nheads_kv=1, pad_q=5, pad_k=9, seed=23)),
