@@ -996,7 +996,7 @@ def test_bwd_patch_refuses_a_changed_deterministic_plan(monkeypatch):
 
 def test_bwd_patch_commit_message_quotes_the_measurements():
     text = sorted(PATCH_DIR.glob("0004-*.patch"))[0].read_text()
-    bench = json.loads((ROOT / "configs" / "measurements" / "2026-12-01_bwd_table_emulated.json").read_text())
+    bench = json.loads((ROOT / "configs" / "measurements" / "2026-12-02_bwd_table_session16_final_emulated.json").read_text())
     assert f"{bench['summary']['vs_upstream_sm120']['geomean']:.2f}x" in text
     assert f"mode {bench['mode']}" in text and "has not run on a GPU yet" in text
 

@@ -53,10 +53,10 @@ WHERE = "flash_attn_sm120/kernels/bwd_sm120.py"
 DET_WHERE = "flash_attn_sm120/kernels/bwd_deterministic.py"
 DEFAULT_BWD_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_bwd.toml"
 # the benchmark of the shipped backward table that the message quotes (prepare.py --set bwd --json)
-DEFAULT_BWD_BENCH = ROOT / "configs" / "measurements" / "2026-12-01_bwd_table_emulated.json"
-# the same problems with deterministic=True (summary.deterministic_vs_table), run with the orderings the
-# patch lifts (commit ef89f2f), and session 8's ordering in the same run (summary.det_session8_vs_table)
-DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_deterministic_orders_emulated.json"
+DEFAULT_BWD_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_table_session16_final_emulated.json"
+# the same problems with deterministic=True (summary.deterministic_vs_table), in the same run as the
+# table (the shipped orderings; an older run may add summary.det_session8_vs_table)
+DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_table_session16_final_emulated.json"
 # the session record of the orderings' GPU tests that the message quotes
 DEFAULT_DET_RECORD = ROOT / "configs" / "measurements" / "2026-12-02_session13.md"
 TUNED_REL = f"{CUTE}/flash_bwd_sm120_tuned.py"
