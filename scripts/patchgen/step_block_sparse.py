@@ -50,7 +50,7 @@ from patchgen.core import (
     top_level_source,
     upstream_wording,
 )
-from patchgen.step_bwd import _config_literal
+from patchgen.step_bwd_configs import _config_literal
 
 WHERE = "flash_attn_sm120/kernels/bwd_block_sparse.py"
 BWD_REL = f"{CUTE}/flash_bwd_sm120_block_sparse.py"

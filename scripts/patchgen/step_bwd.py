@@ -10,7 +10,9 @@ gives the postprocess the same thread layout, and runs `deterministic=True` with
 dQ ordering the package's driver uses: `driver_bwd.deterministic_plan`, lifted into the configs module
 as `sm120_bwd_deterministic_plan` (its forced plan an argument), its flags the kernel's keywords
 (`check_plan_call` anchors the call and the keywords). Where no config runs the head dims, the
-interface keeps SM120's earlier default and class.
+interface keeps SM120's earlier default and class. The configs module is rendered by
+`step_bwd_configs.py`, the interface edits live in `step_bwd_interface.py`; this file lifts the
+kernel module and writes the patch.
 """
 
 from __future__ import annotations
@@ -18,14 +20,9 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import math
 import re
-import textwrap
-from dataclasses import fields
 from pathlib import Path
 
-from flash_attn_sm120 import config_bwd as pkg_config_bwd
-from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
 from flash_attn_sm120.kernels import bwd_deterministic as pkg_bwd_det
 from flash_attn_sm120.kernels import bwd_mask as pkg_bwd_mask
 from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
@@ -33,7 +30,6 @@ from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
 from patchgen.core import (
     CUTE,
     EMULATED_NOTE,
-    MODE_COMMENT,
     ROOT,
     UPSTREAM_DISTRIBUTION,
     AnchorError,
@@ -49,9 +45,20 @@ from patchgen.core import (
     upstream_wording,
 )
 
+from patchgen.step_bwd_configs import (  # noqa: F401  (re-exported: make_patches, step_block_sparse, tests)
+    CONFIGS_REL,
+    DEFAULT_BWD_TABLE,
+    _describe,
+    _geomean,
+    load_bwd_table,
+    render_bwd_configs_module,
+    render_plan_adapter,
+)
+
+from patchgen.step_bwd_interface import _BWD_INTERFACE_EDITS, check_plan_call  # noqa: F401  (re-exported)
+
 WHERE = "flash_attn_sm120/kernels/bwd_sm120.py"
 DET_WHERE = "flash_attn_sm120/kernels/bwd_deterministic.py"
-DEFAULT_BWD_TABLE = ROOT / "flash_attn_sm120" / "configs" / "sm120_bwd.toml"
 # the benchmark of the shipped backward table that the message quotes (prepare.py --set bwd --json)
 DEFAULT_BWD_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_table_session16_final_emulated.json"
 # the same problems with deterministic=True (summary.deterministic_vs_table), in the same run as the
@@ -60,7 +67,6 @@ DEFAULT_DET_BENCH = ROOT / "configs" / "measurements" / "2026-12-02_bwd_table_se
 # the session record of the orderings' GPU tests that the message quotes
 DEFAULT_DET_RECORD = ROOT / "configs" / "measurements" / "2026-12-02_session13.md"
 TUNED_REL = f"{CUTE}/flash_bwd_sm120_tuned.py"
-CONFIGS_REL = f"{CUTE}/flash_bwd_sm120_configs.py"
 
 _TUNED_DOC = '''"""SM120 backward with 4 or 8 warps, any feasible tile, stage count and warp atom layout, and a
 deterministic mode; FlashAttentionBackwardSm120 with its configuration as data.
@@ -285,360 +291,6 @@ def render_tuned_module() -> str:
                           "add an edit in step_bwd.py")
     compile(text, "flash_bwd_sm120_tuned.py", "exec")
     return text
-
-
-# ------------------------------------------------------------------------------ configs module
-def load_bwd_table(path: Path = DEFAULT_BWD_TABLE) -> tuple:
-    return tuple(pkg_config_bwd.parse_bwd_table(pkg_config_bwd.tomllib.loads(Path(path).read_text())))
-
-
-def _geomean(xs) -> float:
-    xs = [float(x) for x in (xs if isinstance(xs, (list, tuple)) else [xs])]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def _describe(c) -> str:
-    swaps = [n for n, on in (("S/dP", c.sdp_swapab), ("dK/dV", c.dkv_swapab), ("dQ", c.dq_swapab)) if on]
-    return (f"{c.num_warps} warps, {c.m_block}x{c.n_block}, Q/dO stages {c.stages_q}/{c.stages_do}, "
-            f"atoms {c.atom_m_sdp}/{c.atom_n_dkv}/{c.atom_m_dq}" + (f", swapAB {'+'.join(swaps)}" if swaps else ""))
-
-
-def _config_literal(c) -> str:
-    args = ", ".join(f"{f.name}={getattr(c, f.name)!r}" for f in fields(c))
-    return f"Sm120BwdConfig({args})"
-
-
-def _table_literal(table) -> str:
-    lines = ["SM120_BWD_TABLE: tuple[BwdTableEntry, ...] = ("]
-    for e in table:
-        p = e.provenance
-        tf, up = p.get("tflops"), p.get("upstream_tflops")
-        perf = "no TFLOPS recorded"
-        if tf is not None:
-            perf = f"{_geomean(tf):.1f} TFLOPS"
-            if up:
-                perf += f" vs {_geomean(up):.1f} before ({_geomean(tf) / _geomean(up):.2f}x)"
-        kind = ", calls with user modifiers" if e.modifiers else ""
-        lines.append(f"    # {e.head_dim}/{e.mask}{kind}: {_describe(e.config)}")
-        lines.append(f"    #   {perf}; {p['gpu']}, {p['mode']}, {p['date']}")
-        if p.get("note"):
-            lines += [f"    #   {line}" for line in textwrap.wrap(str(p["note"]), 92)]
-        lit = _config_literal(e.config)
-        s, a = lit.index("stages_q"), lit.index("atom_m_sdp")
-        end = ", modifiers=True" if e.modifiers else ""
-        lines.append(f'    BwdTableEntry({e.head_dim}, "{e.mask}", {lit[:s].rstrip()}\n'
-                     f'        {lit[s:a].rstrip()}\n        {lit[a:]}{end}),')
-    lines.append(")")
-    commands = sorted({str(e.provenance["command"]) for e in table})
-    head = ["# The measured SM120 backward configs, one per (head-dim bucket, mask kind).", "#"]
-    if table:
-        head += ["# Measured with:"] + [f"#   {c}" for c in commands]
-        head += MODE_COMMENT
-    else:
-        lines = [lines[0] + ")"]
-    return "\n".join(head + lines) + "\n"
-
-
-_BWD_CONFIGS_HEADER = '''"""SM120 backward configs: warps, tiles, stages and warp atom layouts per (head dim, mask), and
-the rule that picks one.
-
-The SM120 backward (flash_bwd_sm120_tuned.py) runs any feasible tiling; which is fastest depends on
-the head dim and the mask, so the choice is data: SM120_BWD_TABLE holds one measured entry per
-(head-dim bucket, mask kind). select_bwd_config is a pure function of the table and the problem's
-static properties: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
-entry; then BWD_FALLBACKS. An entry marked modifiers=True serves only calls with user modifiers
-(score_mod, mask_mod, aux tensors: FlashAttentionBackwardSm120Mods's step, which holds more
-registers), tried before its key's plain entry. An entry that cannot run the actual head dims
-(bwd_config_error) is skipped.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Optional
-
-from flash_attn.cute.flash_bwd_sm120_tuned import Sm120BwdConfig, bwd_config_error
-from flash_attn.cute.flash_fwd_sm120_configs import head_dim_bucket, mask_kind
-
-'''
-_BWD_CONFIG_EDITS = (
-    ("(config.TableEntry's fields, with a BwdConfig)", "(the forward TableEntry's fields, with a BwdConfig)"),
-    ("# sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,\n"
-     "# 64x64) is not among them",
-     "# sm_120a up to d=192. SM120's earlier default (4 warps,\n# 64x64) is not among them"),
-    ("    # ~200 B. tests/test_bwd_codegen.py pins both.\n", "    # ~200 B.\n"),
-)
-_BWD_ADAPTER = '''
-
-def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool,
-                     modifiers: bool = False) -> Optional[Sm120BwdConfig]:
-    """The backward config the interface runs on SM120 (select_bwd_config; modifiers: a call with user
-    modifiers), or None where no config runs these head dims: the interface then keeps SM120's earlier
-    default (4 warps, 64x64)."""
-    try:
-        return select_bwd_config(SM120_BWD_TABLE, head_dim, head_dim_v, causal, local, modifiers)
-    except ValueError:
-        return None
-'''
-
-
-# driver_bwd.deterministic_plan, lifted as sm120_bwd_deterministic_plan: the package's forced plan
-# (force_deterministic_plan, a context manager of its benchmarks) becomes an argument
-PLAN_WHERE = "flash_attn_sm120/driver_bwd.py (deterministic_plan)"
-_PLAN_EDITS = (
-    ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
-     "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:\n",
-     "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
-     "                                 index_tensors: tuple = (None, None, None, None),\n"
-     "                                 modifier_step: bool = False, flags: Optional[dict] = None) -> dict:\n"),
-    ("), which needs this package's step (kernels/bwd_mods.py). With\n",
-     "), which needs the modifier backward's step (FlashAttentionBackwardSm120Mods in\n"
-     "    flash_bwd_sm120_mods.py; the interface passes modifier_step=True when it builds that class). With\n"),
-    ("    \"\"\"How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).\n",
-     "    \"\"\"How the deterministic backward orders its dQ additions: the ordering keywords of\n"
-     "    FlashAttentionBackwardSm120Tuned (flash_bwd_sm120_tuned.py: dq_turn, rotated_turn,\n"
-     "    ReversedNBlockScheduler), the interface's choice on SM120.\n"),
-    ("    cu_seqlens_q/k, seqused_q/k.\"\"\"\n",
-     "    cu_seqlens_q/k, seqused_q/k. `flags`: an ordering to run instead (benchmarks and tests of the\n"
-     "    orderings; flags not given are off), refused where it could deadlock.\"\"\"\n"),
-    ("    if _forced_plan:\n"
-     "        plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}\n",
-     "    if flags is not None:\n"
-     "        unknown = set(flags) - set(_ORDERING_FLAGS)\n"
-     "        if unknown:\n"
-     "            raise ValueError(f\"unknown deterministic ordering flags {sorted(unknown)}; \"\n"
-     "                             f\"known: {_ORDERING_FLAGS}\")\n"
-     "        plan = {f: bool(flags.get(f, False)) for f in _ORDERING_FLAGS}\n"),
-    ("    # an order that can deadlock is refused, forced or not", "    # an order that can deadlock is refused, given or not"),
-)
-
-
-def render_plan_adapter() -> str:
-    """SM120_BWD_ORDERING_FLAGS and sm120_bwd_deterministic_plan: the package's deterministic_plan (and
-    its flag names) in upstream's names, the forced plan as an argument."""
-    names = pkg_driver_bwd._ORDERING_FLAGS
-    if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names):
-        raise AnchorError(f"{PLAN_WHERE}: _ORDERING_FLAGS is not a tuple of keyword names")
-    flags = ("# FlashAttentionBackwardSm120Tuned's deterministic ordering keywords\n"
-             "SM120_BWD_ORDERING_FLAGS = (\n"
-             + "".join(f"    {line}\n" for line in textwrap.wrap(" ".join(f'"{n}",' for n in names), 92))
-             + ")\n")
-    code = top_level_source(pkg_driver_bwd, "deterministic_plan")
-    for old, new in _PLAN_EDITS:
-        code = substitute(code, old, new, where=PLAN_WHERE)
-    code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)
-    code = rename(code, "BwdConfig", "Sm120BwdConfig", where=PLAN_WHERE)
-    left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b", code)
-    if left:
-        raise AnchorError(f"{PLAN_WHERE}: package-only name {left.group(0)!r} left in the lifted plan; "
-                          "revisit _PLAN_EDITS in step_bwd.py")
-    return "\n\n" + _join_defs([flags, upstream_wording(code)])
-
-
-def render_bwd_configs_module(table) -> str:
-    where = "flash_attn_sm120/config_bwd.py"
-    code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
-    for old, new in _BWD_CONFIG_EDITS:
-        code = substitute(code, old, new, where=where)
-    code = rename(code, "BwdConfig", "Sm120BwdConfig", where=where)
-    code = upstream_wording(code)
-    adapter = _BWD_ADAPTER + render_plan_adapter()
-    check_no_package_refs(_BWD_CONFIGS_HEADER + code + adapter, CONFIGS_REL)
-    text = _BWD_CONFIGS_HEADER + "\n" + code + "\n\n" + _table_literal(table) + adapter
-    if "flash_attn_sm120" in text:  # the table's comments quote its provenance (mode, GPU), nothing else
-        raise AnchorError(f"{CONFIGS_REL}: the package is named in the table's comments")
-    compile(text, "flash_bwd_sm120_configs.py", "exec")
-    return text
-
-
-# ------------------------------------------------------------------------------ interface edits
-_BWD_INTERFACE_EDITS = (
-    (
-        "import of the SM120 tuned backward",
-        "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n",
-        "from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120\n"
-        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n"
-        "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n"
-        "from flash_attn.cute.flash_bwd_sm120_tuned import preprocess_multiple as sm120_bwd_preprocess_multiple\n",
-    ),
-    (
-        "SM120 backward config from the table",
-        "        assert deterministic is False, \"deterministic backward not supported on SM 12.0\"\n",
-        "        # SM120: warps, tiles, stages, atom layouts and swaps from the measured backward table\n"
-        "        # (flash_bwd_sm120_configs.py), run by FlashAttentionBackwardSm120Tuned; where no config\n"
-        "        # runs the head dims, the earlier default above and FlashAttentionBackwardSm120\n"
-        "        sm120_bwd_cfg = sm120_bwd_config(head_dim, head_dim_v, causal, local)\n"
-        "        if sm120_bwd_cfg is not None:\n"
-        "            m_block_size, n_block_size = sm120_bwd_cfg.m_block, sm120_bwd_cfg.n_block\n"
-        "            num_stages_Q, num_stages_dO = sm120_bwd_cfg.stages_q, sm120_bwd_cfg.stages_do\n"
-        "            SdP_swapAB, dKV_swapAB, dQ_swapAB = (\n"
-        "                sm120_bwd_cfg.sdp_swapab, sm120_bwd_cfg.dkv_swapab, sm120_bwd_cfg.dq_swapab\n"
-        "            )\n"
-        "            AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ = (\n"
-        "                sm120_bwd_cfg.atom_m_sdp, sm120_bwd_cfg.atom_n_dkv, sm120_bwd_cfg.atom_m_dq\n"
-        "            )\n"
-        "            V_in_regs = sm120_bwd_cfg.v_in_regs\n"
-        "            num_threads = sm120_bwd_cfg.num_threads\n"
-        "        if deterministic and local:\n"
-        "            raise NotImplementedError(\n"
-        "                \"deterministic=True with a sliding window (local attention) is not supported by the \"\n"
-        "                \"SM120 backward yet; causal and full attention are\"\n"
-        "            )\n"
-        "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
-        "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
-        "        )\n",
-    ),
-    (
-        "SM120 deterministic semaphores and dQ order",
-        "    # The dedicated hd256 backward is deterministic without semaphores.\n"
-        "    if deterministic and not use_dedicated_hd256_kernel:\n",
-        "    sm120_det_plan = {}  # SM120's deterministic ordering: FlashAttentionBackwardSm120Tuned's keywords\n"
-        "    if deterministic and arch // 10 == 12:\n"
-        "        # SM120 (flash_bwd_sm120_tuned.py): int32 turn counters per (batch, head, m_block) for dQ\n"
-        "        # and per (batch, KV head, n_block) for GQA dK/dV (dK's serves dV too); the dQ order:\n"
-        "        # descending turns with the n_blocks launched shortest first for causal, the rotated\n"
-        "        # order without a mask when a head's n_blocks are resident, else ascending\n"
-        "        sm120_det_plan = sm120_bwd_deterministic_plan(\n"
-        "            get_num_sms_for_selection(device.index, arch), sm120_bwd_cfg, causal, seqlen_q, seqlen_k,\n"
-        "            index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),\n"
-        "        )\n"
-        "        dQ_semaphore = torch.zeros(\n"
-        "            batch_size, num_head, max(seqlen_q_rounded // m_block_size, 1), dtype=torch.int32, device=device\n"
-        "        )\n"
-        "        dK_semaphore = (\n"
-        "            torch.zeros(\n"
-        "                batch_size, num_head_kv, max(seqlen_k_rounded // n_block_size, 1), dtype=torch.int32,\n"
-        "                device=device,\n"
-        "            )\n"
-        "            if qhead_per_kvhead > 1\n"
-        "            else None\n"
-        "        )\n"
-        "        dV_semaphore = None\n"
-        "    # The dedicated hd256 backward is deterministic without semaphores.\n"
-        "    elif deterministic and not use_dedicated_hd256_kernel:\n",
-    ),
-    (
-        "SM120 widens the preprocess pass for short tiles",
-        "    _bwd_preprocess(\n"
-        "        out, dout, dpsum, lse, lse_log2, dq_accum,\n"
-        "        cu_seqlens_q, seqused_q, dlse,\n"
-        "        dtype, head_dim, head_dim_v, m_block_size,\n"
-        "        cu_total_m_blocks=cu_total_m_blocks_q,\n"
-        "        fake_mode=fake_mode,\n"
-        "        hdim_multiple_of=hdim_multiple_of,\n"
-        "    )\n",
-        "    # SM120: a preprocess pass must not cover more rows than a short m_block (its last m_block of a\n"
-        "    # head would zero the next head's first dPsum rows); a wider head-dim multiple (a wider k-block,\n"
-        "    # the columns past head_dim_v predicated off) covers fewer, and dQaccum, whose layout keeps\n"
-        "    # hdim_multiple_of, is then zeroed here\n"
-        "    preprocess_hdim_multiple = hdim_multiple_of\n"
-        "    if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
-        "        preprocess_hdim_multiple = sm120_bwd_preprocess_multiple(head_dim_v, m_block_size)\n"
-        "    preprocess_zeroes_dq = preprocess_hdim_multiple == hdim_multiple_of\n"
-        "    if not preprocess_zeroes_dq and dq_accum is not None:\n"
-        "        dq_accum.zero_()\n"
-        "    _bwd_preprocess(\n"
-        "        out, dout, dpsum, lse, lse_log2, dq_accum if preprocess_zeroes_dq else None,\n"
-        "        cu_seqlens_q, seqused_q, dlse,\n"
-        "        dtype, head_dim, head_dim_v, m_block_size,\n"
-        "        cu_total_m_blocks=cu_total_m_blocks_q,\n"
-        "        fake_mode=fake_mode,\n"
-        "        hdim_multiple_of=preprocess_hdim_multiple,\n"
-        "    )\n",
-    ),
-    (
-        "SM120 keeps its dK/dV semaphores",
-        "    if deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
-        "    if deterministic and arch // 10 == 12:\n"
-        "        pass  # set above\n"
-        "    elif deterministic and qhead_per_kvhead > 1 and not use_dedicated_hd256_kernel:\n",
-    ),
-    (
-        "the dQ ordering joins the compile key",
-        "            dQ_single_wg,\n"
-        "            deterministic,\n",
-        "            dQ_single_wg,\n"
-        "            deterministic,\n"
-        "            tuple(sm120_det_plan.items()),\n",
-    ),
-    (
-        "SM120 semaphores are 3-D",
-        "        dQ_semaphore_tensor, dK_semaphore_tensor, dV_semaphore_tensor = [\n"
-        "            utils.convert_from_dlpack_leading_static(t.detach(), leading_dim=3, alignment=4, stride_order=t.dim_order())\n"
-        "            if t is not None else None\n"
-        "            for t in (dQ_semaphore, dK_semaphore, dV_semaphore)\n"
-        "        ]\n",
-        "        dQ_semaphore_tensor, dK_semaphore_tensor, dV_semaphore_tensor = [\n"
-        "            (\n"
-        "                to_cute_tensor(t, assumed_align=4)  # SM120: (batch, head, block), read element-wise\n"
-        "                if arch // 10 == 12\n"
-        "                else utils.convert_from_dlpack_leading_static(\n"
-        "                    t.detach(), leading_dim=3, alignment=4, stride_order=t.dim_order()\n"
-        "                )\n"
-        "            )\n"
-        "            if t is not None else None\n"
-        "            for t in (dQ_semaphore, dK_semaphore, dV_semaphore)\n"
-        "        ]\n",
-    ),
-    (
-        "SM120 builds the tuned class",
-        "        if arch // 10 in [8, 12]:\n"
-        "            flash_bwd_obj_cls = FlashAttentionBackwardSm120 if arch // 10 == 12 else FlashAttentionBackwardSm80\n",
-        "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
-        "            fa_bwd_obj = FlashAttentionBackwardSm120Tuned(\n"
-        "                dtype,\n"
-        "                head_dim,\n"
-        "                head_dim_v,\n"
-        "                qhead_per_kvhead,\n"
-        "                sm120_bwd_cfg,\n"
-        "                pack_gqa=pack_gqa,\n"
-        "                is_causal=causal,\n"
-        "                is_local=local,\n"
-        "                score_mod=score_mod,\n"
-        "                score_mod_bwd=score_mod_bwd,\n"
-        "                deterministic=deterministic,\n"
-        "                **sm120_det_plan,\n"
-        "            )\n"
-        "        elif arch // 10 in [8, 12]:\n"
-        "            flash_bwd_obj_cls = FlashAttentionBackwardSm120 if arch // 10 == 12 else FlashAttentionBackwardSm80\n",
-    ),
-    (
-        "SM120 postprocess in the main kernel's thread layout",
-        "        else:\n"
-        "            num_threads_post_dQ = 128\n"
-        "            num_threads_post_dKV = 128\n",
-        "        elif arch // 10 == 12:\n"
-        "            # SM120: the postprocess reads the accumulators in the main kernel's thread layout\n"
-        "            # (its warps, with the atom layouts and swaps passed below)\n"
-        "            num_threads_post_dQ = num_threads_post_dKV = num_threads\n"
-        "        else:\n"
-        "            num_threads_post_dQ = 128\n"
-        "            num_threads_post_dKV = 128\n",
-    ),
-)
-
-
-def check_plan_call() -> None:
-    """AnchorError unless the package calls deterministic_plan as the patched interface calls
-    sm120_bwd_deterministic_plan (same arguments, the result as the kernel's keywords) and the kernel
-    takes every ordering flag as a keyword."""
-    sig = list(inspect.signature(pkg_driver_bwd.deterministic_plan).parameters)
-    # (modifier_step keeps its patched default, False: the interface builds the tuned class)
-    if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors", "modifier_step"]:
-        raise AnchorError(f"{PLAN_WHERE}: takes {sig}; revisit the interface's sm120_bwd_deterministic_plan call")
-    backward = " ".join(inspect.getsource(pkg_driver_bwd.backward).split())
-    call = ("**(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=( "
-            "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)) if deterministic else {})")
-    if call not in backward:
-        raise AnchorError("flash_attn_sm120/driver_bwd.py: backward() no longer calls deterministic_plan as the "
-                          "patched interface does; revisit the interface edits in step_bwd.py")
-    if "**ordering_flags(statics)" not in inspect.getsource(pkg_driver_bwd.make_kernel):
-        raise AnchorError("flash_attn_sm120/driver_bwd.py: make_kernel no longer passes the plan as the kernel's keywords")
-    kwargs = inspect.signature(pkg_bwd.FlashAttentionBackwardSm120Tuned.__init__).parameters
-    missing = [f for f in pkg_driver_bwd._ORDERING_FLAGS if kwargs.get(f) is None or kwargs[f].default is not False]
-    if missing:
-        raise AnchorError(f"{WHERE}: FlashAttentionBackwardSm120Tuned takes no keyword {missing} defaulting to False")
 
 
 # ------------------------------------------------------------------------------ the step
