@@ -463,21 +463,25 @@ def compile_bwd_cubin(
     deterministic adds the ordering semaphores (int32, batch x heads x blocks). mods: a driver_bwd.Mods
     (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step.
     ordering: the deterministic ordering's other kernel flags (dq_rotated, reverse_n_blocks, fetch_early,
-    barrier_release; driver_bwd.deterministic_plan)."""
+    barrier_release; driver_bwd.deterministic_plan) and the launch plan's (driver_bwd.launch_plan, its
+    dense-call choice by default)."""
     import cutlass
     from flash_attn.cute.interface import make_fake_bwd_tensors
     from flash_attn.cute.utils import AuxData
 
-    from flash_attn_sm120.driver_bwd import Mods, kernel_for
+    from flash_attn_sm120.driver_bwd import Mods, kernel_for, launch_plan
     from flash_attn_sm120.driver_bwd import compile_kernel as compile_bwd_kernel
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     mods = Mods() if mods is None else mods
+    # the driver's launch plan for a dense call (longest-first causal launch, masks where needed)
+    # unless `ordering` sets its flags
+    launch = launch_plan(causal, local, deterministic, dense_k=True)
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
                         block_sparse_key=None if block_sparse is None else (*block_sparse, None), is_causal=causal,
                         is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
-                        **{"dq_descending": dq_descending, **(ordering or {})})
+                        **{"dq_descending": dq_descending, **launch, **(ordering or {})})
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,

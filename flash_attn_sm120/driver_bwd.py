@@ -98,6 +98,8 @@ class BwdStatics:
     dq_split: bool = False  # bwd_deterministic.dq_groups(True) dQ accumulators, summed before the postprocess (dense only)
     fused_turns: bool = False
     fused_fetch: bool = False
+    lpt: bool = False  # launch_plan: causal CTAs longest first
+    mask_where_needed: bool = False  # launch_plan: mask only the tiles with a masked element
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -201,8 +203,46 @@ def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> Flash
 
 
 def ordering_flags(statics: BwdStatics) -> dict:
-    """The deterministic ordering's kernel keywords (kernels/bwd_sm120.py) of a compile key."""
-    return {f: getattr(statics, f) for f in _ORDERING_FLAGS}
+    """The deterministic ordering's and the launch plan's kernel keywords (kernels/bwd_sm120.py) of a
+    compile key."""
+    return {f: getattr(statics, f) for f in _ORDERING_FLAGS + _LAUNCH_FLAGS}
+
+
+_LAUNCH_FLAGS = ("lpt", "mask_where_needed")
+_forced_launch: list[dict] = []
+
+
+class force_launch_plan:
+    """Context manager: backwards inside use these launch_plan flags (benchmarks of what each is worth)."""
+
+    def __init__(self, **flags: bool):
+        unknown = set(flags) - set(_LAUNCH_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown launch flags {sorted(unknown)}; known: {_LAUNCH_FLAGS}")
+        self.flags = flags
+
+    def __enter__(self):
+        _forced_launch.append(self.flags)
+        return self
+
+    def __exit__(self, *exc):
+        _forced_launch.pop()
+
+
+def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -> dict:
+    """How the backward launches its CTAs and masks its tiles (kernels/bwd_sm120.py):
+
+    * lpt: a causal mask without a window, not deterministic (its orderings fix the launch), and the
+      dense scheduler (no cu_seqlens_k): CTAs longest first (LongestFirstNBlockScheduler);
+    * mask_where_needed: always; a tile with no masked element skips the mask (bwd_mask.where_needed).
+    """
+    lpt_allowed = causal and not local and not deterministic and dense_k
+    plan = dict(lpt=lpt_allowed, mask_where_needed=True)
+    if _forced_launch:
+        plan.update(_forced_launch[-1])
+    if plan["lpt"] and not lpt_allowed:
+        raise ValueError("lpt needs a causal mask without a window, deterministic=False and no cu_seqlens_k")
+    return plan
 
 
 def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, config: BwdConfig, mods: Mods,
@@ -368,6 +408,7 @@ def backward(
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         **(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)) if deterministic else {}),
+        **launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k),
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,

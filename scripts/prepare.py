@@ -300,6 +300,9 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
                     help="--set bwd: also time these deterministic orderings (comma-separated names of "
                          "prepare_bwd.DET_VARIANTS, or all), on the problems whose name contains --det-subset")
     ap.add_argument("--det-subset", default="", help="--det-variants: only problems whose name contains this")
+    ap.add_argument("--launch-variants", default="",
+                    help="--set bwd: also time the table with these launch plans forced (comma-separated names of "
+                         "prepare_bwd.LAUNCH_VARIANTS, or all)")
     args = ap.parse_args(argv)
     problems = [p for p in bench.problem_set(args.set) if args.subset in p.name]
     if args.dry_run:
@@ -350,6 +353,9 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
         for impl in prepare_bwd.deterministic_variants(info, names):
             impl.supports = (lambda p, _s=impl.supports: _s(p) and args.det_subset in p.name)
             impls.append(impl)
+    if args.launch_variants and not args.baseline:
+        names = None if args.launch_variants == "all" else set(args.launch_variants.split(","))
+        impls += prepare_bwd.launch_variants(info, names)
     if not args.no_references or args.baseline:
         refs = prepare_bwd.reference_bwd_impls(info)
         impls += [r for r in refs if args.references == "all" or r.name in args.references.split(",")]
@@ -365,7 +371,7 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
     print(f"bwd_vs_upstream_sm120_geomean: {ratios['geomean']:.3f} (min {ratios['min']:.3f})")
     det = summary["deterministic_vs_table"]
     print(f"bwd_deterministic_vs_table_geomean: {det['geomean']:.3f} (min {det['min']:.3f})")
-    for name in prepare_bwd.DET_VARIANTS:
+    for name in (*prepare_bwd.DET_VARIANTS, *prepare_bwd.LAUNCH_VARIANTS):
         if any(r.impl == name and r.status == "ok" for r in rows):
             summary[f"{name}_vs_table"] = v = prepare_bwd.summary_ratios(rows, name, "sm120_bwd_table")
             print(f"bwd_{name}_vs_table_geomean: {v['geomean']:.3f} (min {v['min']:.3f})")

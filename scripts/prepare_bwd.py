@@ -263,6 +263,33 @@ def deterministic_variants(info, names=None) -> list[BwdImpl]:
     return out
 
 
+# The launch plan's options (driver_bwd.launch_plan), each forced off, for what each is worth next to the
+# table's row, which runs them as the plan picks (--launch-variants)
+LAUNCH_VARIANTS = {
+    "launch_before": dict(lpt=False, mask_where_needed=False),  # as before both (session 16's kernels)
+    "launch_no_lpt": dict(lpt=False),
+    "launch_mask_always": dict(mask_where_needed=False),
+}
+
+
+def launch_variants(info, names=None) -> list[BwdImpl]:
+    """The table's configs, with each LAUNCH_VARIANTS plan forced."""
+    from flash_attn_sm120 import driver_bwd
+
+    out = []
+    for name, flags in LAUNCH_VARIANTS.items():
+        if names is not None and name not in names:
+            continue
+        inner = sm120_bwd_impl(name, lambda p: None, info)
+
+        def run(p, x, poisoned, _inner=inner, _flags=flags):
+            with driver_bwd.force_launch_plan(**_flags):
+                return _inner.run(p, x, poisoned)
+
+        out.append(BwdImpl(name, run, "candidate", supports=inner.supports))
+    return out
+
+
 CANDIDATE_EXTRAS = ("head_dims", "deterministic")  # a candidates file's keys beside the BwdConfig fields
 
 

@@ -102,3 +102,24 @@ def test_no_recompile_for_new_lengths():
     p = AttnProblem((250,), (260,), nheads_kv=1, seed=2)
     testing.check_backward(testing.make_inputs(case, p, "cuda", True), case, p)
     assert driver_bwd.compile_count["bwd"] == before
+
+
+@pytest.mark.parametrize("d,ratio,plan", [(128, 1, {}), (64, 4, {}), (128, 2, {"lpt": False, "mask_where_needed": False})],
+                         ids=["d128-mha", "d64-gqa4", "d128-gqa2-plan-off"])
+def test_longest_first_launch_with_several_sections(d, ratio, plan):
+    """Causal, the launch plan's longest-first order (LongestFirstNBlockScheduler) over 3 batches x 8 KV
+    heads x ratio, with sections of heads smaller than the grid's heads (the last one a remainder), key and
+    query lengths that are not tile multiples, and the mask only where a tile needs it; and the plan forced
+    off (the benchmark's `launch_before` variant)."""
+    from flash_attn_sm120.config_bwd import select_bwd_config
+    from flash_attn_sm120.kernels.bwd_sm120 import lpt_row_bytes, lpt_section_heads
+
+    cfg = select_bwd_config(load_bwd_table(), d, d, True, False)
+    heads = 3 * 8 * ratio
+    section = lpt_section_heads(-(-1600 // cfg.n_block), cfg.n_block, lpt_row_bytes(d, d, 2), heads)
+    assert 1 < section < heads and heads % section, (section, heads)  # several sections, the last one partial
+    case = AttnCase("bfloat16", d, d, ratio, None, "causal")
+    problem = AttnProblem((1500,) * 3, (1600,) * 3, nheads_kv=8, seed=d + ratio)
+    inputs = testing.make_inputs(case, problem, "cuda", requires_grad=True)
+    with driver_bwd.force_launch_plan(**plan):
+        testing.check_backward(inputs, case, problem)

@@ -17,6 +17,17 @@ own (row, col) coordinate, from `thr_mma.partition_C` of an identity tensor, wit
              or  col <  row + seqlen_k - seqlen_q - window_left    (local, left bound)
 
 which is upstream's bottom-right-aligned definition, negative window sides included.
+
+`where_needed(mask_fn, ...)` runs a mask callback only on the tiles that hold a masked element (a
+runtime test per m_block, uniform over the CTA): with causal attention most of a CTA's m_blocks lie
+wholly below the diagonal, and without it only the last n_block of a sequence can reach past
+seqlen_k. The tiles it skips are the ones every rule above leaves unchanged:
+
+    seqlen:  (n_block + 1) * tile_n <= seqlen_k
+    causal:  (n_block + 1) * tile_n - 1 <= m_block * tile_m + seqlen_k - seqlen_q
+             (the tile's last column against its first row: no column past any row's diagonal)
+
+Local windows keep masking every tile.
 """
 
 from __future__ import annotations
@@ -66,3 +77,39 @@ def apply_mask_any_layout(
             if const_expr(mask.window_size_left is not None):
                 masked = masked or col < row + shift - mask.window_size_left
         acc_S[i] = -Float32.inf if masked else acc_S[i]
+
+
+def tile_needs_mask(mask, m_block, n_block, mask_seqlen: bool, mask_causal: bool, mask_local: bool):
+    """Whether the (m_block, n_block) tile holds an element that the mask rules set to -inf. Plain
+    arithmetic on `mask`'s tile_m, tile_n, seqlen_q and seqlen_k (Int32 in a kernel, ints in the tests)."""
+    cols_end = (n_block + 1) * mask.tile_n
+    needed = mask_local
+    if mask_seqlen:
+        needed = needed | (cols_end > mask.seqlen_k)
+    if mask_causal:
+        needed = needed | (cols_end - 1 > m_block * mask.tile_m + mask.seqlen_k - mask.seqlen_q)
+    return needed
+
+
+def where_needed(mask_fn):
+    """`mask_fn` (upstream's partial(AttentionMask.apply_mask, ...) or layout_free's) applied only to the
+    tiles that hold a masked element (tile_needs_mask); the call convention is the same."""
+    mask = mask_fn.args[0] if mask_fn.args else mask_fn.func.__self__  # layout_free's, else upstream's
+    kw = mask_fn.keywords
+    return partial(_apply_where_needed, mask_fn, mask, kw["n_block"], kw["mask_seqlen"], kw["mask_causal"],
+                   kw.get("mask_local", False))
+
+
+@cute.jit
+def _apply_where_needed(
+    mask_fn: cutlass.Constexpr,
+    mask,
+    n_block: Int32,
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_causal: cutlass.Constexpr[bool],
+    mask_local: cutlass.Constexpr[bool],
+    acc_S: cute.Tensor,
+    m_block: Int32,
+):
+    if tile_needs_mask(mask, m_block, n_block, mask_seqlen, mask_causal, mask_local):
+        mask_fn(acc_S, m_block=m_block)

@@ -25,7 +25,11 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
   * a causal/local mask that is right for any S/dP warp layout (bwd_mask.py): upstream's assumes one
     warp along N, which only its own SM120 config has;
   * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`);
-  * `deterministic`: semaphore-ordered dQ and GQA dK/dV accumulation (bwd_deterministic.py).
+  * `deterministic`: semaphore-ordered dQ and GQA dK/dV accumulation (bwd_deterministic.py);
+  * `lpt`: causal CTAs launched longest first (`LongestFirstNBlockScheduler`): n_block 0 of a causal
+    head walks every m_block and the last one a single m_block, and upstream's launch order (the
+    n_blocks of one head, then the next head) leaves the last head's long CTAs running alone;
+  * masks applied only to the tiles that hold a masked element (`bwd_mask.where_needed`).
 Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
@@ -195,6 +199,63 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
     return None
 
 
+LPT_L2_BYTES = 32 * 1024 * 1024  # the working set the longest-first launch keeps to (a fraction of L2)
+
+
+def lpt_row_bytes(head_dim_padded: int, head_dim_v_padded: int, elem_bytes: int) -> int:
+    """Bytes per query row that a head's CTAs share: Q and dO in the input dtype, the fp32 dQ
+    accumulator, LSE and dPsum."""
+    return (head_dim_padded + head_dim_v_padded) * elem_bytes + head_dim_padded * 4 + 8
+
+
+def lpt_section_heads(num_block, rows_per_block: int, row_bytes: int, heads, l2_bytes: int = LPT_L2_BYTES):
+    """Heads (batch x head pairs) whose CTAs LongestFirstNBlockScheduler interleaves: as many as keep
+    their query rows (Q, dO, the dQ accumulator: `row_bytes` each; num_block * rows_per_block rows,
+    the key length standing in for the query length) within `l2_bytes`, at least one. Plain
+    arithmetic (cutlass.min/max take ints and Int32): the kernel and the tests run the same formula."""
+    per_head = num_block * (rows_per_block * row_bytes)
+    return cutlass.min(cutlass.max(l2_bytes // per_head, 1), heads)
+
+
+def lpt_coords(linear, num_block, heads, section):
+    """(n_block, head-batch index) of the CTA launched `linear`-th: sections of `section` heads, each
+    walking its n_blocks from 0 (longest under a causal mask) with its heads interleaved; the last
+    section holds the remaining heads. Plain arithmetic, shared by the kernel and the tests."""
+    start = linear // (section * num_block) * section
+    width = cutlass.min(heads - start, section)
+    within = linear - start * num_block
+    return within // width, start + within % width
+
+
+class LongestFirstNBlockScheduler(SingleTileScheduler):
+    """Upstream's one-tile-per-CTA scheduler with the grid's CTAs re-ordered longest first (LPT).
+
+    Under a causal mask n_block 0 sees every m_block and the last n_block the fewest. Upstream's order
+    launches one head's n_blocks, then the next head's, so the last head's long CTAs start at the end
+    and run while the other SMs idle. Here the CTAs of a section of heads go n_block 0 of every head,
+    then n_block 1, ...: the longest work starts first and the kernel ends on short CTAs. A section
+    keeps its heads' Q, dO and dQ accumulator within LPT_L2_BYTES (lpt_section_heads). The class
+    attributes are set per kernel (`specialized`)."""
+
+    rows_per_block = 64
+    row_bytes = 1024
+
+    @classmethod
+    def specialized(cls, rows_per_block: int, row_bytes: int):
+        return type(cls.__name__, (cls,), dict(rows_per_block=rows_per_block, row_bytes=row_bytes))
+
+    @classmethod
+    def create(cls, params, ctx=None, *, loc=None, ip=None):
+        block_idx, head_idx, batch_idx = cute.arch.block_idx()
+        num_block, num_head, _ = cute.arch.grid_dim()
+        heads = num_head * cute.arch.grid_dim()[2]
+        section = lpt_section_heads(num_block, cls.rows_per_block, cls.row_bytes, heads, Int32(LPT_L2_BYTES))
+        linear = block_idx + num_block * (head_idx + num_head * batch_idx)
+        n_block, head_batch = lpt_coords(linear, num_block, heads, section)
+        batch, head = head_batch // num_head, head_batch % num_head
+        return cls(params, (n_block, head, batch), loc=loc, ip=ip)
+
+
 class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     """Upstream's SM120 backward with a BwdConfig, SM120 limits and emulation padding.
 
@@ -233,6 +294,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         dq_split: bool = False,
         fused_turns: bool = False,
         fused_fetch: bool = False,
+        lpt: bool = False,
+        mask_where_needed: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local:
@@ -293,6 +356,11 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             raise ValueError("diag_no_wait and diag_no_sync are alternatives; pick one")
         self.diag_no_wait = diag_no_wait
         self.diag_no_sync = diag_no_sync
+        if lpt and (deterministic or not is_causal or is_local):
+            raise ValueError("lpt (longest-first launch) is for causal attention without a window, not "
+                             "deterministic (whose orderings fix the launch order)")
+        self.lpt = lpt
+        self.mask_where_needed = mask_where_needed  # mask only tiles with a masked element (bwd_mask.where_needed)
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -350,11 +418,15 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
     def kernel(self, *args):
         # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch
-        # swaps in the same scheduler with the n_blocks reversed (dense problems only)
-        if self.reverse_n_blocks:
+        # swaps in the same scheduler with the n_blocks reversed (dense problems only), the
+        # longest-first one the same scheduler re-ordered (dense causal problems)
+        if self.reverse_n_blocks or self.lpt:
             if args[-2] is not SingleTileScheduler:
-                raise ValueError("reverse_n_blocks needs upstream's dense tile scheduler (no cu_seqlens_k)")
-            args = (*args[:-2], bwd_deterministic.ReversedNBlockScheduler, args[-1])
+                raise ValueError("reverse_n_blocks / lpt need upstream's dense tile scheduler (no cu_seqlens_k)")
+            scheduler = bwd_deterministic.ReversedNBlockScheduler if self.reverse_n_blocks else (
+                LongestFirstNBlockScheduler.specialized(
+                    self.n_block_size, lpt_row_bytes(self.head_dim_padded, self.head_dim_v_padded, self.dtype.width // 8)))
+            args = (*args[:-2], scheduler, args[-1])
         return super().kernel(*args)
 
     @cute.jit
@@ -478,7 +550,9 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     def _mask_for_layout(self, mask_fn):
         # upstream's causal/local mask is right only with one warp along N of the S tile (bwd_mask.py)
         if mask_fn is not None and self.sdp_warps_along_n > 1:
-            return bwd_mask.layout_free(mask_fn)
+            mask_fn = bwd_mask.layout_free(mask_fn)
+        if mask_fn is not None and self.mask_where_needed:
+            mask_fn = bwd_mask.where_needed(mask_fn)
         return mask_fn
 
     def _one_m_block(self, m_block, *args, mask_fn=None, **kwargs):

@@ -1,0 +1,125 @@
+"""The backward's launch plan (driver_bwd.launch_plan): the longest-first causal launch and masks applied
+only to tiles that need them. CPU only: the formulas the kernel runs (kernels/bwd_sm120.py lpt_coords /
+lpt_section_heads, kernels/bwd_mask.py tile_needs_mask) checked on ints against their definitions, the plan's
+rule, and sm_120a codegen of the table's causal entries with the plan on (GPU: tests/test_bwd_gpu.py)."""
+
+import itertools
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from flash_attn_sm120 import driver_bwd
+from flash_attn_sm120.kernels.bwd_mask import tile_needs_mask
+from flash_attn_sm120.kernels.bwd_sm120 import LPT_L2_BYTES, lpt_coords, lpt_row_bytes, lpt_section_heads
+
+
+def _causal_steps(n_block, tile_n, tile_m, seqlen):
+    """m_blocks a causal CTA walks (seqlen_q == seqlen_k): from the diagonal to the end."""
+    return -(-seqlen // tile_m) - n_block * tile_n // tile_m
+
+
+@pytest.mark.parametrize("num_block,heads", [(1, 1), (1, 7), (5, 1), (7, 3), (16, 12), (13, 40)])
+def test_lpt_coords_is_a_permutation_that_starts_each_section_longest_first(num_block, heads):
+    for section in range(1, heads + 1):
+        coords = [lpt_coords(i, num_block, heads, section) for i in range(num_block * heads)]
+        assert sorted(coords) == sorted(itertools.product(range(num_block), range(heads)))  # every CTA once
+        # sections: consecutive launches of `section` heads (the last one the remainder), and within one the
+        # n_blocks never decrease: under a causal mask every CTA starts no shorter than the ones after it
+        for start in range(0, heads, section):
+            width = min(section, heads - start)
+            part = coords[start * num_block:(start + width) * num_block]
+            assert {h for _, h in part} == set(range(start, start + width))
+            assert [n for n, _ in part] == sorted(n for n, _ in part)
+
+
+def test_lpt_order_ends_on_the_shortest_ctas():
+    """The last launches of the grid are the shortest CTAs of the last section (what balances the tail)."""
+    num_block, heads = 64, 32
+    section = 8
+    order = [lpt_coords(i, num_block, heads, section) for i in range(num_block * heads)]
+    steps = [_causal_steps(n, 64, 64, 4096) for n, _ in order]
+    assert steps[-section:] == [1] * section and steps[-len(order) // 4] > 1
+    upstream = [(i % num_block, i // num_block) for i in range(num_block * heads)]  # one head's n_blocks, next head
+    assert [_causal_steps(n, 64, 64, 4096) for n, _ in upstream][-num_block] == 64  # a long CTA near the end
+
+
+def test_lpt_section_heads_keeps_the_working_set_within_the_budget():
+    row = lpt_row_bytes(128, 128, 2)
+    assert row == 128 * 2 * 2 + 128 * 4 + 8
+    for num_block, tile_n, heads in [(128, 64, 16), (64, 64, 32), (16, 128, 128), (1024, 64, 8), (1, 64, 1)]:
+        s = lpt_section_heads(num_block, tile_n, row, heads)
+        assert 1 <= s <= heads
+        per_head = num_block * tile_n * row
+        assert s == 1 or s * per_head <= LPT_L2_BYTES
+        assert s == heads or (s + 1) * per_head > LPT_L2_BYTES
+
+
+def _brute_force(mask, m_block, n_block, seqlen, causal):
+    """Whether apply_mask_any_layout's rules mask any element of the tile."""
+    shift = mask.seqlen_k - mask.seqlen_q
+    for r in range(m_block * mask.tile_m, (m_block + 1) * mask.tile_m):
+        for c in range(n_block * mask.tile_n, (n_block + 1) * mask.tile_n):
+            if (seqlen and c >= mask.seqlen_k) or (causal and c > r + shift):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_needs_mask_matches_the_elementwise_rules(seed):
+    rng = random.Random(seed)
+    for _ in range(150):
+        tile_m, tile_n = rng.choice([(32, 64), (64, 64), (64, 128), (32, 128), (128, 32)])
+        mask = SimpleNamespace(tile_m=tile_m, tile_n=tile_n, seqlen_q=rng.randint(1, 700), seqlen_k=rng.randint(1, 700))
+        n_block = rng.randrange(-(-mask.seqlen_k // tile_n))
+        m_block = rng.randrange(-(-mask.seqlen_q // tile_m))
+        for seqlen, causal in itertools.product((False, True), repeat=2):
+            expect = _brute_force(mask, m_block, n_block, seqlen, causal)
+            assert bool(tile_needs_mask(mask, m_block, n_block, seqlen, causal, False)) == expect
+        assert tile_needs_mask(mask, m_block, n_block, True, False, True)  # local windows mask every tile
+
+
+def test_launch_plan_rule_and_forcing():
+    assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=True, mask_where_needed=True)
+    for causal, local, det, dense in [(False, False, False, True), (True, True, False, True),
+                                      (True, False, True, True), (True, False, False, False)]:
+        assert driver_bwd.launch_plan(causal, local, det, dense_k=dense) == dict(lpt=False, mask_where_needed=True)
+    with driver_bwd.force_launch_plan(lpt=False, mask_where_needed=False):
+        assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=False, mask_where_needed=False)
+    with driver_bwd.force_launch_plan(lpt=True), pytest.raises(ValueError, match="lpt needs a causal"):
+        driver_bwd.launch_plan(False, False, False, dense_k=True)
+    with pytest.raises(ValueError, match="unknown launch flags"):
+        driver_bwd.force_launch_plan(lpt_order=True)
+
+
+def test_kernel_refuses_lpt_where_the_plan_would_not_use_it():
+    import cutlass
+
+    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned, upstream_bwd_config
+
+    for kw in (dict(is_causal=False), dict(is_causal=True, deterministic=True), dict(is_local=True)):
+        with pytest.raises(ValueError, match="lpt"):
+            FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 64, config=upstream_bwd_config(64), lpt=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def sm120a():
+    os.environ.update(CUTE_DSL_ARCH="sm_120a", FLASH_ATTENTION_ARCH="sm_120", FLASH_ATTENTION_NUM_SMS="188")
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_causal_table_entries_with_the_launch_plan_compile_spill_free(sm120a, d):
+    """The shipped causal kernels (the plan's longest-first scheduler and mask branch) build for sm_120a without
+    local memory, with the same tensor-core work as the same kernel without the plan."""
+    from flash_attn_sm120 import codegen
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    cfg = select_bwd_config(load_bwd_table(), d, d, True, False)
+    rows = {}
+    for name, ordering in (("plan", None), ("off", dict(lpt=False, mask_where_needed=False))):
+        cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=True, ordering=ordering)
+        usage, hist, _ = codegen.inspect_cubin(cubin)
+        rows[name] = (usage, hist)
+        assert usage["local"] == 0 and usage["stack"] == 0, (name, usage)
+    assert rows["plan"][1]["HMMA"] == rows["off"][1]["HMMA"]
