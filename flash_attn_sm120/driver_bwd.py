@@ -230,14 +230,19 @@ class force_launch_plan:
 
 
 def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -> dict:
-    """How the backward launches its CTAs and masks its tiles (kernels/bwd_sm120.py):
+    """How the backward launches its CTAs and masks its tiles (kernels/bwd_sm120.py), as measured
+    (configs/measurements/2026-12-03_bwd_launch_plan_emulated.json, same run, emulated):
 
-    * lpt: a causal mask without a window, not deterministic (its orderings fix the launch), and the
-      dense scheduler (no cu_seqlens_k): CTAs longest first (LongestFirstNBlockScheduler);
-    * mask_where_needed: always; a tile with no masked element skips the mask (bwd_mask.where_needed).
+    * mask_where_needed: without a causal mask or window, only the last n_block of a sequence masks
+      (bwd_mask.where_needed): +0.1% to +2.4% on the 4 non-causal seed problems. With a causal mask
+      the runtime branch measured -3% to +4% (geomean -0.5%), so causal tiles mask every step as before;
+      a window masks every tile anyway.
+    * lpt: off. The longest-first causal launch (LongestFirstNBlockScheduler) measured +5% at b2 s4096 d128
+      and -4% to -7% at b1 s8192 d128 and d96 (geomean -2%); it stays a forced option (force_launch_plan),
+      allowed for a causal mask without a window, deterministic=False and no cu_seqlens_k.
     """
     lpt_allowed = causal and not local and not deterministic and dense_k
-    plan = dict(lpt=lpt_allowed, mask_where_needed=True)
+    plan = dict(lpt=False, mask_where_needed=not causal and not local)
     if _forced_launch:
         plan.update(_forced_launch[-1])
     if plan["lpt"] and not lpt_allowed:

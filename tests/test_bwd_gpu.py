@@ -104,13 +104,16 @@ def test_no_recompile_for_new_lengths():
     assert driver_bwd.compile_count["bwd"] == before
 
 
-@pytest.mark.parametrize("d,ratio,plan", [(128, 1, {}), (64, 4, {}), (128, 2, {"lpt": False, "mask_where_needed": False})],
+ON = {"lpt": True, "mask_where_needed": True}
+
+
+@pytest.mark.parametrize("d,ratio,plan", [(128, 1, ON), (64, 4, ON), (128, 2, {"lpt": False, "mask_where_needed": False})],
                          ids=["d128-mha", "d64-gqa4", "d128-gqa2-plan-off"])
 def test_longest_first_launch_with_several_sections(d, ratio, plan):
-    """Causal, the launch plan's longest-first order (LongestFirstNBlockScheduler) over 3 batches x 8 KV
-    heads x ratio, with sections of heads smaller than the grid's heads (the last one a remainder), key and
-    query lengths that are not tile multiples, and the mask only where a tile needs it; and the plan forced
-    off (the benchmark's `launch_before` variant)."""
+    """Causal, the launch plan's options forced on: the longest-first order (LongestFirstNBlockScheduler) over
+    3 batches x 8 KV heads x ratio, with sections of heads smaller than the grid's heads (the last one a
+    remainder), key and query lengths that are not tile multiples, and the mask only where a tile needs it;
+    and both forced off (the benchmark's `launch_before` variant)."""
     from flash_attn_sm120.config_bwd import select_bwd_config
     from flash_attn_sm120.kernels.bwd_sm120 import lpt_row_bytes, lpt_section_heads
 

@@ -1,5 +1,5 @@
-"""The backward's launch plan (driver_bwd.launch_plan): the longest-first causal launch and masks applied
-only to tiles that need them. CPU only: the formulas the kernel runs (kernels/bwd_sm120.py lpt_coords /
+"""The backward's launch plan (driver_bwd.launch_plan): masks applied only to tiles that need them, and the
+longest-first causal launch (an option, off in the plan: it measured slower). CPU only: the formulas the kernel runs (kernels/bwd_sm120.py lpt_coords /
 lpt_section_heads, kernels/bwd_mask.py tile_needs_mask) checked on ints against their definitions, the plan's
 rule, and sm_120a codegen of the table's causal entries with the plan on (GPU: tests/test_bwd_gpu.py)."""
 
@@ -81,14 +81,18 @@ def test_tile_needs_mask_matches_the_elementwise_rules(seed):
 
 
 def test_launch_plan_rule_and_forcing():
-    assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=True, mask_where_needed=True)
+    """The measured choice: masks skipped where a tile needs none without a causal mask or window, the
+    longest-first launch off; forcing it is allowed where its kernel can run it."""
+    assert driver_bwd.launch_plan(False, False, False, dense_k=True) == dict(lpt=False, mask_where_needed=True)
+    assert driver_bwd.launch_plan(False, False, True, dense_k=False) == dict(lpt=False, mask_where_needed=True)
+    for causal, local in [(True, False), (False, True)]:
+        assert driver_bwd.launch_plan(causal, local, False, dense_k=True) == dict(lpt=False, mask_where_needed=False)
+    with driver_bwd.force_launch_plan(lpt=True, mask_where_needed=True):
+        assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=True, mask_where_needed=True)
     for causal, local, det, dense in [(False, False, False, True), (True, True, False, True),
                                       (True, False, True, True), (True, False, False, False)]:
-        assert driver_bwd.launch_plan(causal, local, det, dense_k=dense) == dict(lpt=False, mask_where_needed=True)
-    with driver_bwd.force_launch_plan(lpt=False, mask_where_needed=False):
-        assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=False, mask_where_needed=False)
-    with driver_bwd.force_launch_plan(lpt=True), pytest.raises(ValueError, match="lpt needs a causal"):
-        driver_bwd.launch_plan(False, False, False, dense_k=True)
+        with driver_bwd.force_launch_plan(lpt=True), pytest.raises(ValueError, match="lpt needs a causal"):
+            driver_bwd.launch_plan(causal, local, det, dense_k=dense)
     with pytest.raises(ValueError, match="unknown launch flags"):
         driver_bwd.force_launch_plan(lpt_order=True)
 
@@ -108,18 +112,20 @@ def sm120a():
     os.environ.update(CUTE_DSL_ARCH="sm_120a", FLASH_ATTENTION_ARCH="sm_120", FLASH_ATTENTION_NUM_SMS="188")
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_causal_table_entries_with_the_launch_plan_compile_spill_free(sm120a, d):
-    """The shipped causal kernels (the plan's longest-first scheduler and mask branch) build for sm_120a without
-    local memory, with the same tensor-core work as the same kernel without the plan."""
+@pytest.mark.parametrize("d,causal", [(64, True), (96, True), (128, True), (128, False), (96, False)])
+def test_table_entries_with_each_launch_option_compile_spill_free(sm120a, d, causal):
+    """The table's kernels with the plan's choice and with each option forced on (the longest-first scheduler
+    where causal, the mask branch) build for sm_120a without local memory and with the same tensor-core work."""
     from flash_attn_sm120 import codegen
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    cfg = select_bwd_config(load_bwd_table(), d, d, True, False)
+    cfg = select_bwd_config(load_bwd_table(), d, d, causal, False)
     rows = {}
-    for name, ordering in (("plan", None), ("off", dict(lpt=False, mask_where_needed=False))):
-        cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=True, ordering=ordering)
+    for name, ordering in (("plan", None), ("on", dict(lpt=causal, mask_where_needed=True)),
+                           ("off", dict(lpt=False, mask_where_needed=False))):
+        cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, ordering=ordering)
         usage, hist, _ = codegen.inspect_cubin(cubin)
-        rows[name] = (usage, hist)
+        rows[name] = hist
         assert usage["local"] == 0 and usage["stack"] == 0, (name, usage)
-    assert rows["plan"][1]["HMMA"] == rows["off"][1]["HMMA"]
+    assert rows["plan"]["HMMA"] == rows["on"]["HMMA"] == rows["off"]["HMMA"]
+    assert rows["plan"] == rows["on" if not causal else "off"]  # the plan is one of the two

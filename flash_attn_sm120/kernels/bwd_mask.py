@@ -82,8 +82,10 @@ def apply_mask_any_layout(
 def tile_needs_mask(mask, m_block, n_block, mask_seqlen: bool, mask_causal: bool, mask_local: bool):
     """Whether the (m_block, n_block) tile holds an element that the mask rules set to -inf. Plain
     arithmetic on `mask`'s tile_m, tile_n, seqlen_q and seqlen_k (Int32 in a kernel, ints in the tests)."""
+    if mask_local:
+        return True  # a plain True: a kernel's `if` on it is resolved when the kernel is traced
     cols_end = (n_block + 1) * mask.tile_n
-    needed = mask_local
+    needed = False
     if mask_seqlen:
         needed = needed | (cols_end > mask.seqlen_k)
     if mask_causal:
@@ -92,9 +94,9 @@ def tile_needs_mask(mask, m_block, n_block, mask_seqlen: bool, mask_causal: bool
 
 
 def where_needed(mask_fn):
-    """`mask_fn` (upstream's partial(AttentionMask.apply_mask, ...) or layout_free's) applied only to the
+    """`mask_fn` (a partial of AttentionMask.apply_mask, or layout_free's) applied only to the
     tiles that hold a masked element (tile_needs_mask); the call convention is the same."""
-    mask = mask_fn.args[0] if mask_fn.args else mask_fn.func.__self__  # layout_free's, else upstream's
+    mask = mask_fn.args[0] if mask_fn.args else mask_fn.func.__self__  # layout_free's, else AttentionMask's
     kw = mask_fn.keywords
     return partial(_apply_where_needed, mask_fn, mask, kw["n_block"], kw["mask_seqlen"], kw["mask_causal"],
                    kw.get("mask_local", False))

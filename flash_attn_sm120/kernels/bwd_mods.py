@@ -147,11 +147,9 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             )
         if const_expr(self.mask_mod is not None and use_mask_mod):
             self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv)
-        elif const_expr(self.mask_where_needed):
-            if bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.is_causal, self.is_local):
-                bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
-                                               mask_causal=self.is_causal, mask_local=self.is_local)
-        else:
+        # with mask_where_needed only the tiles that hold a masked element, else every tile
+        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.is_causal,
+                                      self.is_local or not self.mask_where_needed):
             bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
                                            mask_causal=self.is_causal, mask_local=self.is_local)
 

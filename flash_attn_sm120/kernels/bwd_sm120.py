@@ -26,10 +26,10 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
     warp along N, which only its own SM120 config has;
   * varlen GQA dK/dV accumulated at the offsets upstream's postprocess reads (`epilogue`);
   * `deterministic`: semaphore-ordered dQ and GQA dK/dV accumulation (bwd_deterministic.py);
-  * `lpt`: causal CTAs launched longest first (`LongestFirstNBlockScheduler`): n_block 0 of a causal
-    head walks every m_block and the last one a single m_block, and upstream's launch order (the
-    n_blocks of one head, then the next head) leaves the last head's long CTAs running alone;
-  * masks applied only to the tiles that hold a masked element (`bwd_mask.where_needed`).
+  * `mask_where_needed`: masks applied only to the tiles that hold a masked element
+    (`bwd_mask.where_needed`; driver_bwd.launch_plan uses it without a causal mask or window);
+  * `lpt`: causal CTAs launched longest first (`LongestFirstNBlockScheduler`), an option the launch
+    plan leaves off (it measured slower on 3 of the 4 causal seed problems, emulated).
 Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
@@ -228,9 +228,9 @@ def lpt_coords(linear, num_block, heads, section):
 
 
 class LongestFirstNBlockScheduler(SingleTileScheduler):
-    """Upstream's one-tile-per-CTA scheduler with the grid's CTAs re-ordered longest first (LPT).
+    """SingleTileScheduler (one tile per CTA) with the grid's CTAs re-ordered longest first (LPT).
 
-    Under a causal mask n_block 0 sees every m_block and the last n_block the fewest. Upstream's order
+    Under a causal mask n_block 0 sees every m_block and the last n_block the fewest. SingleTileScheduler's order
     launches one head's n_blocks, then the next head's, so the last head's long CTAs start at the end
     and run while the other SMs idle. Here the CTAs of a section of heads go n_block 0 of every head,
     then n_block 1, ...: the longest work starts first and the kernel ends on short CTAs. A section
@@ -422,7 +422,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         # longest-first one the same scheduler re-ordered (dense causal problems)
         if self.reverse_n_blocks or self.lpt:
             if args[-2] is not SingleTileScheduler:
-                raise ValueError("reverse_n_blocks / lpt need upstream's dense tile scheduler (no cu_seqlens_k)")
+                raise ValueError("reverse_n_blocks / lpt need the dense SingleTileScheduler (no cu_seqlens_k)")
             scheduler = bwd_deterministic.ReversedNBlockScheduler if self.reverse_n_blocks else (
                 LongestFirstNBlockScheduler.specialized(
                     self.n_block_size, lpt_row_bytes(self.head_dim_padded, self.head_dim_v_padded, self.dtype.width // 8)))

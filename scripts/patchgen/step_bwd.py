@@ -125,11 +125,13 @@ _BODY_EDITS = (  # on the package module's code after its imports
     ("one warp along N of the S tile (bwd_mask.py)\n", "one warp along N of the S tile (layout_free)\n"),
     ("upstream's step (kernels/bwd_mods.py has its own)", "FlashAttentionBackwardSm120's step"),
     ("        # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch\n"
-     "        # swaps in the same scheduler with the n_blocks reversed (dense problems only)\n",
+     "        # swaps in the same scheduler with the n_blocks reversed (dense problems only), the\n"
+     "        # longest-first one the same scheduler re-ordered (dense causal problems)\n",
      "        # FlashAttentionBackwardSm80.__call__ passes its tile scheduler class second to last; the\n"
-     "        # shortest-first launch swaps in the same scheduler with the n_blocks reversed (dense only)\n"),
-    ("\"reverse_n_blocks needs upstream's dense tile scheduler (no cu_seqlens_k)\"",
-     "\"reverse_n_blocks needs the dense SingleTileScheduler (no cu_seqlens_k)\""),
+     "        # shortest-first launch swaps in the same scheduler with the n_blocks reversed (dense only),\n"
+     "        # the longest-first one the same scheduler re-ordered (dense causal only)\n"),
+    ("        self.mask_where_needed = mask_where_needed  # mask only tiles with a masked element (bwd_mask.where_needed)\n",
+     "        self.mask_where_needed = mask_where_needed  # mask only tiles with a masked element (where_needed)\n"),
     ("        # the dQ adds (and their wait) after the dK product, at the m_block's end: the modifier step's\n"
      "        # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them\n",
      "        # the dQ adds (and their wait) after the dK product, at the m_block's end: an option of the\n"
@@ -145,6 +147,8 @@ _DET_DOC_EDITS = (  # on its docstring, the section's comment: the package's mod
 )
 # the package's module names: none may be left in the upstream module (comments included)
 _PACKAGE_MODULES = re.compile(r"\bdriver_bwd\b|\bkernels/|(?<![\w.])(bwd_sm120|bwd_deterministic|bwd_mask|bwd_mods)\b")
+# the mask module's definitions lifted next to the kernel (all of them)
+MASK_DEFS = ("layout_free", "apply_mask_any_layout", "tile_needs_mask", "where_needed", "_apply_where_needed")
 _DROP = ("upstream_bwd_config",)  # package-only: the benchmark's "before" config
 _RENAMES = (
     ("BwdConfig", "Sm120BwdConfig"),  # the interface has an SM90 BwdConfig
@@ -152,6 +156,7 @@ _RENAMES = (
     ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
     ("hardware.SMEM_PER_BLOCK_MAX", "SM120_SMEM_PER_BLOCK_MAX"),
     ("bwd_mask.layout_free", "layout_free"),
+    ("bwd_mask.where_needed", "where_needed"),
 )
 _REPLACED_IMPORTS = {  # package module -> what upstream imports instead (None: lifted into the file)
     "flash_attn_sm120": None,
@@ -266,7 +271,7 @@ def render_tuned_module() -> str:
         raise AnchorError(f"{WHERE}: a use of bwd_deterministic that is not one of its top-level definitions "
                           f"({left.group(0)!r})")
     body = upstream_wording(body)
-    mask_defs = _join_defs(top_level_source(pkg_bwd_mask, n) for n in ("layout_free", "apply_mask_any_layout"))
+    mask_defs = _join_defs(top_level_source(pkg_bwd_mask, n) for n in MASK_DEFS)
     det_defs = _join_defs(top_level_source(pkg_bwd_det, n) for n in det_names)
     for old, new in _DET_EDITS:
         det_defs = substitute(det_defs, old, new, where=DET_WHERE)

@@ -6,6 +6,7 @@ turn counters with the package's ordering rule; check_plan_call holds the packag
 from __future__ import annotations
 
 import inspect
+import itertools
 
 from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
 from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
@@ -161,6 +162,8 @@ _BWD_INTERFACE_EDITS = (
         "                score_mod=score_mod,\n"
         "                score_mod_bwd=score_mod_bwd,\n"
         "                deterministic=deterministic,\n"
+        "                # masks only on the tiles that hold a masked element, without a causal mask or window\n"
+        "                mask_where_needed=not causal and not local,\n"
         "                **sm120_det_plan,\n"
         "            )\n"
         "        elif arch // 10 in [8, 12]:\n"
@@ -198,6 +201,14 @@ def check_plan_call() -> None:
                           "patched interface does; revisit the interface edits in step_bwd.py")
     if "**ordering_flags(statics)" not in inspect.getsource(pkg_driver_bwd.make_kernel):
         raise AnchorError("flash_attn_sm120/driver_bwd.py: make_kernel no longer passes the plan as the kernel's keywords")
+    # the interface passes mask_where_needed=not causal and not local and no lpt: the package's launch_plan
+    for causal, local, det, dense in itertools.product((False, True), repeat=4):
+        plan = pkg_driver_bwd.launch_plan(causal, local, det, dense_k=dense)
+        if plan != dict(lpt=False, mask_where_needed=not causal and not local):
+            raise AnchorError(f"flash_attn_sm120/driver_bwd.py: launch_plan{(causal, local, det, dense)} = {plan}; "
+                              "the patched interface passes mask_where_needed=not causal and not local, no lpt")
+    if "**launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k)" not in backward:
+        raise AnchorError("flash_attn_sm120/driver_bwd.py: backward() no longer takes launch_plan's flags")
     kwargs = inspect.signature(pkg_bwd.FlashAttentionBackwardSm120Tuned.__init__).parameters
     missing = [f for f in pkg_driver_bwd._ORDERING_FLAGS if kwargs.get(f) is None or kwargs[f].default is not False]
     if missing:

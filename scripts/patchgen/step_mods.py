@@ -65,13 +65,21 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "        mask_mod semantics: it replaces causal/local, and the sequence bounds still apply).",
      "the element lies outside the sequences (the\n"
      "        mask_mod semantics of SM90/SM100: it replaces causal/local, the sequence bounds still apply)."),
-    ("            bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
+    ("        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.is_causal,\n"
+     "                                      self.is_local or not self.mask_where_needed):\n"
+     "            bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
      "                                           mask_causal=",
+     "        elif tile_needs_mask(mask, m_block, n_block, True, self.is_causal,\n"
+     "                             self.is_local or not self.mask_where_needed):\n"
      "            apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
      "                                  mask_causal="),
     ("from flash_attn.cute import utils as fa_utils\n",
      "from flash_attn.cute import utils as fa_utils\n"
-     "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned, apply_mask_any_layout\n"),
+     "from flash_attn.cute.flash_bwd_sm120_tuned import (\n"
+     "    FlashAttentionBackwardSm120Tuned,\n"
+     "    apply_mask_any_layout,\n"
+     "    tile_needs_mask,\n"
+     ")\n"),
     ("\n\nfrom flash_attn_sm120.kernels import bwd_mask\n"
      "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n", "\n"),
 )
