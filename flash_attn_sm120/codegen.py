@@ -499,8 +499,12 @@ def compile_bwd_cubin(
         from flash_attn.cute.block_sparsity import BlockSparseTensors
 
         b, h, n, m = (cute.sym_int() for _ in range(4))
-        sparse = BlockSparseTensors(*[make_fake_tensor(cutlass.Int32, shape, divisibility=1)
-                                      for shape in ((b, h, n), (b, h, n, m)) * (2 if block_sparse[2] else 1)])
+        fake = lambda shape: make_fake_tensor(cutlass.Int32, shape, divisibility=1)  # noqa: E731
+        lists = [fake(shape) for shape in ((b, h, n), (b, h, n, m)) * (2 if block_sparse[2] else 1)]
+        lists += [None] * (4 - len(lists))
+        # deterministic: each list entry's dQ turn (block_sparse.dq_turns), shaped as the index lists
+        turns = [fake((b, h, n, m)) if deterministic and lists[i] is not None else None for i in (1, 3)]
+        sparse = BlockSparseTensors(*lists, None, None, *turns)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,

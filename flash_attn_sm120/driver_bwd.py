@@ -294,10 +294,11 @@ def check_deterministic(causal: bool, window_size_left: Optional[int], window_si
                                   "the SM120 backward yet; causal and full attention are")
 
 
-def check_block_sparse(causal: bool, local: bool, deterministic: bool, varlen: bool) -> None:
-    """NotImplementedError for what the block-sparse backward walk does not cover (resolved causal/local)."""
-    for what, used in (("causal or local windows (express them as a mask_mod)", causal or local),
-                       ("deterministic=True", deterministic), ("varlen", varlen)):
+def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False) -> None:
+    """NotImplementedError for what the block-sparse backward walk does not cover: varlen; deterministic=True
+    unless the caller gives the walk its dQ turns (`turns_from_lists`: block_sparse.dq_turns, as this
+    package's driver does). Causal and local windows apply inside the listed tiles."""
+    for what, used in (("deterministic=True", deterministic and not turns_from_lists), ("varlen", varlen)):
         if used:
             raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
 
@@ -309,7 +310,7 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
     one does not divide the sparse block. NotImplementedError names what the walk does not cover."""
     from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
 
-    check_block_sparse(causal, local, deterministic, varlen)
+    check_block_sparse(deterministic, varlen, turns_from_lists=True)
     if tensors.block_size is None:
         raise ValueError("block_sparse_tensors_bwd needs block_size (the BlockMask's BLOCK_SIZE)")
     bq, bk = (int(x) for x in tensors.block_size)
@@ -321,6 +322,11 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
         norm, pattern = normalize_block_sparse_config_bwd(
             tensors, batch_size=q.shape[0], num_head=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
             block_size=(c.m_block, c.n_block), q_subtile_factor=bq // c.m_block, kv_subtile_factor=bk // c.n_block)
+        # deterministic: each list entry's dQ turn, in upstream's dq_write_order fields (ascending, computed
+        # here from the lists: a given order or spt is not needed); otherwise none (the compile key has none)
+        turns = (block_sparse.dq_turns(norm.mask_block_cnt, norm.mask_block_idx, norm.full_block_cnt,
+                                       norm.full_block_idx, -(-q.shape[1] // bq)) if deterministic else (None, None))
+        norm = norm._replace(dq_write_order=turns[0], dq_write_order_full=turns[1])
         wrapped = NormalizedBlockSparseConfig(norm, pattern, bq // c.m_block, bk // c.n_block)
         return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern))
     raise ValueError(f"block_sparse_tensors_bwd: sparse block {tensors.block_size} is not a multiple of the backward "
@@ -376,7 +382,7 @@ def backward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
-    if deterministic:
+    if deterministic and block_sparse_tensors is None:  # (the list walk orders dQ by its lists, any window)
         check_deterministic(causal, window_size_left, window_size_right, mask_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
@@ -419,6 +425,8 @@ def backward(
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
         block_sparse=None if sparse is None else sparse[1],
     )
+    if deterministic and sparse is not None:  # the list walk's order: turns from its lists (block_sparse.dq_turns)
+        statics = replace(statics, **SPARSE_DETERMINISTIC_PLAN)
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
     cute_dtype = _TORCH_TO_CUTE[q.dtype]
@@ -507,6 +515,9 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
                    "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
                    "diag_no_sync", "dq_split", "fused_turns", "fused_fetch")
+# the block-sparse walk's deterministic order (kernels/bwd_block_sparse.py): ascending turns per listed tile,
+# given by its lists, on the modifier step's own barriers
+SPARSE_DETERMINISTIC_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "fused_turns": True}
 _OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch")  # need kernels/bwd_mods.py's step
 _forced_plan: list[dict] = []
 

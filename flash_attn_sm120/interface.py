@@ -191,11 +191,8 @@ def flash_attn_func(
              block_sparse_tensors=block_sparse_tensors_bwd),
         {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
-    if bwd_needed and deterministic:
+    if bwd_needed and deterministic and block_sparse_tensors_bwd is None:  # (the list walk takes any window)
         driver_bwd.check_deterministic(causal, left, right, mask_mod)
-    if bwd_needed and block_sparse_tensors_bwd is not None:  # refused before any work, as upstream's lists mean
-        resolved = upstream._resolve_causal_local_window(causal, left, right, mask_mod)
-        driver_bwd.check_block_sparse(resolved[0], resolved[1], deterministic, varlen=False)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
@@ -295,7 +292,7 @@ def flash_attn_varlen_func(
              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
         present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
-    if bwd_needed and deterministic:
+    if bwd_needed and deterministic and block_sparse_tensors_bwd is None:  # (the list walk takes any window)
         driver_bwd.check_deterministic(causal, left, right, mask_mod)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 

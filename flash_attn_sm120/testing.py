@@ -81,12 +81,9 @@ class AttnCase:
             if not self.backward:
                 raise ValueError("deterministic=True needs backward=True: it orders the backward's dQ/dK/dV "
                                  "additions, a forward case has nothing to order")
-            if self.local:
+            if self.local and not self.block_sparse:  # (the block-sparse walk orders dQ by its lists, any window)
                 raise ValueError(f"deterministic=True with the local mask {self.mask!r}: the deterministic backward "
                                  "refuses sliding windows (driver_bwd.check_deterministic: NotImplementedError)")
-            if self.block_sparse:
-                raise ValueError("deterministic=True with block-sparse lists: the block-sparse backward refuses it "
-                                 "(driver_bwd.check_block_sparse: NotImplementedError)")
 
     @property
     def causal(self) -> bool:

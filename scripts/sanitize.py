@@ -123,6 +123,11 @@ SPARSE_SHAPES = (
     ("bs-bwd-d64-prefix-q256", AttnCase("bfloat16", 64, 64, 1, None, "none", 0.0, True, "dense", "dense", True,
                                         mods="prefix", block_sparse="q256"),
      AttnProblem((300,), (400,), nheads_kv=2, seed=19)),
+    # the backward walk with a causal mask inside its tiles and deterministic turns from its lists (GQA: the
+    # dK/dV epilogue in head order too)
+    ("bs-bwd-d128-causal-det-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",
+                                            True, block_sparse="random", deterministic=True),
+     AttnProblem((300, 300), (520, 520), nheads_kv=2, seed=20)),
 )
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)

@@ -198,8 +198,8 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         layout = cols["layout"][i] if s.varlen and "varlen" not in gaps else ("dense", "dense")
         softcap = cols["softcap"][i] if s.softcap else 0.0
         sparse = cols["sparse"][i] if s.block_sparse and d in SPARSE_HEAD_DIMS else ""
-        if sparse:  # the backward lists' limits: dense layout, no causal/local mask
-            layout, mask = ("dense", "dense"), "none"
+        if sparse:  # the backward lists' limits: dense layout; causal applies inside the listed tiles
+            layout, mask = ("dense", "dense"), mask if mask in ("none", "causal") else "none"
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,

@@ -234,25 +234,27 @@ def test_block_sparse_forward_reaches_the_unsplit_driver(fake_device):
     assert calls["driver"]["block_sparse_tensors"] is sparse
 
 
-def test_block_sparse_backward_limits_and_paged_are_refused(fake_device):
-    """Backward lists with a causal mask or deterministic=True are refused before any work when a backward
-    may follow (a GPU test covers forward lists without backward lists: upstream's dense backward); paged
-    KV takes no lists."""
+def test_block_sparse_backward_takes_causal_and_deterministic_and_paged_is_refused(fake_device):
+    """Backward lists take causal masks, windows and deterministic=True (the walk applies the rule inside its
+    listed tiles and orders dQ by its lists): the walk's check refuses only varlen; the check without turns
+    (patch 0006's interface) still refuses deterministic=True (GPU tests run the backward). Paged KV takes no
+    lists."""
+    from flash_attn_sm120 import driver_bwd
+
     set_mode, calls = fake_device
     set_mode("sm120")
+    driver_bwd.check_block_sparse(True, False, turns_from_lists=True)
+    with pytest.raises(NotImplementedError, match="deterministic=True"):
+        driver_bwd.check_block_sparse(True, False)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        driver_bwd.check_block_sparse(False, True, turns_from_lists=True)
     q, k, v = _cuda_qkv()
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="block-sparse backward with causal"):
-        flash_attn_sm120.flash_attn_func(q, k, v, causal=True, block_sparse_tensors=_lists(),
-                                         block_sparse_tensors_bwd=_lists())
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, block_sparse_tensors=_lists(),
-                                         block_sparse_tensors_bwd=_lists())
-    assert "driver" not in calls
-    with torch.no_grad():  # no backward to follow: the lists' limits do not apply
-        flash_attn_sm120.flash_attn_func(q, k, v, causal=True, block_sparse_tensors=_lists(),
-                                         block_sparse_tensors_bwd=_lists())
-    assert "driver" in calls
+    for kwargs in (dict(causal=True), dict(deterministic=True, window_size=(8, 0))):
+        calls.clear()
+        with torch.no_grad():
+            flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=_lists(),
+                                             block_sparse_tensors_bwd=_lists(), **kwargs)
+        assert "driver" in calls
     qv = torch.empty(100, 4, 64, device="cuda", dtype=torch.bfloat16)
     pool = torch.empty(4, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="block sparsity with paged KV"):

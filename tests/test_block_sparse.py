@@ -3,6 +3,8 @@
 The GPU half (tests/test_block_sparse_gpu.py) checks results against an fp32 reference.
 """
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -113,6 +115,82 @@ def test_block_sparse_backward_walk_compiles_spill_free_for_sm120a(d):
     res, _, _ = codegen.inspect_cubin(cubin)
     assert res["stack"] == 0 and res["local"] == 0, res
     assert isinstance(kernels[0], FlashAttentionBackwardSm120BlockSparse) and kernels[0].has_full
+
+
+@pytest.mark.parametrize("d,mask,det,full,subtiles,gqa", [
+    (128, "causal", False, True, (1, 2), 1), (128, "local", False, True, (1, 1), 1), (128, "none", True, True, (1, 1), 1),
+    (64, "causal", True, False, (2, 2), 4), (96, "local", True, True, (1, 1), 2)])
+def test_block_sparse_backward_walk_with_windows_and_turns_compiles_for_sm120a(d, mask, det, full, subtiles, gqa):
+    """The walk with a causal mask or window inside its tiles (the mainloop built without one) and with the
+    deterministic turns (driver_bwd.SPARSE_DETERMINISTIC_PLAN): spill-free on sm_120a, the dQ adds REDs."""
+    from dataclasses import replace
+
+    from flash_attn_sm120 import codegen, driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    causal, local = mask == "causal", mask == "local"
+    cfg = replace(select_bwd_config(load_bwd_table(), d, d, causal, local, modifiers=True), stages_q=1, stages_do=1)
+    kernels = []
+    cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, local=local, deterministic=det, qhead_per_kvhead=gqa,
+                                         block_sparse=(*subtiles, full), kernel_out=kernels,
+                                         ordering=driver_bwd.SPARSE_DETERMINISTIC_PLAN if det else None)
+    res, hist, _ = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert hist.get("ATOMG", 0) == 0 and hist.get("REDG", 0) > 0, hist
+    kernel = kernels[0]
+    assert (kernel.is_causal, kernel.is_local, kernel.mask_causal, kernel.mask_local) == (False, False, causal, local)
+    assert kernel.deterministic == det and kernel.fused_turns == det
+
+
+def _turns_by_definition(cnt, idx, fcnt, fidx, num_q):
+    """For each list entry (n, i) naming Q block m: the KV blocks n' < n whose lists name m, counted."""
+    b, h, n, w = idx.shape
+    names = [[[set(idx[bi, hi, ni, :cnt[bi, hi, ni]].tolist()) | (set(fidx[bi, hi, ni, :fcnt[bi, hi, ni]].tolist())
+                                                                   if fidx is not None else set())
+               for ni in range(n)] for hi in range(h)] for bi in range(b)]
+    out = []
+    for c, x in ((cnt, idx), (fcnt, fidx)):
+        if x is None:
+            out.append(None)
+            continue
+        t = torch.zeros_like(x, dtype=torch.int32)
+        for bi, hi, ni in itertools.product(range(b), range(h), range(n)):
+            for i in range(int(c[bi, hi, ni])):
+                m = int(x[bi, hi, ni, i])
+                t[bi, hi, ni, i] = sum(m in names[bi][hi][nj] for nj in range(ni))
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("with_full", [True, False])
+def test_dq_turns_rank_each_entry_among_the_kv_blocks_naming_its_q_block(seed, with_full):
+    """block_sparse.dq_turns against its definition on random backward lists (entries past a count are 0)."""
+    from flash_attn_sm120 import testing_sparse
+
+    g = torch.Generator().manual_seed(seed)
+    kinds = testing_sparse.random_block_map(2, 3, 7, 5, density=0.5, full_share=0.5 if with_full else 0.0, generator=g,
+                                            device="cpu")
+    bwd = testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), (64, 64), with_full)
+    got = block_sparse.dq_turns(bwd.mask_block_cnt, bwd.mask_block_idx, bwd.full_block_cnt, bwd.full_block_idx, 7)
+    want = _turns_by_definition(bwd.mask_block_cnt, bwd.mask_block_idx, bwd.full_block_cnt, bwd.full_block_idx, 7)
+    for gt, wt, idx in zip(got, want, (bwd.mask_block_idx, bwd.full_block_idx)):
+        if idx is None:
+            assert gt is None
+            continue
+        assert gt.dtype == torch.int32 and gt.shape == idx.shape and gt.is_contiguous()
+        assert torch.equal(gt, wt)
+    # every Q block's turns among its visitors are 0, 1, ..., visitors - 1: no turn is skipped or taken twice
+    for bi, hi in itertools.product(range(2), range(3)):
+        seen = {}
+        for t, c, x in ((got[0], bwd.mask_block_cnt, bwd.mask_block_idx), (got[1], bwd.full_block_cnt, bwd.full_block_idx)):
+            if x is None:
+                continue
+            for ni in range(5):
+                for i in range(int(c[bi, hi, ni])):
+                    seen.setdefault(int(x[bi, hi, ni, i]), []).append(int(t[bi, hi, ni, i]))
+        for turns in seen.values():
+            assert sorted(turns) == list(range(len(turns)))
 
 
 def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():

@@ -163,12 +163,6 @@ def test_refusals():
     kinds = _map_case(1, 2, 256, 256, (128, 128), seed=1)
     sparse = testing_sparse.lists_from_map(kinds, (128, 128))
     bwd = testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), (128, 128))
-    qg = q.detach().clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="block-sparse backward with causal"):
-        flash_attn_sm120.flash_attn_func(qg, k, v, causal=True, block_sparse_tensors=sparse, block_sparse_tensors_bwd=bwd)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        flash_attn_sm120.flash_attn_func(qg, k, v, deterministic=True, block_sparse_tensors=sparse,
-                                         block_sparse_tensors_bwd=bwd)
     with pytest.raises(ValueError, match="not a multiple"):
         flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=sparse._replace(block_size=(96, 128)))
     with pytest.raises(NotImplementedError, match="head dims"):
@@ -260,3 +254,46 @@ def test_backward_flex_document_mask(bwd_lists):
     keep = doc.keep_twin(bi, None, qi, ki, aux).expand(b, h, s, s)
     check_bwd(q, k, v, keep, dict(mask_mod=doc.mask_mod, aux_tensors=aux, block_sparse_tensors=fwd,
                                   block_sparse_tensors_bwd=bwd))
+
+
+@pytest.mark.parametrize("mask,block", [("causal", (128, 128)), ("causal", (256, 128)), ("local", (128, 64))])
+def test_backward_lists_with_causal_or_window(mask, block):
+    """Backward lists with causal=True or a sliding window and no mask_mod: the rule applies inside every listed
+    tile, as in the forward (the walk's m range stays the whole sequence), mask and full lists alike."""
+    b, h, sq, sk, d = 2, 3, 700, 640, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=41 + block[0])
+    kinds = _map_case(b, h, sq, sk, block, seed=43, density=0.6)
+    fwd, bwd = _both_lists(kinds, block)
+    keep = testing_sparse.keep_from_map(kinds, block, sq, sk)
+    qi, ki = torch.arange(sq, device="cuda").view(-1, 1), torch.arange(sk, device="cuda").view(1, -1)
+    shift = sk - sq  # bottom-right aligned, as upstream
+    if mask == "causal":
+        keep, kw = keep & (ki <= qi + shift), dict(causal=True)
+    else:
+        keep, kw = keep & (ki <= qi + shift + 30) & (ki >= qi + shift - 200), dict(window_size=(200, 30))
+    check_bwd(q, k, v, keep, dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd, **kw))
+
+
+@pytest.mark.parametrize("case", ["mha-full", "gqa-masklists", "causal-subtiles"])
+def test_backward_lists_deterministic(case):
+    """deterministic=True with backward lists: dQ added in list order (ascending K/V tile, turns from the
+    lists), bitwise-identical dq/dk/dv over three runs and right against the fp32 reference; with mask lists
+    only, GQA (head-ordered dK/dV), and sparse blocks spanning two K/V tiles of the kernel under causal."""
+    b, h, hk, sq, sk, d, block, with_full, kw = {
+        "mha-full": (2, 4, 4, 517, 700, 128, (128, 128), True, {}),
+        "gqa-masklists": (1, 8, 2, 640, 520, 64, (128, 128), False, {}),
+        "causal-subtiles": (1, 4, 4, 900, 900, 128, (128, 256), True, dict(causal=True)),
+    }[case]
+    q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=47)
+    kinds = _map_case(b, h, sq, sk, block, seed=53, density=0.6)
+    if not with_full:
+        kinds = torch.where(kinds > 0, testing_sparse.PARTIAL, testing_sparse.SKIP).to(torch.int32)
+    fwd, bwd = _both_lists(kinds, block, with_full)
+    keep = testing_sparse.keep_from_map(kinds, block, sq, sk, causal=bool(kw)).expand(b, h, sq, sk)
+    api = dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd, deterministic=True, **kw)
+    check_bwd(q, k, v, keep, api)
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=q.dtype, generator=g)
+    runs = [_grads(lambda *t: flash_attn_sm120.flash_attn_func(*t, **api)[0], q, k, v, dout)[1:] for _ in range(3)]
+    for later in runs[1:]:
+        for name, a, r in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, r), f"{case}: {name} differs between deterministic runs"

@@ -344,7 +344,8 @@ def test_block_sparse_cases_are_drawn_within_their_limits():
     for c in sparse:
         assert c.api == "public" and c.path.supports.block_sparse and c.case.is_dense
         assert c.case.head_dim == c.case.head_dim_v and c.case.head_dim in testing_sparse.HEAD_DIMS
-        assert c.case.mask in (("none",) if c.case.backward else ("none", "causal"))
+        assert c.case.mask in ("none", "causal")
+    assert any(c.case.mask == "causal" for c in bwd if c.case.block_sparse)  # the walk's causal tiles are drawn
 
 
 def test_a_keep_twin_replaces_causal_as_upstream():
@@ -491,14 +492,14 @@ def test_profiles_are_registered():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_deterministic_case_needs_backward_and_no_window_or_lists():
+def test_deterministic_case_needs_backward_and_no_window_without_lists():
     with pytest.raises(ValueError, match="needs backward=True"):
         AttnCase(deterministic=True)
     for mask in ("local_l", "local_r", "local_lr", "causal_l"):
         with pytest.raises(ValueError, match="refuses sliding windows"):
             AttnCase(mask=mask, backward=True, deterministic=True)
-    with pytest.raises(ValueError, match="block-sparse"):
-        AttnCase(backward=True, deterministic=True, block_sparse="random")
+        AttnCase(mask=mask, backward=True, deterministic=True, block_sparse="random")  # the list walk takes windows
+    AttnCase(backward=True, deterministic=True, block_sparse="random")
     for mask in ("none", "causal"):
         for layout in (("dense", "dense"), ("packed", "packed"), ("padded", "padded")):
             AttnCase(mask=mask, q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,

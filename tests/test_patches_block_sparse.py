@@ -254,6 +254,7 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     split = result["the same with num_splits=4"]  # unsplit: the same compile key, so the same kernel
     assert split["error"] is None and split["new_keys"] == [0, 0] and not split["built"], split
     assert one("d128 causal", tma, [1, 0])["causal"] is True
+    assert one("bwd causal", "FlashAttentionBackwardSm120BlockSparse", [0, 1])["causal"] is True  # inside listed tiles
     gqa = one("d64 GQA 4:1, 64x128 blocks shared by the heads", tma, [1, 0])
     assert (gqa["tile"], gqa["threads"], gqa["subtiles"], gqa["pack_gqa"]) == ([64, 64], 128, [1, 2], True), gqa
     odd = one("d96 GQA 3:1, shared lists: 128-row tiles cannot pack 3", tma, [1, 0])
@@ -265,7 +266,6 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
                                    "not take varlen"),
                         ("paged", "NotImplementedError: block sparsity on SM120 runs in the TMA family, which does "
                                   "not take paged KV"),
-                        ("bwd causal", "NotImplementedError: block-sparse backward with causal or local windows"),
                         ("bwd deterministic", "NotImplementedError: block-sparse backward with deterministic=True"),
                         ("bwd no block_size", "ValueError: the SM120 block-sparse backward needs block_sparse_tensors."
                                               "block_size"),
@@ -296,7 +296,7 @@ def _imports(text: str) -> set:
 def test_block_sparse_modules_are_lifted_without_package_parts():
     from patchgen import step_block_sparse, step_tma
 
-    allowed = ("__future__", "typing", "cutlass", "cuda", "flash_attn")
+    allowed = ("__future__", "typing", "functools", "cutlass", "cuda", "flash_attn")
     walk = step_tma.render_block_sparse_module()
     mp.check_no_package_refs(walk, "flash_fwd_sm120_block_sparse.py")
     for there in ("class SparseTiles(NamedTuple)", "def tile_lists(", "def load_tiles(", "def consume_tiles(",

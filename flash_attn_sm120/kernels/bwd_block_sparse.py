@@ -23,31 +23,50 @@ Here `m_tile` is read as a position in the CTA's list instead of a tile index:
     kernel's own load_Q_LSE / load_dO_dPsum; `_prologue` marks the prologue's calls at trace time).
 The lists travel as the last aux tensors (kernel arguments), like the forward's sinks.
 
-Not here: causal / local windows with lists (BlockInfo's m range would shorten the walk; FlexAttention
-expresses them as a mask_mod), deterministic ordering, varlen.
+Causal / local windows with lists: as in the forward, the rule applies inside every listed tile (the
+step's mask_causal / mask_local), while the mainloop is built without them, so that its m range is the
+whole sequence and every list position is visited (BlockInfo would shorten it to the diagonal).
+
+Deterministic (`deterministic=True`): dQ is added in a fixed order per Q tile, ascending K/V tile.
+The host gives each list entry its turn (`dq_turns`: the rank of the sparse KV block among the
+sparse KV blocks whose lists name that Q block; upstream's `dq_write_order` layout, always
+ascending), and the kernel turns it into a K/V tile's turn, rank * kv_subtile_factor + the tile's
+place in its sparse block. The turns ride on the modifier step's own barriers (fused_turns):
+before a listed tile's dQ adds thread 0 waits for its turn; after the next listed tile's dP barrier
+it releases the previous one, and the last listed tile is released at its step's end. A CTA waits
+only for K/V tiles of lower index, launched before it, so the walk cannot deadlock. GQA dK/dV
+accumulate in head order in the tuned class's epilogue.
+
+Not here: varlen.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward
 from flash_attn.cute.utils import AuxData
 
+from flash_attn_sm120.kernels import bwd_deterministic
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
 from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list
 
 
-def with_lists(aux_data: AuxData, blocksparse_tensors) -> AuxData:
-    """Plain Python (trace time): aux_data with the lists (cnt, idx[, full cnt, full idx]) appended."""
+def with_lists(aux_data: AuxData, blocksparse_tensors, turns: bool = False) -> AuxData:
+    """Plain Python (trace time): aux_data with the lists (cnt, idx[, full cnt, full idx]) appended, and
+    with `turns` the deterministic order's dq_write_order[, dq_write_order_full] after them."""
     if blocksparse_tensors is None:
         return aux_data
     lists = [t for t in blocksparse_tensors[:4] if t is not None]
+    if turns:
+        lists += [t for t in blocksparse_tensors[6:8] if t is not None]
     return AuxData(list(aux_data.tensors or []) + lists, aux_data.scalars)
 
 
@@ -73,13 +92,19 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
     """The modifier backward walking upstream's Q-direction block-sparse lists (module docstring)."""
 
     def __init__(self, *args, q_subtile_factor: int = 1, kv_subtile_factor: int = 1, has_full: bool = False,
-                 **kwargs):
-        super().__init__(*args, **kwargs)
+                 is_causal: bool = False, is_local: bool = False, **kwargs):
+        # the mainloop without the window (its m range covers every list position); the step applies it
+        super().__init__(*args, is_causal=False, is_local=False, **kwargs)
+        self.mask_causal, self.mask_local = is_causal, is_local
         if self.num_stages_Q != 1 or self.num_stages_dO != 1:
             raise ValueError("the block-sparse backward needs stages_q = stages_do = 1")
-        if self.is_causal or self.is_local or self.deterministic or self.V_in_regs:
-            raise ValueError("the block-sparse backward takes no causal/local window, deterministic order or V in "
-                             "registers")
+        if self.V_in_regs:
+            raise ValueError("the block-sparse backward takes no V in registers")
+        if self.deterministic and not self.fused_turns:
+            raise ValueError("the deterministic block-sparse backward orders dQ with fused_turns (the modifier step)")
+        if self.dq_descending or self.dq_rotated or self.reverse_n_blocks or self.dq_groups > 1 or self.lpt:
+            raise ValueError("the block-sparse walk takes its dQ turns from its lists: ascending, one accumulator, "
+                             "the grid's launch order")
         self.q_subtile_factor = q_subtile_factor
         self.kv_subtile_factor = kv_subtile_factor
         self.has_full = has_full
@@ -117,7 +142,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         FlashAttentionBackwardSm120Tuned.__call__(
             self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
             mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
-            with_lists(aux_data, blocksparse_tensors), None, mCuTotalMBlocks, stream,
+            with_lists(aux_data, blocksparse_tensors, self.deterministic), None, mCuTotalMBlocks, stream,
         )
 
     def load_Q_LSE(self, *args, **kwargs):
@@ -132,14 +157,21 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
 
     def compute_one_m_block(self, m_block, *args, mask_fn=None, **kwargs):
         self._prologue = False
-        aux_data, lists = split_lists(kwargs.pop("aux_data"), 4 if self.has_full else 2)
-        self._walk_step(m_block, lists, *args, mask_fn=mask_fn, aux_data=aux_data, **kwargs)
+        aux_data, sems = kwargs.pop("aux_data"), []
+        if self.deterministic:  # the semaphores follow the lists (FlashAttentionBackwardSm120Tuned.__call__)
+            aux_data, sems = split_lists(aux_data, 2 if self.qhead_per_kvhead > 1 else 1)
+            self._dkv_semaphore = sems[1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
+        lists_per_kind = 3 if self.deterministic else 2  # cnt, idx[, turns]
+        aux_data, lists = split_lists(aux_data, lists_per_kind * (2 if self.has_full else 1))
+        self._walk_step(m_block, _by_kind(lists, self.has_full, self.deterministic), sems[0] if sems else None,
+                        *args, mask_fn=mask_fn, aux_data=aux_data, **kwargs)
 
     @cute.jit
     def _walk_step(
         self,
         position: Int32,
         lists: list,
+        dq_semaphore: Optional[cute.Tensor],
         smem_pipe_read_q: Int32,
         smem_pipe_read_do: Int32,
         smem_pipe_write_q: Int32,
@@ -167,8 +199,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         full_tiles = Int32(0)
         full_idx = None
         if const_expr(self.has_full):
-            full_cnt = lists[2][batch_idx, head_idx, kv_sparse]
-            full_idx = lists[3][batch_idx, head_idx, kv_sparse, None]
+            full_cnt = lists[3][batch_idx, head_idx, kv_sparse]
+            full_idx = lists[4][batch_idx, head_idx, kv_sparse, None]
             full_tiles = _tiles_in_list(full_cnt, full_idx, F, num_m_tiles)
         count = mask_tiles + full_tiles
 
@@ -204,7 +236,44 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 m_block_max=m_block + 2,  # the step's own "next tile in range" test always passes
                 softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
             )
+            if const_expr(self.deterministic):
+                self._fuse_turns(position, count, m_block, mask_idx, mask_tiles, full_idx, lists, dq_semaphore,
+                                 batch_idx, head_idx, kv_sparse, kw["n_block"])
             if position < mask_tiles:
                 self._one_m_block(m_block, use_mask_mod=True, **step)
             else:
                 self._one_m_block(m_block, use_mask_mod=False, **step)
+            if const_expr(self.deterministic):  # the last listed tile's turn ends with its step
+                bwd_deterministic.call_if(position == count - 1, partial(
+                    bwd_deterministic.release_after_barrier,
+                    fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, m_block))))
+
+    @cute.jit
+    def _fuse_turns(self, position: Int32, count: Int32, m_block: Int32, mask_idx: cute.Tensor, mask_tiles: Int32,
+                    full_idx: Optional[cute.Tensor], lists: list, dq_semaphore: cute.Tensor, batch_idx: Int32,
+                    head_idx: Int32, kv_sparse: Int32, n_block: Int32):
+        """The step's fused_turns hooks for this listed tile: release the previous listed tile after the dP
+        barrier, wait for this tile's turn before the dQ adds (the list entry's turn, scaled to K/V tiles)."""
+        F = self.q_subtile_factor
+        # the list entry (sparse Q block) of this position: mask list, then full list (as _nth_listed)
+        rank = lists[2][batch_idx, head_idx, kv_sparse, cutlass.min(position, cutlass.max(mask_tiles - 1, 0)) // F]
+        if const_expr(self.has_full):
+            if position >= mask_tiles:
+                rank = lists[5][batch_idx, head_idx, kv_sparse, (position - mask_tiles) // F]
+        turn = rank * self.kv_subtile_factor + n_block % self.kv_subtile_factor
+        previous = _nth_listed(cutlass.max(position - 1, 0), mask_idx, mask_tiles, full_idx, F)
+        self._after_dp_barrier = partial(bwd_deterministic.call_if, position > 0, partial(
+            bwd_deterministic.release_unfenced, fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, previous))))
+        self._before_dq_barrier = partial(bwd_deterministic.spin,
+                                          fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, m_block)), turn)
+
+
+def _by_kind(lists: list, has_full: bool, turns: bool) -> list:
+    """[mask cnt, mask idx, mask turns or None, full cnt, full idx, full turns or None] from with_lists' order
+    (cnt, idx[, full cnt, full idx][, turns[, full turns]])."""
+    mask, rest = lists[:2], lists[2:]
+    full = rest[:2] if has_full else [None, None]
+    rest = rest[2:] if has_full else rest
+    mask_turns = rest[0] if turns else None
+    full_turns = rest[1] if turns and has_full else None
+    return [*mask, mask_turns, *full, full_turns]

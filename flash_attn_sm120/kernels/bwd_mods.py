@@ -66,6 +66,9 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         if self.config.sdp_swapab or self.config.dkv_swapab:  # bwd_config_error refuses these already
             raise ValueError("the modifier backward needs unswapped S/dP and dK/dV products")
         self.mask_mod = mask_mod
+        # the causal / local rule the step applies in each tile (the block-sparse walk applies them inside
+        # its listed tiles while the mainloop's m range stays the full one)
+        self.mask_causal, self.mask_local = self.is_causal, self.is_local
         self.has_aux_tensors = has_aux_tensors
         self.score_vec_size = mod_vec_size(self.score_mod, has_aux_tensors)
         self.score_bwd_vec_size = mod_vec_size(self.score_mod_bwd, has_aux_tensors)
@@ -148,10 +151,10 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         if const_expr(self.mask_mod is not None and use_mask_mod):
             self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv)
         # with mask_where_needed only the tiles that hold a masked element, else every tile
-        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.is_causal,
-                                      self.is_local or not self.mask_where_needed):
+        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.mask_causal,
+                                      self.mask_local or not self.mask_where_needed):
             bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
-                                           mask_causal=self.is_causal, mask_local=self.is_local)
+                                           mask_causal=self.mask_causal, mask_local=self.mask_local)
 
         # P = exp2(S' * scale_log2 - LSE_log2)
         tLSErLSE = cute.make_fragment_like(smem_copy_params.tSsLSEMma[None, 0])

@@ -11,8 +11,9 @@ Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
 `flash_bwd_sm120_block_sparse.py` (a subclass of patch 0005's modifier backward that walks the
 Q-direction lists) and makes `_flash_attn_bwd` on SM120 build it for `block_sparse_tensors`, with
 one Q/dO stage on the table's tile or SM120's earlier default tile, whichever divides the sparse
-block, as the package's `driver_bwd._block_sparse_plan` does (causal/local, deterministic and
-varlen refused by name: `driver_bwd.check_block_sparse`, lifted).
+block, as the package's `driver_bwd._block_sparse_plan` does (deterministic and varlen refused by
+name: `driver_bwd.check_block_sparse`, lifted; the package's driver gives the walk its dQ turns, this
+interface does not yet).
 
 The commit message quotes the session record of the GPU tests (`configs/measurements/
 2026-12-01_session11.md`) and refuses to be generated if that record no longer says what it quotes.
@@ -60,6 +61,8 @@ BWD_CONFIGS_REL = f"{CUTE}/flash_bwd_sm120_configs.py"
 DEFAULT_SESSION_RECORD = ROOT / "configs" / "measurements" / "2026-12-01_session11.md"
 
 # ------------------------------------------------------------------------- the backward module
+# the deterministic helpers the walk calls (bwd_deterministic.X), lifted into flash_bwd_sm120_tuned.py by 0004
+_DET_NAMES = ("call_if", "release_after_barrier", "release_unfenced", "spin")
 _MODULE_EDITS = (  # on the package module's whole source: wording inside upstream, upstream's imports
     ("The backward lists are upstream's Q-direction ones (`block_sparse_tensors_bwd`: FlexAttention's\n",
      "The backward lists are the Q-direction ones (`block_sparse_tensors_bwd`: FlexAttention's\n"),
@@ -71,19 +74,26 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "    listed tile, with the mask_mod on mask-list tiles only;\n"),
     ("    \"\"\"The modifier backward walking upstream's Q-direction block-sparse lists (module docstring).\"\"\"\n",
      "    \"\"\"The modifier backward walking the Q-direction block-sparse lists (module docstring).\"\"\"\n"),
-    ("from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
+    ("from flash_attn.cute import utils as fa_utils\n"
+     "from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
      "from flash_attn.cute.utils import AuxData\n"
      "\n"
+     "from flash_attn_sm120.kernels import bwd_deterministic\n"
      "from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods\n"
      "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n"
      "from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list\n",
+     "from flash_attn.cute import utils as fa_utils\n"
      "from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
      "from flash_attn.cute.flash_bwd_sm120_mods import FlashAttentionBackwardSm120Mods\n"
-     "from flash_attn.cute.flash_bwd_sm120_tuned import FlashAttentionBackwardSm120Tuned\n"
+     "from flash_attn.cute.flash_bwd_sm120_tuned import (\n"
+     "    FlashAttentionBackwardSm120Tuned,\n"
+     + "".join(f"    {n},\n" for n in sorted(_DET_NAMES)) +
+     ")\n"
      "from flash_attn.cute.flash_fwd_sm120_block_sparse import _tiles_in_list\n"
      "from flash_attn.cute.utils import AuxData\n"),
 )
-_PACKAGE_NAMES = ("bwd_mods.py", "bwd_sm120.py", "fwd_block_sparse.py", "driver_bwd", "this package")  # none may be left
+_PACKAGE_NAMES = ("bwd_mods.py", "bwd_sm120.py", "fwd_block_sparse.py", "driver_bwd", "bwd_deterministic",
+                  "this package")  # none may be left
 _LIFTED = ("with_lists", "split_lists", "_nth_listed", "FlashAttentionBackwardSm120BlockSparse")
 
 
@@ -93,6 +103,10 @@ def render_bwd_block_sparse_module(source: Optional[str] = None) -> str:
     text = inspect.getsource(pkg_bwd_block_sparse) if source is None else source
     for old, new in _MODULE_EDITS:
         text = substitute(text, old, new, where=WHERE)
+    used = set(re.findall(r"(?<![\w.])bwd_deterministic\.(\w+)", text))
+    if not used <= set(_DET_NAMES):
+        raise AnchorError(f"{WHERE}: the walk calls bwd_deterministic.{sorted(used - set(_DET_NAMES))}; add them to _DET_NAMES")
+    text = re.sub(r"(?<![\w.])bwd_deterministic\.(\w+)", r"\1", text)
     text = upstream_wording(text)  # any later "upstream" in the package's comments
     for name in _LIFTED:
         if not re.search(rf"^(def|class) {name}\b", text, re.M):
@@ -192,7 +206,7 @@ def patch_fwd_configs(ctx: Context) -> None:
 
 # ------------------------------------------------------------ the backward's config (host side)
 _PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sparse_config restates it
-    "check_block_sparse(causal, local, deterministic, varlen)",
+    "check_block_sparse(deterministic, varlen, turns_from_lists=True)",
     "if tensors.block_size is None:",
     "candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]",
     "c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)",
@@ -399,8 +413,10 @@ _BS_INTERFACE_EDITS = (
         "            # block sparsity: FlashAttentionBackwardSm120BlockSparse walks the Q-direction lists\n"
         "            # (flash_bwd_sm120_block_sparse.py) with one Q and one dO stage, on the table's tile or\n"
         "            # SM120's earlier default one, whichever divides the sparse block\n"
+        "            # (deterministic=True needs each list entry's dQ turn, which this interface does not compute\n"
+        "            # yet; causal and local windows apply inside the listed tiles)\n"
         "            sm120_check_block_sparse_bwd(\n"
-        "                causal, local, deterministic,\n"
+        "                deterministic,\n"
         "                varlen=any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)),\n"
         "            )\n"
         "            sm120_bwd_cfg = sm120_bwd_block_sparse_config(\n"
@@ -499,9 +515,11 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             "class instead of the assertion \"Block sparsity backward not supported on SM 12.0\", on "
             "the table's tile with one Q/dO stage, else SM120's earlier 4-warp 64x64 tile, whichever "
             "divides the sparse block (flash_bwd_sm120_configs.sm120_bwd_block_sparse_config; the "
-            "lists must give block_size). Causal/local windows (express them as a mask_mod), "
-            "deterministic=True and varlen are refused with NotImplementedError. The K/V subtile "
-            "factor joins the compile key. Other archs are unchanged.",
+            "lists must give block_size). A causal mask or local window applies inside every listed "
+            "tile (the class builds its mainloop without it, so that the walk covers every list "
+            "position). deterministic=True (which needs each list entry's dQ turn) and varlen are "
+            "refused with NotImplementedError. The K/V subtile factor joins the compile key. Other "
+            "archs are unchanged.",
         ],
         "Tested:",
         [

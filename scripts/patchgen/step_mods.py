@@ -65,12 +65,12 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "        mask_mod semantics: it replaces causal/local, and the sequence bounds still apply).",
      "the element lies outside the sequences (the\n"
      "        mask_mod semantics of SM90/SM100: it replaces causal/local, the sequence bounds still apply)."),
-    ("        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.is_causal,\n"
-     "                                      self.is_local or not self.mask_where_needed):\n"
+    ("        elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.mask_causal,\n"
+     "                                      self.mask_local or not self.mask_where_needed):\n"
      "            bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
      "                                           mask_causal=",
-     "        elif tile_needs_mask(mask, m_block, n_block, True, self.is_causal,\n"
-     "                             self.is_local or not self.mask_where_needed):\n"
+     "        elif tile_needs_mask(mask, m_block, n_block, True, self.mask_causal,\n"
+     "                             self.mask_local or not self.mask_where_needed):\n"
      "            apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,\n"
      "                                  mask_causal="),
     ("from flash_attn.cute import utils as fa_utils\n",
