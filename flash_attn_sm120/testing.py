@@ -639,10 +639,14 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
 
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "rotated", "descending" (turns; with "+reversed" for the shortest-first launch) or "ascending".
+    forced): "rotated", "descending" (turns; with "+reversed" for the shortest-first launch) or "ascending";
+    "lists" for block-sparse lists (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    if case.block_sparse:
+        return "lists"
 
     causal = case.causal
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)

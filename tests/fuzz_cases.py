@@ -60,7 +60,9 @@ DETERMINISTIC = (
     ("ascending", "none", ("padded", "packed"), (2, 4)),  # seqused q, cu_seqlens k
     ("rotated", "none", ("dense", "dense"), (4, 8)),  # rotated with a large group's dK/dV order
     ("descending+reversed", "causal", ("dense", "dense"), (1, 8)),
+    ("lists", "causal", ("dense", "dense"), (1, 2)),  # block-sparse lists: turns from the lists, causal inside tiles
 )
+DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
 
 
@@ -232,11 +234,16 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
         if not s.varlen:
             layout = ("dense", "dense")
         d = cols["d"][i]
+        sparse = ""
+        if order == "lists":  # block-sparse lists (dense layout, a head dim the lists take)
+            sparse = DET_SPARSE[(i // len(DETERMINISTIC)) % len(DET_SPARSE)] if s.block_sparse else ""
+            d = d if d in SPARSE_HEAD_DIMS else SPARSE_HEAD_DIMS[i % len(SPARSE_HEAD_DIMS)]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=rng.choice(ratios), pack_gqa=None,
             mask=mask if _mask_supported(path, mask) else "none", softcap=cols["softcap"][i] if s.softcap else 0.0,
             return_lse=cols["lse"][i], q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,
+            block_sparse=sparse,
         )
         out.append(FuzzCase(start + i, path, "public", case, det_order=order))
     return out

@@ -601,7 +601,8 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
     assert len(det) == plan.det_cases >= 3 and bwd[-len(det):] == det
     assert len({c.index for c in bwd}) == len(bwd) and all(c.id.startswith("det") for c in det)
     for c in det:
-        assert c.api == "public" and c.case.backward and not c.case.local and not c.case.block_sparse
+        assert c.api == "public" and c.case.backward and not c.case.local
+        assert bool(c.case.block_sparse) == (c.det_order == "lists") and (not c.case.block_sparse or c.case.is_dense)
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
@@ -614,6 +615,7 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert [(c.det_order, c.case.mask, (c.case.q_layout, c.case.k_layout)) for c in det] == \
             [t[:3] for t in DETERMINISTIC][:len(det)]
         assert any(c.det_order == "ascending" and c.case.is_dense for c in det)  # n_blocks > m_blocks
+        assert any(c.det_order == "lists" and c.case.block_sparse for c in det)  # the block-sparse walk's turns
     # the other cases do not move with det_cases
     without = static_cases(paths, dataclasses.replace(plan, det_cases=0), seed=0, mode="emulated")
     assert [c.id for c in without[0] + without[1]] == [c.id for c in fwd + bwd if not c.case.deterministic]
