@@ -10,7 +10,8 @@ no mask) and block-sparse (128 x 128 blocks) with:
 Computed FLOPs are 4 * b * h * d * (visited blocks * 128 * 128). Times are CUDA-event medians
 (bench.time_cuda), the dense and sparse calls timed A B B A so that clock drift cancels. --bwd times
 the backward instead (autograd.grad of a kept forward; the sparse call with the Q-direction lists,
-block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them.
+block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them. --bwd --deterministic
+also times the sparse backward with deterministic=True (dQ in list order) next to it, for what the order costs.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -78,7 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the rows here (prepare.py-style header)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--bwd", action="store_true", help="time the backward (autograd.grad) instead of the forward")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="--bwd: also time the sparse backward with deterministic=True, side by side")
     args = ap.parse_args(argv)
+    if args.deterministic and not args.bwd:
+        raise SystemExit("--deterministic times a backward: add --bwd")
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
@@ -91,8 +96,11 @@ def main(argv=None) -> int:
             kept = {}  # the backward's forward, once per (input set, dense or sparse)
 
             def call(i, use_sparse, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, kept=kept, dout=dout):
+                # use_sparse: False (dense), True (sparse) or "det" (sparse, deterministic=True)
                 kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd, mask_mod=mod) \
                     if use_sparse else {}
+                if use_sparse == "det":
+                    kw["deterministic"] = True
                 if not args.bwd:
                     return flash_attn_func(*x[i], **kw)
                 if (i, use_sparse) not in kept:
@@ -101,10 +109,12 @@ def main(argv=None) -> int:
                 leaves, out = kept[i, use_sparse]
                 return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
-            ms = {False: [], True: []}
-            for use in (False, True, True, False):
+            ms = {False: [], True: [], "det": []}
+            order = (False, True, "det", "det", True, False) if args.deterministic else (False, True, True, False)
+            for use in order:
                 ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
             dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
+            det_ms = sum(ms["det"]) / 2 if args.deterministic else None
             dense_tf = dense_flops / dense_ms / 1e9
             sparse_tf = dense_flops * visited / sparse_ms / 1e9
             problem = f"b{b}s{s}h{h}d{d}"
@@ -112,9 +122,13 @@ def main(argv=None) -> int:
             rows.append(dict(problem=problem, direction=direction, mask=name, visited=visited, dense_ms=dense_ms,
                              sparse_ms=sparse_ms, dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf,
                              ratio=sparse_tf / dense_tf))
+            det = ""
+            if det_ms is not None:
+                rows[-1].update(deterministic_ms=det_ms, deterministic_vs_sparse=sparse_ms / det_ms)
+                det = f"  deterministic {det_ms:7.3f} ms ({sparse_ms / det_ms:.3f}x the sparse speed)"
             print(f"[{info.mode}] {direction} {problem:18s} {name:14s} visited {100 * visited:5.1f}%  dense "
                   f"{dense_ms:7.3f} ms {dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  "
-                  f"ratio {sparse_tf / dense_tf:.3f}",
+                  f"ratio {sparse_tf / dense_tf:.3f}{det}",
                   flush=True)
     if args.json:
         doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
