@@ -142,14 +142,14 @@ def dq_turns(mask_cnt: torch.Tensor, mask_idx: torch.Tensor, full_cnt: Optional[
              full_idx: Optional[torch.Tensor], num_q_blocks: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The deterministic backward's dQ turn of each entry of the Q-direction lists (kernels/bwd_block_sparse.py):
     for sparse KV block n and a Q block m its lists name, the number of sparse KV blocks before n whose lists name
-    m too (ascending; upstream's dq_write_order layout, computed from the backward lists alone). Shapes as the
+    m too (ascending; BlockSparseTensorsTorch's dq_write_order layout, from the backward lists alone). Shapes as the
     index tensors ((batch, heads, kv blocks, width), int32, contiguous); entries past a list's count are 0."""
     b, h, n, _ = mask_idx.shape
     visits = torch.zeros(b, h, n, num_q_blocks + 1, dtype=torch.int32, device=mask_idx.device)
     for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
         if idx is not None:
             visits.scatter_(3, _valid_or(idx, cnt, num_q_blocks), 1, reduce="add")
-    visits = visits[..., :num_q_blocks].clamp_(max=1)
+    visits = visits.narrow(3, 0, num_q_blocks).clamp(max=1)
     ranks = visits.cumsum(2, dtype=torch.int32) - visits  # earlier KV blocks naming each Q block
     turns = []
     for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
@@ -164,6 +164,7 @@ def dq_turns(mask_cnt: torch.Tensor, mask_idx: torch.Tensor, full_cnt: Optional[
 
 def _valid_or(idx: torch.Tensor, cnt: torch.Tensor, fill: int) -> torch.Tensor:
     """idx (int64, contiguous) with the entries past each list's count set to `fill`."""
-    width = torch.arange(idx.shape[-1], device=idx.device)
-    valid = width < cnt.expand(idx.shape[:-1])[..., None]
-    return torch.where(valid, idx.long(), fill).contiguous()
+    # (ops that also run on fake CUDA tensors without a CUDA build: no arange, `...` indexing or `~`)
+    position = torch.ones_like(idx, dtype=torch.int32).cumsum(-1) - 1
+    past = position >= cnt.expand(idx.shape[:-1]).unsqueeze(-1)
+    return idx.long().masked_fill(past, fill).contiguous()

@@ -151,7 +151,8 @@ for name in ("FlashAttentionForwardSm120Tma", "FlashAttentionForwardSm120", "Fla
             cls=_name, pack_gqa=kwargs.get("pack_gqa"), tile=[kwargs.get("tile_m"), kwargs.get("tile_n")],
             threads=kwargs.get("num_threads"), causal=kwargs.get("is_causal"),
             subtiles=[kwargs.get("q_subtile_factor"), kwargs.get("kv_subtile_factor")], has_full=kwargs.get("has_full"),
-            mask_mod=getattr(kwargs.get("mask_mod"), "__name__", None),
+            mask_mod=getattr(kwargs.get("mask_mod"), "__name__", None), deterministic=kwargs.get("deterministic"),
+            fused_turns=kwargs.get("fused_turns"),
             bwd=None if cfg is None else [cfg.num_threads, cfg.m_block, cfg.n_block, cfg.stages_q, cfg.stages_do]))
         _base.__init__(self, *args, **kwargs)
 
@@ -255,6 +256,8 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     assert split["error"] is None and split["new_keys"] == [0, 0] and not split["built"], split
     assert one("d128 causal", tma, [1, 0])["causal"] is True
     assert one("bwd causal", "FlashAttentionBackwardSm120BlockSparse", [0, 1])["causal"] is True  # inside listed tiles
+    det = one("bwd deterministic", "FlashAttentionBackwardSm120BlockSparse", [0, 1])  # turns from the lists
+    assert det["deterministic"] is True and det["fused_turns"] is True, det
     gqa = one("d64 GQA 4:1, 64x128 blocks shared by the heads", tma, [1, 0])
     assert (gqa["tile"], gqa["threads"], gqa["subtiles"], gqa["pack_gqa"]) == ([64, 64], 128, [1, 2], True), gqa
     odd = one("d96 GQA 3:1, shared lists: 128-row tiles cannot pack 3", tma, [1, 0])
@@ -266,7 +269,6 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
                                    "not take varlen"),
                         ("paged", "NotImplementedError: block sparsity on SM120 runs in the TMA family, which does "
                                   "not take paged KV"),
-                        ("bwd deterministic", "NotImplementedError: block-sparse backward with deterministic=True"),
                         ("bwd no block_size", "ValueError: the SM120 block-sparse backward needs block_sparse_tensors."
                                               "block_size"),
                         ("bwd 96-row blocks", "ValueError: block_sparse_tensors: sparse block (128, 96) is not a "

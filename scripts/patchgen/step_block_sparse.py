@@ -11,9 +11,9 @@ Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
 `flash_bwd_sm120_block_sparse.py` (a subclass of patch 0005's modifier backward that walks the
 Q-direction lists) and makes `_flash_attn_bwd` on SM120 build it for `block_sparse_tensors`, with
 one Q/dO stage on the table's tile or SM120's earlier default tile, whichever divides the sparse
-block, as the package's `driver_bwd._block_sparse_plan` does (deterministic and varlen refused by
-name: `driver_bwd.check_block_sparse`, lifted; the package's driver gives the walk its dQ turns, this
-interface does not yet).
+block, as the package's `driver_bwd._block_sparse_plan` does (varlen refused by
+name: `driver_bwd.check_block_sparse`, lifted; deterministic lists take their dQ turns from
+`block_sparse.dq_turns`, lifted, as the package's driver does).
 
 The commit message quotes the session record of the GPU tests (`configs/measurements/
 2026-12-01_session11.md`) and refuses to be generated if that record no longer says what it quotes.
@@ -241,6 +241,11 @@ def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
                               "sm120_bwd_block_sparse_config in step_block_sparse.py")
     check = rename(top_level_source(pkg_driver_bwd, "check_block_sparse"), "check_block_sparse",
                    "sm120_check_block_sparse_bwd", where="flash_attn_sm120/driver_bwd.py")
+    turns = _join_defs(top_level_source(pkg_block_sparse, n) for n in ("dq_turns", "_valid_or"))
+    for old, new in (("dq_turns", "sm120_bwd_block_sparse_dq_turns"), ("_valid_or", "_sm120_valid_or")):
+        turns = re.sub(rf"(?<![\w.]){old}\b", new, turns)
+    turns = substitute(turns, "(kernels/bwd_block_sparse.py)", "(flash_bwd_sm120_block_sparse.py)", where=_BS_WHERE)
+    check = check.rstrip("\n") + "\n\n\n" + turns.rstrip("\n") + "\n\n"
     text = (
         "\n\n# Block sparsity (flash_bwd_sm120_block_sparse.py): the walk reads its loop counter as a list position,\n"
         "# so it needs one Q and one dO stage (and V in shared memory) on a tile that divides the sparse block:\n"
@@ -275,7 +280,8 @@ def sm120_bwd_block_sparse_config(
 
 def patch_bwd_configs(ctx: Context) -> None:
     text = ctx.read(BWD_CONFIGS_REL)
-    text = substitute(text, "from dataclasses import dataclass, field\n", "from dataclasses import dataclass, field, replace\n",
+    text = substitute(text, "from dataclasses import dataclass, field\n",
+                      "from dataclasses import dataclass, field, replace\n\nimport torch  # the block-sparse dQ turns\n",
                       where=BWD_CONFIGS_REL)
     text = text.rstrip("\n") + "\n" + render_bwd_block_sparse_configs()
     compile(text, BWD_CONFIGS_REL, "exec")
@@ -294,7 +300,11 @@ _BS_INTERFACE_EDITS = (
         "import of the SM120 block-sparse backward",
         "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n",
         "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_config, sm120_bwd_deterministic_plan\n"
-        "from flash_attn.cute.flash_bwd_sm120_configs import sm120_bwd_block_sparse_config, sm120_check_block_sparse_bwd\n"
+        "from flash_attn.cute.flash_bwd_sm120_configs import (\n"
+        "    sm120_bwd_block_sparse_config,\n"
+        "    sm120_bwd_block_sparse_dq_turns,\n"
+        "    sm120_check_block_sparse_bwd,\n"
+        ")\n"
         "from flash_attn.cute.flash_bwd_sm120_block_sparse import FlashAttentionBackwardSm120BlockSparse\n",
     ),
     (
@@ -413,16 +423,47 @@ _BS_INTERFACE_EDITS = (
         "            # block sparsity: FlashAttentionBackwardSm120BlockSparse walks the Q-direction lists\n"
         "            # (flash_bwd_sm120_block_sparse.py) with one Q and one dO stage, on the table's tile or\n"
         "            # SM120's earlier default one, whichever divides the sparse block\n"
-        "            # (deterministic=True needs each list entry's dQ turn, which this interface does not compute\n"
-        "            # yet; causal and local windows apply inside the listed tiles)\n"
+        "            # (causal and local windows apply inside the listed tiles; deterministic=True takes each list\n"
+        "            # entry's dQ turn from the lists, below)\n"
         "            sm120_check_block_sparse_bwd(\n"
         "                deterministic,\n"
         "                varlen=any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)),\n"
+        "                turns_from_lists=True,\n"
         "            )\n"
         "            sm120_bwd_cfg = sm120_bwd_block_sparse_config(\n"
         "                sm120_bwd_cfg, head_dim, head_dim_v, block_sparse_tensors.block_size\n"
         "            )\n"
         "            kv_subtile_factor = block_sparse_tensors.block_size[1] // sm120_bwd_cfg.n_block\n",
+    ),
+    (
+        "SM120 deterministic lists take their dQ turns from the lists",
+        "            kv_subtile_factor=kv_subtile_factor,\n"
+        "        )\n"
+        "        if deterministic:\n"
+        "            if normalized_block_sparse_tensors.dq_write_order is None:\n",
+        "            kv_subtile_factor=kv_subtile_factor,\n"
+        "        )\n"
+        "        if deterministic and arch // 10 == 12:\n"
+        "            # SM120: each list entry's dQ turn computed from the lists (ascending K/V blocks; a given\n"
+        "            # dq_write_order or spt is not needed), waited for on the walk's own barriers (fused_turns)\n"
+        "            sm120_turns = sm120_bwd_block_sparse_dq_turns(\n"
+        "                normalized_block_sparse_tensors.mask_block_cnt, normalized_block_sparse_tensors.mask_block_idx,\n"
+        "                normalized_block_sparse_tensors.full_block_cnt, normalized_block_sparse_tensors.full_block_idx,\n"
+        "                -(-seqlen_q // int(block_sparse_tensors.block_size[0])),\n"
+        "            )\n"
+        "            normalized_block_sparse_tensors = normalized_block_sparse_tensors._replace(\n"
+        "                dq_write_order=sm120_turns[0], dq_write_order_full=sm120_turns[1], spt=False\n"
+        "            )\n"
+        "            sm120_det_plan = sm120_bwd_deterministic_plan(\n"
+        "                0, sm120_bwd_cfg, causal, seqlen_q, seqlen_k, flags={\"fused_turns\": True}\n"
+        "            )\n"
+        "        elif use_block_sparsity and arch // 10 == 12:\n"
+        "            # (the walk reads no turns without deterministic=True: none in the kernel's arguments)\n"
+        "            normalized_block_sparse_tensors = normalized_block_sparse_tensors._replace(\n"
+        "                dq_write_order=None, dq_write_order_full=None\n"
+        "            )\n"
+        "        if deterministic:\n"
+        "            if normalized_block_sparse_tensors.dq_write_order is None:\n",
     ),
     (
         "the K/V subtile factor joins the compile key",
@@ -517,7 +558,9 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             "divides the sparse block (flash_bwd_sm120_configs.sm120_bwd_block_sparse_config; the "
             "lists must give block_size). A causal mask or local window applies inside every listed "
             "tile (the class builds its mainloop without it, so that the walk covers every list "
-            "position). deterministic=True (which needs each list entry's dQ turn) and varlen are "
+            "position). deterministic=True takes each list entry's dQ turn from the lists "
+            "(sm120_bwd_block_sparse_dq_turns: ascending K/V blocks, in the dq_write_order fields; a "
+            "given dq_write_order or spt is not needed) and the fused_turns ordering; varlen is "
             "refused with NotImplementedError. The K/V subtile factor joins the compile key. Other "
             "archs are unchanged.",
         ],
