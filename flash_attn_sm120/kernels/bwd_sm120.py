@@ -249,7 +249,9 @@ class LongestFirstNBlockScheduler(SingleTileScheduler):
         block_idx, head_idx, batch_idx = cute.arch.block_idx()
         num_block, num_head, _ = cute.arch.grid_dim()
         heads = num_head * cute.arch.grid_dim()[2]
-        section = lpt_section_heads(num_block, cls.rows_per_block, cls.row_bytes, heads, Int32(LPT_L2_BYTES))
+        # (64-bit: a head's rows times their bytes passes 2**31 past about 2M query rows)
+        section = Int32(lpt_section_heads(cutlass.Int64(num_block), cls.rows_per_block, cls.row_bytes,
+                                          cutlass.Int64(heads), cutlass.Int64(LPT_L2_BYTES)))
         linear = block_idx + num_block * (head_idx + num_head * batch_idx)
         n_block, head_batch = lpt_coords(linear, num_block, heads, section)
         batch, head = head_batch // num_head, head_batch % num_head
