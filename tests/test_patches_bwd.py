@@ -310,7 +310,9 @@ def test_bwd_patch_refuses_a_changed_deterministic_plan(monkeypatch):
 
     step_bwd.check_plan_call()  # the package as it is
     assert "def sm120_bwd_deterministic_plan(" in step_bwd.render_plan_adapter()
-    source = top_level_source(driver_bwd, "deterministic_plan")
+    from flash_attn_sm120 import bwd_plans
+
+    source = top_level_source(bwd_plans, "deterministic_plan")
     monkeypatch.setattr(step_bwd_configs, "top_level_source", lambda module, name: (
         source.replace("if _forced_plan:", "if _forced_plan and True:") if name == "deterministic_plan"
         else top_level_source(module, name)))

@@ -1,5 +1,5 @@
 """Patch 0004's configs module, flash_bwd_sm120_configs.py: the package's backward table, fallbacks and
-selection rule (config_bwd.py) and its deterministic ordering rule (driver_bwd.deterministic_plan), lifted in
+selection rule (config_bwd.py) and its deterministic ordering rule (bwd_plans.deterministic_plan), lifted in
 upstream's names, with the measured table as a literal. step_bwd.py writes it.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from flash_attn_sm120 import config_bwd as pkg_config_bwd
-from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
+from flash_attn_sm120 import bwd_plans as pkg_bwd_plans
 
 from patchgen.core import (
     CUTE,
@@ -126,9 +126,9 @@ def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool,
 '''
 
 
-# driver_bwd.deterministic_plan, lifted as sm120_bwd_deterministic_plan: the package's forced plan
+# bwd_plans.deterministic_plan, lifted as sm120_bwd_deterministic_plan: the package's forced plan
 # (force_deterministic_plan, a context manager of its benchmarks) becomes an argument
-PLAN_WHERE = "flash_attn_sm120/driver_bwd.py (deterministic_plan)"
+PLAN_WHERE = "flash_attn_sm120/bwd_plans.py (deterministic_plan)"
 _PLAN_EDITS = (
     ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:\n",
@@ -160,14 +160,14 @@ _PLAN_EDITS = (
 def render_plan_adapter() -> str:
     """SM120_BWD_ORDERING_FLAGS and sm120_bwd_deterministic_plan: the package's deterministic_plan (and
     its flag names) in upstream's names, the forced plan as an argument."""
-    names = pkg_driver_bwd._ORDERING_FLAGS
+    names = pkg_bwd_plans._ORDERING_FLAGS
     if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise AnchorError(f"{PLAN_WHERE}: _ORDERING_FLAGS is not a tuple of keyword names")
     flags = ("# FlashAttentionBackwardSm120Tuned's deterministic ordering keywords\n"
              "SM120_BWD_ORDERING_FLAGS = (\n"
              + "".join(f"    {line}\n" for line in textwrap.wrap(" ".join(f'"{n}",' for n in names), 92))
              + ")\n")
-    code = top_level_source(pkg_driver_bwd, "deterministic_plan")
+    code = top_level_source(pkg_bwd_plans, "deterministic_plan")
     for old, new in _PLAN_EDITS:
         code = substitute(code, old, new, where=PLAN_WHERE)
     code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)

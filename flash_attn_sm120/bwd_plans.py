@@ -1,0 +1,141 @@
+"""The backward's plans: how a call's kernel is launched and, with deterministic=True, how it orders its dQ
+additions. Pure functions of a call's static facts (driver_bwd.py puts their flags into the compile key and
+passes them to the kernel as keywords, kernels/bwd_sm120.py):
+
+  * launch_plan: the longest-first causal launch (an option) and masks only on the tiles that need one;
+  * deterministic_plan: the dQ turn order (ascending, descending with the shortest-first launch, rotated) and
+    the release protocol (kernels/bwd_deterministic.py), refusing what could deadlock;
+  * SPARSE_DETERMINISTIC_PLAN: the block-sparse walk's order (turns from its lists);
+  * force_launch_plan / force_deterministic_plan: context managers for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+
+
+_LAUNCH_FLAGS = ("lpt", "mask_where_needed")
+_forced_launch: list[dict] = []
+
+
+class force_launch_plan:
+    """Context manager: backwards inside use these launch_plan flags (benchmarks of what each is worth)."""
+
+    def __init__(self, **flags: bool):
+        unknown = set(flags) - set(_LAUNCH_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown launch flags {sorted(unknown)}; known: {_LAUNCH_FLAGS}")
+        self.flags = flags
+
+    def __enter__(self):
+        _forced_launch.append(self.flags)
+        return self
+
+    def __exit__(self, *exc):
+        _forced_launch.pop()
+
+
+def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -> dict:
+    """How the backward launches its CTAs and masks its tiles (kernels/bwd_sm120.py), as measured
+    (configs/measurements/2026-12-03_bwd_launch_plan_emulated.json, same run, emulated):
+
+    * mask_where_needed: without a causal mask or window, only the last n_block of a sequence masks
+      (bwd_mask.where_needed): +0.1% to +2.4% on the 4 non-causal seed problems. With a causal mask
+      the runtime branch measured -3% to +4% (geomean -0.5%), so causal tiles mask every step as before;
+      a window masks every tile anyway.
+    * lpt: off. The longest-first causal launch (LongestFirstNBlockScheduler) measured +5% at b2 s4096 d128
+      and -4% to -7% at b1 s8192 d128 and d96 (geomean -2%); it stays a forced option (force_launch_plan),
+      allowed for a causal mask without a window, deterministic=False and no cu_seqlens_k.
+    """
+    lpt_allowed = causal and not local and not deterministic and dense_k
+    plan = dict(lpt=False, mask_where_needed=not causal and not local)
+    if _forced_launch:
+        plan.update(_forced_launch[-1])
+    if plan["lpt"] and not lpt_allowed:
+        raise ValueError("lpt needs a causal mask without a window, deterministic=False and no cu_seqlens_k")
+    return plan
+
+
+_ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
+                   "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
+                   "diag_no_sync", "dq_split", "fused_turns", "fused_fetch")
+# the block-sparse walk's deterministic order (kernels/bwd_block_sparse.py): ascending turns per listed tile,
+# given by its lists, on the modifier step's own barriers
+SPARSE_DETERMINISTIC_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "fused_turns": True}
+_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch")  # need kernels/bwd_mods.py's step
+_forced_plan: list[dict] = []
+
+
+class force_deterministic_plan:
+    """Context manager: deterministic backwards inside use these ordering flags (benchmarks and tests
+    of the orderings; the flags' rules are the caller's to respect, see deterministic_plan). The
+    diag_* flags are timing diagnostics whose gradients are NOT deterministic."""
+
+    def __init__(self, **flags: bool):
+        unknown = set(flags) - set(_ORDERING_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown deterministic ordering flags {sorted(unknown)}; known: {_ORDERING_FLAGS}")
+        self.flags = flags
+
+    def __enter__(self):
+        _forced_plan.append(self.flags)
+        return self
+
+    def __exit__(self, *exc):
+        _forced_plan.pop()
+
+
+def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
+                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:
+    """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
+
+    * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
+      first, so that every wait is for a CTA launched earlier (no residency condition).
+    * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
+      most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
+      every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel
+      sharing the GPU stalls it until its SMs free up.
+    * Otherwise (varlen, seqused, more n_blocks than m_blocks or than SMs): ascending turns, as the
+      n_block CTAs launch.
+    The shipped plans place the turns on the step's own barriers (fused_turns: thread 0 waits right
+    before the barrier ahead of the dQ adds and releases the previous m_block right after the one ahead
+    of the dP product), which needs this package's step (kernels/bwd_mods.py). With
+    `modifier_step=False` (upstream's step) a turn is released as CUTLASS's semaphore does (CTA
+    barrier, one release increment), deferred to the next m_block, where the loads the release's
+    fence would wait for have landed.
+    num_sms: the GPU's (a head's n_blocks are resident when they number at most that: 1 CTA per SM,
+    the least any shipped config runs). `index_tensors`:
+    cu_seqlens_q/k, seqused_q/k."""
+    cu_q, cu_k, used_q, used_k = (t is not None for t in index_tensors)
+    dense = not (cu_q or cu_k or used_q or used_k)
+    n_blocks, m_blocks = -(-seqlen_k // cfg.n_block), -(-seqlen_q // cfg.m_block)
+    resident = not cu_k and n_blocks <= num_sms  # varlen: the scheduler's launch order differs
+    if _forced_plan:
+        plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
+    else:
+        plan = dict.fromkeys(_ORDERING_FLAGS, False)
+        if modifier_step:
+            plan.update(fused_turns=True)
+        else:
+            plan.update(barrier_release=True, release_deferred=True)
+        if causal and not (cu_k or used_k):
+            # (with seqused_k the grid's n_blocks past the used keys still visit the last m_blocks, which
+            # descending turns counted from the used keys would not wait for: turn -1, a hang)
+            plan.update(dq_descending=True, reverse_n_blocks=True)
+        elif not causal and dense and n_blocks <= m_blocks and resident:
+            plan.update(dq_rotated=True)
+    # an order that can deadlock is refused, forced or not (a hang is the one failure with no message)
+    if plan["dq_descending"] and not causal:
+        plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
+    if plan["dq_descending"] and used_k:
+        raise ValueError("descending dQ turns are counted from the used keys: not with seqused_k")
+    if plan["dq_rotated"] and (causal or not dense or n_blocks > m_blocks or not resident):
+        raise ValueError("the rotated dQ order needs a dense problem without a causal mask whose n_blocks are "
+                         f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
+    if plan["dq_split"] and (cu_q or cu_k):
+        raise ValueError("dq_split needs dense dQ accumulators: not with cu_seqlens_q / cu_seqlens_k")
+    if plan["reverse_n_blocks"] and (cu_k or not (plan["dq_descending"] or resident)):
+        raise ValueError("the reversed n_block launch needs a dense problem and descending turns or resident n_blocks")
+    if plan["dq_descending"] and not plan["reverse_n_blocks"] and not resident:
+        raise ValueError("descending dQ turns with the ascending launch need a head's n_blocks resident")
+    return plan
