@@ -237,7 +237,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
             )
             if const_expr(self.deterministic):
-                self._fuse_turns(position, count, m_block, mask_idx, mask_tiles, full_idx, lists, dq_semaphore,
+                self._fuse_turns(position, m_block, mask_idx, mask_tiles, full_idx, lists, dq_semaphore,
                                  batch_idx, head_idx, kv_sparse, kw["n_block"])
             if position < mask_tiles:
                 self._one_m_block(m_block, use_mask_mod=True, **step)
@@ -249,7 +249,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                     fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, m_block))))
 
     @cute.jit
-    def _fuse_turns(self, position: Int32, count: Int32, m_block: Int32, mask_idx: cute.Tensor, mask_tiles: Int32,
+    def _fuse_turns(self, position: Int32, m_block: Int32, mask_idx: cute.Tensor, mask_tiles: Int32,
                     full_idx: Optional[cute.Tensor], lists: list, dq_semaphore: cute.Tensor, batch_idx: Int32,
                     head_idx: Int32, kv_sparse: Int32, n_block: Int32):
         """The step's fused_turns hooks for this listed tile: release the previous listed tile after the dP
