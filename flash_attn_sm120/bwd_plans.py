@@ -18,21 +18,32 @@ _LAUNCH_FLAGS = ("lpt", "mask_where_needed")
 _forced_launch: list[dict] = []
 
 
-class force_launch_plan:
-    """Context manager: backwards inside use these launch_plan flags (benchmarks of what each is worth)."""
+class _Forced:
+    """Context manager: the plan's callers inside see these flags (`stack`: the plan's list of forced flags,
+    `known`: its flag names, `what`: their name in the error)."""
+
+    stack: list
+    known: tuple
+    what: str
 
     def __init__(self, **flags: bool):
-        unknown = set(flags) - set(_LAUNCH_FLAGS)
+        unknown = set(flags) - set(self.known)
         if unknown:
-            raise ValueError(f"unknown launch flags {sorted(unknown)}; known: {_LAUNCH_FLAGS}")
+            raise ValueError(f"unknown {self.what} {sorted(unknown)}; known: {self.known}")
         self.flags = flags
 
     def __enter__(self):
-        _forced_launch.append(self.flags)
+        self.stack.append(self.flags)
         return self
 
     def __exit__(self, *exc):
-        _forced_launch.pop()
+        self.stack.pop()
+
+
+class force_launch_plan(_Forced):
+    """Context manager: backwards inside use these launch_plan flags (benchmarks of what each is worth)."""
+
+    stack, known, what = _forced_launch, _LAUNCH_FLAGS, "launch flags"
 
 
 def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -> dict:
@@ -66,23 +77,12 @@ _OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch")  # 
 _forced_plan: list[dict] = []
 
 
-class force_deterministic_plan:
+class force_deterministic_plan(_Forced):
     """Context manager: deterministic backwards inside use these ordering flags (benchmarks and tests
     of the orderings; the flags' rules are the caller's to respect, see deterministic_plan). The
     diag_* flags are timing diagnostics whose gradients are NOT deterministic."""
 
-    def __init__(self, **flags: bool):
-        unknown = set(flags) - set(_ORDERING_FLAGS)
-        if unknown:
-            raise ValueError(f"unknown deterministic ordering flags {sorted(unknown)}; known: {_ORDERING_FLAGS}")
-        self.flags = flags
-
-    def __enter__(self):
-        _forced_plan.append(self.flags)
-        return self
-
-    def __exit__(self, *exc):
-        _forced_plan.pop()
+    stack, known, what = _forced_plan, _ORDERING_FLAGS, "deterministic ordering flags"
 
 
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
