@@ -145,20 +145,22 @@ def dq_turns(mask_cnt: torch.Tensor, mask_idx: torch.Tensor, full_cnt: Optional[
     m too (ascending; BlockSparseTensorsTorch's dq_write_order layout, from the backward lists alone). Shapes as the
     index tensors ((batch, heads, kv blocks, width), int32, contiguous); entries past a list's count are 0."""
     b, h, n, _ = mask_idx.shape
+    # each list's Q blocks, num_q_blocks past its count (a spare column, dropped below)
+    named = [None if idx is None else _valid_or(idx, cnt, num_q_blocks)
+             for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx))]
     visits = torch.zeros(b, h, n, num_q_blocks + 1, dtype=torch.int32, device=mask_idx.device)
-    for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
-        if idx is not None:
-            visits.scatter_(3, _valid_or(idx, cnt, num_q_blocks), 1, reduce="add")
+    for q_blocks in named:
+        if q_blocks is not None:
+            visits.scatter_(3, q_blocks, 1, reduce="add")
     visits = visits.narrow(3, 0, num_q_blocks).clamp(max=1)
     ranks = visits.cumsum(2, dtype=torch.int32) - visits  # earlier KV blocks naming each Q block
     turns = []
-    for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
-        if idx is None:
+    for q_blocks in named:
+        if q_blocks is None:
             turns.append(None)
             continue
-        safe = _valid_or(idx, cnt, num_q_blocks)
-        got = ranks.gather(3, safe.clamp(max=num_q_blocks - 1))
-        turns.append(torch.where(safe < num_q_blocks, got, torch.zeros_like(got)).contiguous())
+        got = ranks.gather(3, q_blocks.clamp(max=num_q_blocks - 1))
+        turns.append(torch.where(q_blocks < num_q_blocks, got, torch.zeros_like(got)).contiguous())
     return turns[0], turns[1]
 
 

@@ -475,7 +475,7 @@ def compile_bwd_cubin(
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     mods = Mods() if mods is None else mods
-    # the driver's launch plan for a dense call (longest-first causal launch, masks where needed)
+    # the driver's launch plan for a dense call (masks only where needed without a causal mask or window)
     # unless `ordering` sets its flags
     launch = launch_plan(causal, local, deterministic, dense_k=True)
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,

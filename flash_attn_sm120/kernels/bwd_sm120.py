@@ -247,8 +247,8 @@ class LongestFirstNBlockScheduler(SingleTileScheduler):
     @classmethod
     def create(cls, params, ctx=None, *, loc=None, ip=None):
         block_idx, head_idx, batch_idx = cute.arch.block_idx()
-        num_block, num_head, _ = cute.arch.grid_dim()
-        heads = num_head * cute.arch.grid_dim()[2]
+        num_block, num_head, num_batch = cute.arch.grid_dim()
+        heads = num_head * num_batch
         # (64-bit: a head's rows times their bytes passes 2**31 past about 2M query rows)
         section = Int32(lpt_section_heads(cutlass.Int64(num_block), cls.rows_per_block, cls.row_bytes,
                                           cutlass.Int64(heads), cutlass.Int64(LPT_L2_BYTES)))
