@@ -116,6 +116,8 @@ def _real() -> list[Problem]:
                        seqlens_k=(312, 1024, 4000, 77, 2048, 3500), tag="real"))
     out.append(Problem(4, 0, 0, 16, 4, 64, causal=True, seqlens_q=(8192, 100, 4096, 1),
                        seqlens_k=(8192, 100, 4096, 1), tag="real"))
+    out.append(Problem(4, 0, 0, 32, 8, 128, causal=False, seqlens_q=(2048, 512, 3000, 1500),
+                       seqlens_k=(2048, 512, 3000, 1500), tag="real"))
     return out
 
 

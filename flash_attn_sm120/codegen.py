@@ -140,8 +140,11 @@ def compile_fwd_cubin(
     kernel_cls: Optional[type] = None,
     learnable_sink: bool = False,
     block_sparse: Optional[tuple] = None,
+    varlen: tuple = (),
 ) -> tuple[bytes, int]:
     """Compile one forward kernel for `arch` with fake tensors; returns (cubin, dynamic smem bytes).
+    varlen: names among cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k (packed (total, h, d)
+    tensors for the cu_seqlens sides).
     learnable_sink: with an fp32 (h,) sink (folded into the output tile, kernels/sink_fold.py).
     block_sparse: (q_subtile_factor, kv_subtile_factor, with full lists) for block-sparse lists
     (kernels/fwd_block_sparse.py, TMA family).
@@ -162,8 +165,9 @@ def compile_fwd_cubin(
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     statics = driver.FwdStatics(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, qhead_per_kvhead=qhead_per_kvhead,
-        causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse, has_cu_seqlens_q=False,
-        has_cu_seqlens_k=False, has_seqused_q=False, has_seqused_k=False, has_window_left=local,
+        causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse,
+        has_cu_seqlens_q="cu_seqlens_q" in varlen, has_cu_seqlens_k="cu_seqlens_k" in varlen,
+        has_seqused_q="seqused_q" in varlen, has_seqused_k="seqused_k" in varlen, has_window_left=local,
         has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
         block_sparse=None if block_sparse is None else (*block_sparse, None),
@@ -180,11 +184,19 @@ def compile_fwd_cubin(
     h = cute.sym_int()
     hk = h if qhead_per_kvhead == 1 else cute.sym_int()
     div = 16 // (cdtype.width // 8)
-    q = make_fake_tensor(cdtype, (b, sq, h, head_dim), divisibility=div)
-    k = make_fake_tensor(cdtype, (b, sk, hk, head_dim), divisibility=div)
-    v = make_fake_tensor(cdtype, (b, sk, hk, head_dim_v), divisibility=div)
-    o = make_fake_tensor(cdtype, (b, sq, h, head_dim_v), divisibility=div)
-    lse = make_fake_tensor(cutlass.Float32, (b, h, sq), divisibility=1) if has_lse else None
+    rows_q = (cute.sym_int(),) if "cu_seqlens_q" in varlen else (b, sq)
+    rows_k = (cute.sym_int(),) if "cu_seqlens_k" in varlen else (b, sk)
+    q = make_fake_tensor(cdtype, (*rows_q, h, head_dim), divisibility=div)
+    k = make_fake_tensor(cdtype, (*rows_k, hk, head_dim), divisibility=div)
+    v = make_fake_tensor(cdtype, (*rows_k, hk, head_dim_v), divisibility=div)
+    o = make_fake_tensor(cdtype, (*rows_q, h, head_dim_v), divisibility=div)
+    lse_shape = (h, rows_q[0]) if "cu_seqlens_q" in varlen else (b, h, sq)
+    lse = make_fake_tensor(cutlass.Float32, lse_shape, divisibility=1) if has_lse else None
+    nb = cute.sym_int()
+    cu_q, cu_k, used_q, used_k = [
+        make_fake_tensor(cutlass.Int32, (nb if name.startswith("cu") else b,), divisibility=1) if name in varlen
+        else None for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+    ]
     window = cutlass.Int32(0) if local else None
     sink = make_fake_tensor(cutlass.Float32, (h,), divisibility=1) if learnable_sink else None
     sparse = None
@@ -197,7 +209,7 @@ def compile_fwd_cubin(
         sparse = BlockSparseTensors(*lists)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
-            kernel, q, k, v, o, lse, None, None, None, None, window, window, AuxData(None, None),
+            kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window, AuxData(None, None),
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)

@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from flash_attn_sm120.kernels import FAMILIES
-from flash_attn_sm120.kernels.fwd_tma import fp16_register_error, pingpong_error
+from flash_attn_sm120.kernels.fwd_tma import fp16_register_error, pingpong_error, varlen_register_error
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
@@ -78,6 +78,13 @@ class FwdConfig:
         """Why this config cannot run `dtype` ("float16"/"bfloat16") at `head_dim` without spills, or None."""
         if self.family == "tma" and dtype == "float16":
             return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)
+        return None
+
+    def varlen_error(self, head_dim: int) -> Optional[str]:
+        """Why this config cannot run a varlen call (cu_seqlens / seqused) at `head_dim` without spills,
+        or None."""
+        if self.family == "tma":
+            return varlen_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)
         return None
 
     def smem_bytes(self, head_dim: int, head_dim_v: int) -> int:
@@ -236,26 +243,28 @@ def select_fwd_config(
     local: bool,
     dtype: Optional[str] = None,
     seqlen_q: Optional[int] = None,
+    varlen: bool = False,
 ) -> FwdConfig:
     """The table's config for this problem, or the first fallback that fits; pure (memoized for tuples).
 
     Lookup order: exact (bucket, mask); for local, the causal entry; then the bucket's non-causal
     entry; then the fallbacks (spill-free on sm_120a). Within a key, entries are tried in table
     order; an entry is skipped when its config cannot run the actual head dims, when `dtype` is
-    given and the config cannot run it (FwdConfig.dtype_error), or when its seqlen_q_max is below
-    `seqlen_q` (an entry with seqlen_q_max needs a known seqlen_q).
+    given and the config cannot run it (FwdConfig.dtype_error), for a varlen call when the config
+    spills with varlen (FwdConfig.varlen_error), or when its seqlen_q_max is below `seqlen_q` (an
+    entry with seqlen_q_max needs a known seqlen_q).
     """
     if not isinstance(table, tuple):
-        return _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q)
+        return _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q, varlen)
     # the seqlen part of the key: the smallest seqlen_q_max that serves the call (bounded memo)
     serving = None
     if seqlen_q is not None:
         serving = next((m for m in _seqlen_limits(table) if seqlen_q <= m), None)
-    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local), dtype, serving)
+    key = (id(table), head_dim, head_dim_v, bool(causal), bool(local), dtype, serving, bool(varlen))
     hit = _SELECT_MEMO.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
-    cfg = _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q)
+    cfg = _select_uncached(table, head_dim, head_dim_v, causal, local, dtype, seqlen_q, varlen)
     if len(_SELECT_MEMO) > 4096:
         _SELECT_MEMO.clear()
     _SELECT_MEMO[key] = (table, cfg)
@@ -279,7 +288,8 @@ def _seqlen_limits(table: tuple) -> tuple[int, ...]:
 
 
 def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int, causal: bool, local: bool,
-                     dtype: Optional[str] = None, seqlen_q: Optional[int] = None) -> FwdConfig:
+                     dtype: Optional[str] = None, seqlen_q: Optional[int] = None,
+                     varlen: bool = False) -> FwdConfig:
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
     by_key: dict = {}
@@ -291,7 +301,7 @@ def _select_uncached(table: Iterable[TableEntry], head_dim: int, head_dim_v: int
         for cfg in by_key.get((bucket, m), ()):
             if cfg.error(head_dim, head_dim_v) is None and (
                 dtype is None or cfg.dtype_error(dtype, max(head_dim, head_dim_v)) is None
-            ):
+            ) and (not varlen or cfg.varlen_error(max(head_dim, head_dim_v)) is None):
                 return cfg
     for cfg in _FALLBACKS:
         if cfg.error(head_dim, head_dim_v) is None:

@@ -302,12 +302,14 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
     return replace(statics, config=fallback)
 
 
-def table_config(q, v, causal: bool, local: bool, cu_seqlens_q=None, seqused_q=None) -> FwdConfig:
-    """The table's choice for a call: by head dims, mask, dtype and (dense calls) seqlen_q."""
+def table_config(q, v, causal: bool, local: bool, cu_seqlens_q=None, seqused_q=None, cu_seqlens_k=None,
+                 seqused_k=None) -> FwdConfig:
+    """The table's choice for a call: by head dims, mask, dtype, varlen or not and (dense calls) seqlen_q."""
     # varlen (packed q, or per-sequence lengths) leaves the short-sequence entries out
     seqlen_q = q.shape[1] if q.dim() == 4 and cu_seqlens_q is None and seqused_q is None else None
+    varlen = any(t is not None for t in (cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k))
     return select_fwd_config(load_fwd_table(), q.shape[-1], v.shape[-1], causal, local,
-                             dtype=str(q.dtype).replace("torch.", ""), seqlen_q=seqlen_q)
+                             dtype=str(q.dtype).replace("torch.", ""), seqlen_q=seqlen_q, varlen=varlen)
 
 
 def choose_statics(
@@ -321,7 +323,7 @@ def choose_statics(
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
-        config = table_config(q, v, causal, local, cu_seqlens_q, seqused_q)
+        config = table_config(q, v, causal, local, cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k)
     statics = build_statics(
         q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, has_lse=has_lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,

@@ -121,7 +121,8 @@ def explain(
     pack_chosen = pack_gqa is not None
     pack = driver.resolve_pack_gqa(pack_gqa, num_heads // num_heads_kv)
     table_first = config or driver.table_config(q, v, causal_r, local, common.get("cu_seqlens_q"),
-                                                common.get("seqused_q"))
+                                                common.get("seqused_q"), common.get("cu_seqlens_k"),
+                                                common.get("seqused_k"))
     statics = driver.choose_statics(
         q, k, v, causal=causal_r, local=local, pack_gqa=pack, pack_gqa_chosen=pack_chosen, has_lse=return_lse,
         window_size_left=left, window_size_right=right, score_mod=driver.softcap_score_mod(softcap, None),

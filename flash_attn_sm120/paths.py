@@ -87,6 +87,14 @@ class Supports:
     # block-sparse lists (testing_sparse.CASES, the public API): the dispatcher's own choice only, since a
     # forced config need not divide the sparse block
     block_sparse: bool = False
+    # the (q, k) storage layouts (testing.Q_LAYOUTS x K_LAYOUTS) a varlen path runs; None: all of them
+    layouts: Optional[tuple[tuple[str, str], ...]] = None
+
+    def allows_layout(self, q_layout: str, k_layout: str) -> bool:
+        """Whether this path runs q and k/v stored so (dense always; varlen layouts when `varlen`)."""
+        if (q_layout, k_layout) == ("dense", "dense"):
+            return True
+        return self.varlen and (self.layouts is None or (q_layout, k_layout) in self.layouts)
 
 
 @dataclass(frozen=True)
@@ -120,13 +128,16 @@ class KernelPath:
         """Candidate head dims (head_dim == head_dim_v) that this path can run."""
         return tuple(d for d in self.supports.head_dims if self.error(d, d) is None)
 
-    def packs(self, qhead_per_kvhead: int, head_dim: int, head_dim_v: int) -> bool:
+    def packs(self, qhead_per_kvhead: int, head_dim: int, head_dim_v: int, varlen_q: bool = False) -> bool:
         """Whether an explicit pack_gqa=True runs packed on this path at this GQA ratio (a forced
-        config the family cannot pack raises; the dispatcher would fall back to cp.async)."""
+        config the family cannot pack raises; the dispatcher would fall back to cp.async). varlen_q:
+        q packed or padded (the TMA family packs GQA only for dense q: fwd_tma.varlen_error)."""
         if not self.supports.pack_gqa:
             return False
         if self.family != "tma" or qhead_per_kvhead == 1:
             return True
+        if varlen_q:
+            return False
         from flash_attn_sm120.kernels.fwd_tma import pack_gqa_error  # lazy: imports the DSL
 
         return pack_gqa_error(self.resolved_config(head_dim, head_dim_v).tile_m, qhead_per_kvhead) is None
@@ -146,8 +157,11 @@ def _upstream_config(head_dim: int, head_dim_v: int) -> FwdConfig:
 
 
 # What a forced config of a family can run (the dispatcher sends the rest to the cp.async entry)
+# TMA: varlen through ragged descriptors, K/V packed (cu_seqlens_k, with or without seqused_k) and q
+# packed or padded; seqused_k alone goes to cp.async (fwd_tma_rules.varlen_error)
+TMA_LAYOUTS = (("packed", "packed"), ("padded", "packed"))
 FAMILY_LIMITS: dict[str, dict] = {
-    "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=False),
+    "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=True, layouts=TMA_LAYOUTS),
 }
 
 
@@ -157,7 +171,7 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("cpasync-w4-64x64-s2", "cpasync", FwdConfig(128, 64, 64, 2)),
     KernelPath("cpasync-w4-64x32-s3", "cpasync", FwdConfig(128, 64, 32, 3)),  # 3-stage ring; d <= 192
     KernelPath("upstream-config", "cpasync", _upstream_config),
-    # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, no varlen
+    # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, varlen with packed K/V
     KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"), Supports(**FAMILY_LIMITS["tma"])),
     # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
     KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),
@@ -186,6 +200,8 @@ def table_paths(table: Iterable[TableEntry]) -> tuple[KernelPath, ...]:
         dims = tuple(d for d in _bucket_dims(e.head_dim) if d in family_dims)
         if e.config.family == "tma" and _tma_fp16_refused(e.config, dims):
             limits["dtypes"] = ("bfloat16",)  # the driver gives fp16 the cp.async entry (its own path)
+        if e.config.family == "tma" and _tma_varlen_refused(e.config, dims):
+            limits["varlen"] = False  # the driver gives varlen calls the next entry
         paths.append(KernelPath(name, e.config.family, e.config, Supports(head_dims=dims, **limits)))
     return tuple(paths)
 
@@ -196,6 +212,14 @@ def _tma_fp16_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
     from flash_attn_sm120.kernels.fwd_tma import fp16_register_error  # lazy: imports the DSL
 
     return any(fp16_register_error(d, config.tile_m, config.tile_n, config.num_threads) for d in dims)
+
+
+def _tma_varlen_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
+    """Whether the TMA family refuses varlen calls for this config at any of `dims`
+    (fwd_tma.varlen_register_error: such a tile spills with varlen)."""
+    from flash_attn_sm120.kernels.fwd_tma import varlen_register_error  # lazy: imports the DSL
+
+    return any(varlen_register_error(d, config.tile_m, config.tile_n, config.num_threads) for d in dims)
 
 
 def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:

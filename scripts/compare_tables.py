@@ -37,7 +37,7 @@ def _choice(table, p):
     """What driver.table_config picks for a bench problem under `table` (dtype and dense seqlen keys)."""
     seqlen_q = None if p.is_varlen else p.seqlen_q
     return select_fwd_config(table, p.head_dim, p.dv, p.causal, p.window != (None, None), dtype=p.dtype,
-                             seqlen_q=seqlen_q)
+                             seqlen_q=seqlen_q, varlen=p.is_varlen)
 
 
 def _under_table(impl, path: Path):

@@ -150,11 +150,13 @@ def adapt(path: KernelPath, case: AttnCase) -> AttnCase:
         mask = "causal" if s.causal else "none"
     if mask == "causal" and not s.causal:
         mask = "none"
-    layout = (case.q_layout, case.k_layout) if s.varlen else ("dense", "dense")
+    layout = (case.q_layout, case.k_layout) if s.allows_layout(case.q_layout, case.k_layout) else ("dense", "dense")
+    pack = case.pack_gqa if s.pack_gqa else (False if case.qhead_per_kvhead > 1 else None)
+    if pack and not path.packs(case.qhead_per_kvhead, d, d, varlen_q=layout[0] != "dense"):
+        pack = None  # the path cannot pack this call: the driver decides
     return replace(
         case, head_dim=d, head_dim_v=d, dtype=case.dtype if case.dtype in s.dtypes else s.dtypes[0], mask=mask,
-        q_layout=layout[0], k_layout=layout[1], softcap=case.softcap if s.softcap else 0.0,
-        pack_gqa=case.pack_gqa if s.pack_gqa else (False if case.qhead_per_kvhead > 1 else None),
+        q_layout=layout[0], k_layout=layout[1], softcap=case.softcap if s.softcap else 0.0, pack_gqa=pack,
     )
 
 

@@ -135,14 +135,14 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         s = path.supports
         d, dv = _pick_head_dims(rng, path, path.head_dims(), cols["typical"][i], cols["mixed"][i])
         ratio = cols["ratio"][i]
-        pack = (cols["pack"][i] if s.pack_gqa else False) if ratio > 1 else None
-        if pack and not path.packs(ratio, d, dv):
-            pack = None  # the path's tile cannot hold whole head groups: let the driver decide
         mask = cols["mask"][i] if _mask_supported(path, cols["mask"][i]) else "none"
-        layouts = (LAYOUTS if s.varlen else LAYOUTS[:1]) + (PAGED_LAYOUTS if s.paged else ())
+        layouts = tuple(lay for lay in LAYOUTS if s.allows_layout(*lay)) + (PAGED_LAYOUTS if s.paged else ())
         layout = cols["layout"][i] if cols["layout"][i] in layouts else rng.choice(layouts)
         if s.paged and rng.random() < 0.2:
             layout = rng.choice(PAGED_LAYOUTS)
+        pack = (cols["pack"][i] if s.pack_gqa else False) if ratio > 1 else None
+        if pack and not path.packs(ratio, d, dv, varlen_q=layout[0] != "dense"):
+            pack = None  # the path's tile cannot hold whole head groups: let the driver decide
         sink = cols["sink"][i] and s.sinks
         softcap = cols["softcap"][i] if s.softcap else 0.0
         mods = _mods(cols["mods"][i], s, softcap)
@@ -197,7 +197,7 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         mask = cols["mask"][i] if _mask_supported(path, cols["mask"][i]) else "none"
         if "d64-noncausal" in gaps and d == 64 and mask == "none":
             mask = "causal"
-        layout = cols["layout"][i] if s.varlen and "varlen" not in gaps else ("dense", "dense")
+        layout = cols["layout"][i] if "varlen" not in gaps and s.allows_layout(*cols["layout"][i]) else ("dense", "dense")
         softcap = cols["softcap"][i] if s.softcap else 0.0
         sparse = cols["sparse"][i] if s.block_sparse and d in SPARSE_HEAD_DIMS else ""
         if sparse:  # the backward lists' limits: dense layout; causal applies inside the listed tiles
@@ -231,7 +231,7 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
     for i in range(n):
         order, mask, layout, ratios = DETERMINISTIC[i % len(DETERMINISTIC)]
         s = path.supports
-        if not s.varlen:
+        if not s.allows_layout(*layout):
             layout = ("dense", "dense")
         d = cols["d"][i]
         sparse = ""

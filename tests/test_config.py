@@ -120,7 +120,7 @@ def test_families_env_restricts_the_table(monkeypatch):
 
 
 def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
-    """A table-chosen TMA config that cannot serve a call (varlen here) falls back to the table's
+    """A table-chosen TMA config that cannot serve a call (seqused_k without cu_seqlens_k here) falls back to the table's
     cp.async entry of the same (bucket, mask); a defaulted pack_gqa the family cannot pack (3 query heads
     per KV head) is first turned off; an explicitly requested config raises NotImplementedError instead."""
     import torch
@@ -154,7 +154,7 @@ def test_driver_routes_calls_the_tma_family_refuses_to_the_cpasync_entry():
     routed = driver._route(varlen, False, False, True, False)
     want = next(e.config for e in family_entries("cpasync") if (e.head_dim, e.mask) == (d, "causal"))
     assert routed.config == want
-    with pytest.raises(NotImplementedError, match="varlen"):
+    with pytest.raises(NotImplementedError, match="seqused_k without cu_seqlens_k"):
         driver._route(varlen, False, True, True, False)
 
 
@@ -218,7 +218,7 @@ def test_driver_table_choice_reads_dtype_and_dense_seqlen():
     assert want_fp.dtype_error("float16", 128) is None
     packed = torch.zeros(4096, 4, 128, dtype=torch.bfloat16)  # varlen: seqlen unknown
     assert driver.table_config(packed, packed, True, False, cu_seqlens_q=torch.zeros(3, dtype=torch.int32)) == \
-        select_fwd_config(load_fwd_table(), 128, 128, True, False, dtype="bfloat16")
+        select_fwd_config(load_fwd_table(), 128, 128, True, False, dtype="bfloat16", varlen=True)
 
 
 def test_pingpong_and_lpt_are_tma_options():

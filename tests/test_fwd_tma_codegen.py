@@ -126,7 +126,7 @@ def test_register_split():
     assert two_ctas.ctas_per_sm == 2 and two_ctas.mma_regs > two_ctas.launch_regs
 
 
-def test_unsupported_reason_routes_varlen_and_unpackable_gqa():
+def test_unsupported_reason_routes_seqused_k_and_unpackable_gqa():
     cfg = FwdConfig(256, 128, 64, 2, family="tma")
     assert unsupported_reason(_statics(cfg)) is None
     assert FlashAttentionForwardSm120Tma.supports(_statics(cfg, qhead_per_kvhead=4, pack_gqa=False))
@@ -137,8 +137,13 @@ def test_unsupported_reason_routes_varlen_and_unpackable_gqa():
         assert reason is not None and "pack_gqa" in reason and "tile_m=128" in reason and str(ratio) in reason
         assert unsupported_reason(_statics(cfg, qhead_per_kvhead=ratio, pack_gqa=False)) is None
     assert fwd_tma.pack_gqa_error(256, 3) is not None and fwd_tma.pack_gqa_error(192, 3) is None
-    assert "varlen" in unsupported_reason(_statics(cfg, has_cu_seqlens_q=True, has_cu_seqlens_k=True))
-    assert "seqused_k" in unsupported_reason(_statics(cfg, has_seqused_k=True))
+    # varlen: packed K/V through ragged descriptors; seqused_k alone, and packed GQA with varlen q, go to cp.async
+    assert unsupported_reason(_statics(cfg, has_cu_seqlens_q=True, has_cu_seqlens_k=True)) is None
+    assert unsupported_reason(_statics(cfg, has_seqused_q=True, has_cu_seqlens_k=True, has_seqused_k=True)) is None
+    assert "seqused_k without cu_seqlens_k" in unsupported_reason(_statics(cfg, has_seqused_k=True))
+    reason = unsupported_reason(_statics(cfg, qhead_per_kvhead=4, pack_gqa=True, has_cu_seqlens_q=True))
+    assert "pack_gqa with varlen q" in reason
+    assert unsupported_reason(_statics(cfg, qhead_per_kvhead=4, pack_gqa=True, has_cu_seqlens_k=True)) is None
     assert "head_dim" in unsupported_reason(_statics(FwdConfig(256, 128, 64, 2, family="tma"), d=256))
 
 
@@ -310,12 +315,6 @@ def test_emulation_padding_reaches_the_kernel(cfg, d, ctas):
     assert smem == k.smem_bytes_launched > k.smem_bytes_unpadded
     assert k.launch_threads == threads
     assert H200_SMEM.smem_per_sm // per_cta == sm120 == ctas == k.registers.ctas_per_sm
-
-
-def test_varlen_is_refused_at_trace_time():
-    kernel = driver.make_kernel(_statics(FwdConfig(256, 128, 64, 2, family="tma")))
-    with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
-        _compile_with(kernel, 128, cu_seqlens=True)
 
 
 def test_module_documents_the_pipeline_and_the_sm120_risk():

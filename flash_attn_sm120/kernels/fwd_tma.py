@@ -106,9 +106,14 @@ from flash_attn.cute.block_sparsity import BlockSparseTensors
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120
 from flash_attn.cute.pack_gqa import make_packgqa_tiled_tma_atom, pack_gqa_layout
-from flash_attn.cute.tile_scheduler import SingleTileLPTScheduler, SingleTileScheduler, TileSchedulerArguments
+from flash_attn.cute.tile_scheduler import (
+    SingleTileLPTScheduler,
+    SingleTileScheduler,
+    SingleTileVarlenScheduler,
+    TileSchedulerArguments,
+)
 from flash_attn.cute.utils import AuxData
-from quack import layout_utils
+from quack import copy_utils, layout_utils
 from quack import sm90_utils as quack_sm90_utils
 
 from flash_attn_sm120 import hardware
@@ -138,6 +143,8 @@ from flash_attn_sm120.kernels.fwd_tma_rules import (
     tma_config_error,
     unsupported_reason,
     use_intra_warp_overlap,
+    varlen_error,
+    varlen_register_error,
 )
 from flash_attn_sm120.kernels.mma_sync_utils import gemm_rs_by_ldmatrix, gemm_ss_by_half_slices
 
@@ -165,6 +172,8 @@ __all__ = [
     "tma_config_error",
     "unsupported_reason",
     "use_intra_warp_overlap",
+    "varlen_error",
+    "varlen_register_error",
 ]
 
 
@@ -255,6 +264,7 @@ class FlashAttentionForwardSm120Tma(
         # d <= 96 the whole-slice prefetch is spill-free and measured (d96 256x32 local spills otherwise)
         self.pv_by_ldmatrix = head_dim_v > 96
         self.has_sink = False  # set at trace time by __call__
+        self.varlen_q = False  # cu_seqlens_q or seqused_q, set at trace time by __call__
         # block sparsity (fwd_block_sparse.py): K/V and Q tiles per sparse block
         self.q_subtile_factor = q_subtile_factor
         self.kv_subtile_factor = kv_subtile_factor
@@ -290,7 +300,7 @@ class FlashAttentionForwardSm120Tma(
 
     def _refuse_unsupported_args(self, **args) -> None:
         """Trace-time refusal of call arguments this kernel does not implement."""
-        given = [name for name, value in args.items() if value is not None]
+        given = [name.replace("_without_", " without ") for name, value in args.items() if value is not None]
         if given:
             raise NotImplementedError(
                 f"SM120 TMA forward does not support {', '.join(given)}; use the cpasync family"
@@ -354,25 +364,32 @@ class FlashAttentionForwardSm120Tma(
     ):
         """Same call convention as upstream's FlashAttentionForwardSm80.__call__.
 
-        mQ/mK/mV/mO: (batch, seqlen, nheads, head_dim), head_dim contiguous; mLSE: (batch, nheads,
-        seqlen_q) fp32 or None.
+        mQ/mK/mV/mO: (batch, seqlen, nheads, head_dim), head_dim contiguous, or (total, nheads,
+        head_dim) with cu_seqlens; mLSE: (batch, nheads, seqlen_q) fp32, (nheads, total_q) with
+        cu_seqlens_q, or None. Varlen: see `varlen_reason`.
         """
         self._refuse_unsupported_args(
-            cu_seqlens_q=mCuSeqlensQ,
-            cu_seqlens_k=mCuSeqlensK,
-            seqused_q=mSeqUsedQ,
-            seqused_k=mSeqUsedK,
             page_table=mPageTable,
+            seqused_k_without_cu_seqlens_k=mSeqUsedK if const_expr(mCuSeqlensK is None) else None,
         )
+        self.varlen_q = mCuSeqlensQ is not None or mSeqUsedQ is not None
+        if const_expr(self.varlen_q and self.pack_gqa):
+            raise NotImplementedError("SM120 TMA forward: pack_gqa with varlen q; pass pack_gqa=False")
         self.has_sink = learnable_sink is not None
         self._check_type(
-            *(t.element_type if t is not None else None for t in (mQ, mK, mV, mO, mLSE, None, None, None, None))
+            *(t.element_type if t is not None else None
+              for t in (mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
         )
         mQ, mK, mV, mO = [assume_tensor_aligned(t) for t in (mQ, mK, mV, mO)]
-        # (b, s, h, d) -> (s, d, h, b): seqlen and head_dim lead, as the TMA boxes want them
-        mQ, mK, mV, mO = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        # (b, s, h, d) -> (s, d, h, b), or (total, h, d) -> (total, d, h): seqlen and head_dim lead,
+        # as the TMA boxes want them
+        QO_order = [1, 3, 2, 0] if const_expr(mCuSeqlensQ is None) else [0, 2, 1]
+        KV_order = [1, 3, 2, 0] if const_expr(mCuSeqlensK is None) else [0, 2, 1]
+        mQ, mO = [layout_utils.select(t, QO_order) for t in (mQ, mO)]
+        mK, mV = [layout_utils.select(t, KV_order) for t in (mK, mV)]
         if const_expr(mLSE is not None):
-            mLSE = layout_utils.select(mLSE, [2, 1, 0])  # (s, h, b)
+            # (s, h, b), or (total_q, h)
+            mLSE = layout_utils.select(mLSE, [2, 1, 0] if const_expr(mCuSeqlensQ is None) else [1, 0])
 
         tiled_mma_qk, tiled_mma_pv = self._get_tiled_mma()
         self._setup_smem_layouts()
@@ -391,14 +408,24 @@ class FlashAttentionForwardSm120Tma(
         )
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_tensor_Q = make_tma_QO(tma_load, mQ, self.sQ_layout, (self.tile_m, self.tile_hdim))
+        # packed K/V (cu_seqlens_k): ragged descriptors, so that TMA zero-fills every row past the
+        # sequence's seqlen_k (the next sequence's rows, or memory past seqused_k, never enter P V)
+        mK_tma, mV_tma = mK, mV
+        if const_expr(mCuSeqlensK is not None):
+            mK_tma, mV_tma = [copy_utils.create_ragged_tensor_for_tma(t, ragged_dim=0, ptr_shift=False)
+                              for t in (mK, mV)]
         tma_atom_K, tma_tensor_K = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.select(self.sK_layout, mode=[0, 1]), (self.tile_n, self.tile_hdim), 1
+            tma_load, mK_tma, cute.select(self.sK_layout, mode=[0, 1]), (self.tile_n, self.tile_hdim), 1
         )
         tma_atom_V, tma_tensor_V = cpasync.make_tiled_tma_atom(
-            tma_load, mV, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, self.tile_hdimv), 1
+            tma_load, mV_tma, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, self.tile_hdimv), 1
         )
+        # varlen q: a ragged O descriptor, so that the store clips at each sequence's seqlen_q
+        mO_tma = mO
+        if const_expr(self.varlen_q):
+            mO_tma = copy_utils.create_ragged_tensor_for_tma(mO, ragged_dim=0, ptr_shift=True)
         tma_atom_O, tma_tensor_O = make_tma_QO(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.tile_hdimv)
+            cpasync.CopyBulkTensorTileS2GOp(), mO_tma, self.sO_layout, (self.tile_m, self.tile_hdimv)
         )
         # the M tiles the grid covers: packed rows per KV head, or positions per query head
         mQ_rows = mQ
@@ -410,17 +437,24 @@ class FlashAttentionForwardSm120Tma(
 
         # causal tiles differ in work: longest first, with heads grouped for L2 reuse (as upstream sm90)
         use_lpt = (self.is_causal and not self.is_local) if self.lpt is None else self.lpt
-        TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
+        if const_expr(self.varlen_q):
+            TileScheduler = SingleTileVarlenScheduler  # tiles of each sequence's own seqlen_q
+        else:
+            TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
             num_block=cute.ceil_div(cute.size(mQ_rows.shape[0]), self.tile_m),
             num_head=cute.size(mQ_rows.shape[2]),
-            num_batch=cute.size(mQ_rows.shape[3]),
+            num_batch=cute.size(mQ_rows.shape[3]) if const_expr(mCuSeqlensQ is None)
+            else cute.size(mCuSeqlensQ.shape[0] - 1),
             num_splits=1,
             seqlen_k=cute.size(mK.shape[0]),
             headdim=mQ.shape[1],
             headdim_v=mV.shape[1],
-            total_q=cute.size(mQ_rows.shape[0]) * cute.size(mQ_rows.shape[3]),
+            total_q=cute.size(mQ_rows.shape[0]) * cute.size(mQ_rows.shape[3]) if const_expr(mCuSeqlensQ is None)
+            else cute.size(mQ.shape[0]),
             tile_shape_mn=(self.tile_m, self.tile_n),
+            mCuSeqlensQ=mCuSeqlensQ,
+            mSeqUsedQ=mSeqUsedQ,
             qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
             element_size=self.dtype.width // 8,
             is_persistent=False,
@@ -432,6 +466,7 @@ class FlashAttentionForwardSm120Tma(
         softmax_scale_log2, softmax_scale = utils.compute_softmax_scale_log2(softmax_scale, self.score_mod)
         window_size_left = Int32(window_size_left) if window_size_left is not None else None
         window_size_right = Int32(window_size_right) if window_size_right is not None else None
+        # varlen: the kernel makes each sequence's divisors (fwd_tma_kernel.py)
         fastdiv_mods = utils.compute_fastdiv_mods(mQ, mK, self.qhead_per_kvhead, False, aux_data.tensors)
         aux_data = sink_fold.with_sink(aux_data, learnable_sink)  # the sink rides with the aux tensors
 
@@ -461,6 +496,10 @@ class FlashAttentionForwardSm120Tma(
             aux_data,
             fastdiv_mods,
             blocksparse_tensors,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedQ,
+            mSeqUsedK,
         ).launch(
             grid=grid_dim,
             block=[self.num_threads_total, 1, 1],

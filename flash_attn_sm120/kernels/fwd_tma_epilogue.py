@@ -58,7 +58,9 @@ class TmaEpilogueMixin:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
         if warp_idx == 0:
-            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (self.tile_m, self.tile_hdimv), (m_block, 0))
+            # varlen q: the ragged view (fwd_tma.py), whose bound is this sequence's seqlen_q
+            mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3, ragged=self.varlen_q)[None, None, head_idx]
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
             store_O, _, _ = copy_utils.tma_get_copy_fn(tma_atom_O, 0, cute.make_layout(1), sO, gO, single_stage=True)
             store_O()
             cute.arch.cp_async_bulk_commit_group()
@@ -67,7 +69,7 @@ class TmaEpilogueMixin:
         if const_expr(mLSE is not None):
             # (rows,) of this head (packed: ((qhead_per_kvhead, seqlen),) of this KV head, where the
             # flat row index m_block * tile_m + row is exactly the packed order)
-            mLSE_cur = mLSE[None, head_idx, batch_idx]
+            mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
             cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
             taccOcO = layout_utils.reshape_acc_to_mn(thr_mma_pv.partition_C(cO))
             assert cute.size(taccOcO, mode=[0]) == cute.size(lse)

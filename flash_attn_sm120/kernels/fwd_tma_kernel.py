@@ -9,8 +9,9 @@ Every warp of the CTA runs `kernel` from the top:
      the operand's TMA transaction bytes; an empty barrier expects one arrive per MMA warp (lane 0
      after the warp converges). The inits are deferred and made visible once for all three
      (pipeline_init_arrive / pipeline_init_wait: one CTA sync);
-  4. the tile scheduler names this CTA's (m_block, head, batch) tile and BlockInfo its n_block
-     range (or, with block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py);
+  4. the tile scheduler names this CTA's (m_block, head, batch) tile (varlen q: SingleTileVarlenScheduler
+     over each sequence's own M tiles), SeqlenInfoQK the sequence's offsets and lengths (cu_seqlens /
+     seqused), and BlockInfo its n_block range (or, with block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py);
   5. the roles split: warps from `producer_warp_idx` on drop their registers (setmaxnreg.dec) and
      the first of them runs `load` (fwd_tma_producer.py); the MMA warps raise theirs
      (setmaxnreg.inc) and run `mma` (fwd_tma_mainloop.py), which ends in `epilogue`
@@ -28,6 +29,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as cpipeline
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cute.nvgpu import cpasync
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.block_sparsity import BlockSparseTensors
@@ -81,6 +83,10 @@ class TmaKernelMixin:
         aux_data: AuxData = AuxData(),
         fastdiv_mods=None,
         blocksparse_tensors: Optional[BlockSparseTensors] = None,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp_idx:
@@ -110,7 +116,20 @@ class TmaKernelMixin:
         if work_tile.is_valid_tile:
             m_block, head_idx, batch_idx, _ = work_tile.tile_idx
             seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
-            seqlen = SeqlenInfoQK.create(batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0])
+            # varlen: this sequence's offsets and lengths (SeqlenInfoQK reads cu_seqlens / seqused);
+            # mK is the ragged TMA view with cu_seqlens_k, whose static length is never read
+            seqlen = SeqlenInfoQK.create(
+                batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0],
+                mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
+            )
+            if const_expr(fastdiv_mods is not None):
+                # aux tensors index by position in the sequence: divisors of this sequence's lengths
+                fastdiv_mods = (
+                    FastDivmodDivisorV2(seqlen.seqlen_q) if const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None)
+                    else fastdiv_mods[0],
+                    FastDivmodDivisorV2(seqlen.seqlen_k) if const_expr(mCuSeqlensK is not None or mSeqUsedK is not None)
+                    else fastdiv_mods[1],
+                )
             block_info = BlockInfo(
                 self.tile_m,
                 self.tile_n,
@@ -134,7 +153,7 @@ class TmaKernelMixin:
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v,
-                        m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max, lists, seqlen,
                     )
             else:
                 if const_expr(self.registers.mma_regs is not None):

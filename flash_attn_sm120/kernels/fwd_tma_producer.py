@@ -20,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
 from cutlass import Int32, const_expr
+from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from quack import copy_utils
 
 from flash_attn_sm120.kernels import fwd_block_sparse
@@ -49,14 +50,27 @@ class TmaProducerMixin:
         n_block_min: Int32,
         n_block_max: Int32,
         lists: Optional[Callable] = None,
+        seqlen: Optional[SeqlenInfoQK] = None,
     ):
         """Producer warp: Q once, then K and V of each n_block (descending; with block sparsity the
         listed tiles, fwd_block_sparse.py) into the rings."""
         # packed GQA: the grid's head index is already the KV head
         head_idx_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
-        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, self.tile_hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx], (self.tile_n, self.tile_hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_idx_kv, batch_idx], (self.tile_n, self.tile_hdimv), (None, 0))
+        # varlen q: Q from the sequence's first row (a tile past seqlen_q reads the next sequence's
+        # rows, whose outputs the ragged O store clips)
+        mQ_cur = seqlen.offset_batch_Q(mQ, batch_idx, dim=3)[None, None, head_idx]
+        if const_expr(seqlen.has_cu_seqlens_k):
+            # ragged views (fwd_tma.py): rows past seqlen_k are out of bounds, zero-filled by TMA
+            mK_cur, mV_cur = [
+                copy_utils.offset_ragged_tensor(t, seqlen.offset_k, seqlen.seqlen_k, ragged_dim=0, ptr_shift=False)
+                [None, None, head_idx_kv]
+                for t in (mK, mV)
+            ]
+        else:
+            mK_cur, mV_cur = mK[None, None, head_idx_kv, batch_idx], mV[None, None, head_idx_kv, batch_idx]
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.tile_hdim), (m_block, 0))
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.tile_hdim), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.tile_hdimv), (None, 0))
         load_Q, _, _ = copy_utils.tma_get_copy_fn(tma_atom_Q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
         load_K, _, _ = copy_utils.tma_get_copy_fn(tma_atom_K, 0, cute.make_layout(1), gK, sK)
         load_V, _, _ = copy_utils.tma_get_copy_fn(tma_atom_V, 0, cute.make_layout(1), gV, sV)

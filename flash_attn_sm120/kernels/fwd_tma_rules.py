@@ -153,6 +153,21 @@ def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: in
     return None
 
 
+def varlen_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
+    """Why a varlen call cannot run this tile without spills, or None. The sequence lengths and
+    offsets, read from cu_seqlens / seqused, take registers that a dense call reads as kernel
+    parameters: the tiles at the edge of the 240-register budget in bfloat16 (d=128, 32-row warps,
+    more than 48 keys: fp16_register_error's tiles) spill 8 B on sm_120a with varlen
+    (tests/test_fwd_tma_varlen.py compiles every TMA table entry with varlen against this rule)."""
+    rows = rows_per_warp(tile_m, num_threads)
+    if head_dim > 96 and rows == 32 and tile_n > 48:
+        return (
+            f"varlen at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 spills on "
+            "sm_120a in the TMA family (the dense call does not)"
+        )
+    return None
+
+
 def pingpong_error(num_threads: int) -> Optional[str]:
     """Why the ping-pong schedule cannot run with this many MMA threads, or None: it alternates
     exactly two MMA warpgroups."""
@@ -168,6 +183,20 @@ def pack_gqa_error(tile_m: int, qhead_per_kvhead: int) -> Optional[str]:
             f"pack_gqa with {qhead_per_kvhead} query heads per KV head needs tile_m={tile_m} to be a "
             f"multiple of {qhead_per_kvhead} in the TMA family (the Q/O TMA box holds whole head groups)"
         )
+    return None
+
+
+def varlen_error(cu_seqlens_q: bool, cu_seqlens_k: bool, seqused_q: bool, seqused_k: bool,
+                 pack_gqa: bool) -> Optional[str]:
+    """Why this family cannot serve a varlen call, or None. Packed K/V (cu_seqlens_k) load through
+    ragged TMA descriptors that end at each sequence's seqlen_k, with or without seqused_k; seqused_k
+    alone would have TMA read the rows between seqused_k and the tensor's seqlen_k (a cache's unused
+    rows, which may hold NaN). Varlen q (cu_seqlens_q / seqused_q) stores O through a ragged
+    descriptor, which this family builds only for unpacked GQA."""
+    if seqused_k and not cu_seqlens_k:
+        return "seqused_k without cu_seqlens_k is not supported by the TMA family"
+    if pack_gqa and (cu_seqlens_q or seqused_q):
+        return "pack_gqa with varlen q (cu_seqlens_q / seqused_q) is not supported by the TMA family"
     return None
 
 
@@ -188,18 +217,13 @@ def unsupported_reason(statics) -> Optional[str]:
         err = fp16_register_error(max(statics.head_dim, statics.head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads)
         if err is not None:
             return err
-    varlen = [
-        name
-        for name, flag in (
-            ("cu_seqlens_q", statics.has_cu_seqlens_q),
-            ("cu_seqlens_k", statics.has_cu_seqlens_k),
-            ("seqused_q", statics.has_seqused_q),
-            ("seqused_k", statics.has_seqused_k),
-        )
-        if flag
-    ]
-    if varlen:
-        return f"varlen ({', '.join(varlen)}) is not supported by the TMA family"
+    flags = (statics.has_cu_seqlens_q, statics.has_cu_seqlens_k, statics.has_seqused_q, statics.has_seqused_k)
+    err = varlen_error(*flags, statics.pack_gqa)
+    if err is None and any(flags):
+        err = varlen_register_error(max(statics.head_dim, statics.head_dim_v), cfg.tile_m, cfg.tile_n,
+                                    cfg.num_threads)
+    if err is not None:
+        return err
     if statics.pack_gqa:
         err = pack_gqa_error(cfg.tile_m, statics.qhead_per_kvhead)
         if err is not None:
