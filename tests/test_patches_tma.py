@@ -56,6 +56,9 @@ for e in configs.SM120_FWD_TABLE:
 out["packs"] = {r: configs.sm120_tma_packs(r) for r in (1, 2, 3, 4, 6, 8, 16)}
 out["fp16_ok"] = {f"{e.head_dim}/{e.mask}": configs.sm120_tma_fp16_ok(e.head_dim, e.head_dim, e.mask == "causal", False)
                   for e in configs.SM120_FWD_TABLE if e.config.family == "tma"}
+out["varlen_ok"] = {f"{e.head_dim}/{e.mask}": configs.sm120_tma_varlen_ok(e.head_dim, e.head_dim, e.mask == "causal",
+                                                                         False)
+                    for e in configs.SM120_FWD_TABLE if e.config.family == "tma"}
 out["tma_tile_m"] = sorted({e.config.tile_m for e in configs.SM120_FWD_TABLE if e.config.family == "tma"})
 print("RESULT " + json.dumps(out))
 """
@@ -88,6 +91,14 @@ def test_patched_upstream_tma_entries_compile_and_are_chosen_only_when_taken(tmp
         d, mask = int(key.split("/")[0]), key.split("/")[1]
         first = select_fwd_config(tuple(table), d, d, mask == "causal", False)
         want = first.family != "tma" or fp16_register_error(d, first.tile_m, first.tile_n, first.num_threads) is None
+        assert ok == want, (key, ok, first)
+    # varlen only where the key's TMA entry does not spill with varlen (the package's varlen_register_error)
+    from flash_attn_sm120.kernels.fwd_tma import varlen_register_error
+
+    for key, ok in result["varlen_ok"].items():
+        d, mask = int(key.split("/")[0]), key.split("/")[1]
+        first = select_fwd_config(tuple(table), d, d, mask == "causal", False)
+        want = first.family != "tma" or varlen_register_error(d, first.tile_m, first.tile_n, first.num_threads) is None
         assert ok == want, (key, ok, first)
 
 
@@ -143,8 +154,8 @@ for name in ("FlashAttentionForwardSm120Tma", "FlashAttentionForwardSm120"):
 
 CASES = [
     ("dense causal d128: the TMA entry", dict(mask="causal", return_lse=True), dict(seqlens_q=(1000,) * 2, seqlens_k=(1000,) * 2, nheads_kv=4)),
-    ("varlen causal d128: the cp.async entry", dict(mask="causal", q_layout="packed", k_layout="packed"),
-     dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=4)),
+    ("varlen causal d128: the cp.async entry (the TMA entry spills with varlen)",
+     dict(mask="causal", q_layout="packed", k_layout="packed"), dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=4)),
     ("GQA 4:1 causal d128, packed by default: the TMA entry", dict(mask="causal", qhead_per_kvhead=4, return_lse=True),
      dict(seqlens_q=(333,) * 2, seqlens_k=(1000,) * 2, nheads_kv=2)),
     ("GQA 3:1 causal d128, packed by default: the cp.async entry", dict(mask="causal", qhead_per_kvhead=3),
@@ -153,6 +164,11 @@ CASES = [
      dict(seqlens_q=(1000,) * 2, seqlens_k=(777,) * 2, nheads_kv=2)),
     ("fp16 d128 non-causal: not a TMA tile that spills in fp16", dict(dtype="float16", mask="none"),
      dict(seqlens_q=(1000,) * 2, seqlens_k=(777,) * 2, nheads_kv=2)),
+    ("varlen d128 non-causal, seqused_q over packed K/V: the TMA entry (ragged descriptors)",
+     dict(mask="none", q_layout="padded", k_layout="packed", return_lse=True),
+     dict(seqlens_q=(300, 0, 77), seqlens_k=(500, 64, 1000), nheads_kv=2, pad_q=9)),
+    ("varlen GQA 4:1 d64 causal, packed by default: the cp.async entry", dict(head_dim=64, head_dim_v=64, mask="causal",
+     qhead_per_kvhead=4, q_layout="packed", k_layout="packed"), dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=2)),
 ]
 out = []
 for name, case_kw, problem_kw in CASES:
@@ -180,10 +196,11 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.gpu
 def test_patched_upstream_tma_forward_matches_reference(tmp_path):
     """Patch 0003 on a GPU (SM120 dispatch forced, _arch=120): dense causal d128 calls run the TMA
-    class (GQA 4:1 packed), varlen and GQA 3:1 packed calls the cp.async class, all against the fp32
-    reference with poisoned outputs."""
+    class (GQA 4:1 packed), GQA 3:1 packed calls the cp.async class, varlen the TMA class where the
+    entry does not spill with varlen and q's GQA heads are not packed, all against the fp32 reference
+    with poisoned outputs."""
     results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
-    dense, varlen, packed, odd, bf16_none, fp16_none = results
+    dense, varlen, packed, odd, bf16_none, fp16_none, varlen_none, varlen_gqa = results
     assert all(r["error"] is None for r in results), results
     assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
     assert varlen["built"][-1] == "FlashAttentionForwardSm120", varlen
@@ -196,3 +213,10 @@ def test_patched_upstream_tma_forward_matches_reference(tmp_path):
         assert bf16_none["built"][-1] == "FlashAttentionForwardSm120Tma", bf16_none
         fp16_tma = fp16_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
         assert fp16_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if fp16_tma else "FlashAttentionForwardSm120"), fp16_none
+        from flash_attn_sm120.kernels.fwd_tma import varlen_register_error
+
+        varlen_tma = varlen_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
+        assert varlen_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if varlen_tma else
+                                            "FlashAttentionForwardSm120"), varlen_none
+    # varlen q with GQA: upstream's default packing stands, so the cp.async entry (the TMA family packs dense q only)
+    assert varlen_gqa["built"][-1] == "FlashAttentionForwardSm120", varlen_gqa

@@ -61,10 +61,19 @@ Supported: fp16/bf16 (fp16 not on d=128 tiles of 32-row warps wider than 48 keys
 packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, through
 `apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row
 sums, sink_fold.load_row_sinks), block sparsity (the producer and the MMA warps walk the listed K/V
-tiles instead of the n_block range: fwd_block_sparse.py). Refused with NotImplementedError (the
-driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is
-not a multiple of qhead_per_kvhead, paged KV. `unsupported_reason(statics)` states
-the rule for the driver.
+tiles instead of the n_block range: fwd_block_sparse.py), varlen (below). Refused with
+NotImplementedError (the driver routes these to the cp.async family): seqused_k without
+cu_seqlens_k, pack_gqa with varlen q or when tile_m is not a multiple of qhead_per_kvhead, paged
+KV. `unsupported_reason(statics)` states the rule for the driver.
+
+Varlen (FA3's approach with one addition): SingleTileVarlenScheduler hands out each sequence's own
+M tiles. Q loads from the sequence's first row (a tile past seqlen_q reads the next sequence's
+rows, whose outputs are never stored); O stores through a ragged descriptor
+(quack's create_ragged_tensor_for_tma: one extra mode whose coordinate places the sequence, so
+TMA's bound is the sequence's seqlen_q). Packed K/V (cu_seqlens_k) load through ragged descriptors
+too, so that TMA zero-fills every row past seqlen_k (with seqused_k, past it): those rows never
+enter P V, where 0 * NaN would poison a row. seqused_k alone (a (b, s) cache) has no such bound
+in a 4-mode descriptor and stays on the cp.async family, which predicates its loads.
 
 RISK: cutlass PR #3189 reported a TMA `cute.copy` hang on sm_120 with the CuTe DSL (its author
 later traced it to tile modes left ungrouped before `tma_partition`; this kernel partitions
@@ -366,7 +375,7 @@ class FlashAttentionForwardSm120Tma(
 
         mQ/mK/mV/mO: (batch, seqlen, nheads, head_dim), head_dim contiguous, or (total, nheads,
         head_dim) with cu_seqlens; mLSE: (batch, nheads, seqlen_q) fp32, (nheads, total_q) with
-        cu_seqlens_q, or None. Varlen: see `varlen_reason`.
+        cu_seqlens_q, or None. Varlen: the module docstring; what is refused: `varlen_error`.
         """
         self._refuse_unsupported_args(
             page_table=mPageTable,
@@ -466,7 +475,7 @@ class FlashAttentionForwardSm120Tma(
         softmax_scale_log2, softmax_scale = utils.compute_softmax_scale_log2(softmax_scale, self.score_mod)
         window_size_left = Int32(window_size_left) if window_size_left is not None else None
         window_size_right = Int32(window_size_right) if window_size_right is not None else None
-        # varlen: the kernel makes each sequence's divisors (fwd_tma_kernel.py)
+        # varlen: the kernel entry makes each sequence's divisors
         fastdiv_mods = utils.compute_fastdiv_mods(mQ, mK, self.qhead_per_kvhead, False, aux_data.tensors)
         aux_data = sink_fold.with_sink(aux_data, learnable_sink)  # the sink rides with the aux tensors
 

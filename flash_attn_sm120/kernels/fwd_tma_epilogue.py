@@ -58,7 +58,7 @@ class TmaEpilogueMixin:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
         if warp_idx == 0:
-            # varlen q: the ragged view (fwd_tma.py), whose bound is this sequence's seqlen_q
+            # varlen q: the host's ragged view, whose bound is this sequence's seqlen_q
             mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3, ragged=self.varlen_q)[None, None, head_idx]
             gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
             store_O, _, _ = copy_utils.tma_get_copy_fn(tma_atom_O, 0, cute.make_layout(1), sO, gO, single_stage=True)

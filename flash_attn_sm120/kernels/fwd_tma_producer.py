@@ -60,7 +60,7 @@ class TmaProducerMixin:
         # rows, whose outputs the ragged O store clips)
         mQ_cur = seqlen.offset_batch_Q(mQ, batch_idx, dim=3)[None, None, head_idx]
         if const_expr(seqlen.has_cu_seqlens_k):
-            # ragged views (fwd_tma.py): rows past seqlen_k are out of bounds, zero-filled by TMA
+            # the host's ragged views: rows past seqlen_k are out of bounds, zero-filled by TMA
             mK_cur, mV_cur = [
                 copy_utils.offset_ragged_tensor(t, seqlen.offset_k, seqlen.seqlen_k, ragged_dim=0, ptr_shift=False)
                 [None, None, head_idx_kv]

@@ -292,8 +292,10 @@ def patch_bwd_configs(ctx: Context) -> None:
 _BS_INTERFACE_EDITS = (
     (
         "import of the SM120 block-sparse config helpers",
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n",
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n"
+        "    sm120_tma_varlen_ok,\n"
+        ")\n",
+        "    sm120_tma_varlen_ok,\n"
+        ")\n"
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_block_sparse_config, sm120_sparse_block_size\n",
     ),
     (
@@ -330,7 +332,7 @@ _BS_INTERFACE_EDITS = (
         "SM120 block-sparse calls get a TMA config",
         "            pack_gqa = False\n"
         "\n"
-        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n",
+        "    # SM120: the TMA family takes unsplit, unpaged calls without sinks, block sparsity or broadcast\n",
         "            pack_gqa = False\n"
         "\n"
         "    # SM120 block sparsity: the TMA family walks the lists (flash_fwd_sm120_block_sparse.py), unsplit\n"
@@ -362,7 +364,7 @@ _BS_INTERFACE_EDITS = (
         "        if pack_gqa and sm120_sparse_cfg.tile_m % qhead_per_kvhead != 0:\n"
         "            pack_gqa = False  # the family's Q/O TMA boxes hold whole head groups\n"
         "\n"
-        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n",
+        "    # SM120: the TMA family takes unsplit, unpaged calls without sinks, block sparsity or broadcast\n",
     ),
     (
         "_get_fwd_config call passes the block-sparse config",

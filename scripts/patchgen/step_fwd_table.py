@@ -67,6 +67,9 @@ _CONFIG_EDITS = (
     ("            return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n",
      "            from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error\n\n"
      "            return fp16_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n"),
+    ("            return varlen_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n",
+     "            from flash_attn.cute.flash_fwd_sm120_tma import varlen_register_error\n\n"
+     "            return varlen_register_error(head_dim, self.tile_m, self.tile_n, self.num_threads)\n"),
     ("(upstream's cp.async kernel has its own grid order)", "(the cp.async kernel has its own grid order)"),
 )
 

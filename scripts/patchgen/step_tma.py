@@ -92,15 +92,16 @@ _MIXIN_BASES = (
 _TMA_DOC_EDITS = (
     ("`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
      "sums, sink_fold.load_row_sinks), block sparsity (the producer and the MMA warps walk the listed K/V\n"
-     "tiles instead of the n_block range: fwd_block_sparse.py). Refused with NotImplementedError (the\n"
-     "driver routes these to the cp.async family): varlen (cu_seqlens / seqused), pack_gqa when tile_m is\n"
-     "not a multiple of qhead_per_kvhead, paged KV. `unsupported_reason(statics)` states\n"
-     "the rule for the driver.\n",
+     "tiles instead of the n_block range: fwd_block_sparse.py), varlen (below). Refused with\n"
+     "NotImplementedError (the driver routes these to the cp.async family): seqused_k without\n"
+     "cu_seqlens_k, pack_gqa with varlen q or when tile_m is not a multiple of qhead_per_kvhead, paged\n"
+     "KV. `unsupported_reason(statics)` states the rule for the driver.\n",
      "`apply_score_mod`), mask_mod, LSE output, learnable sinks (one more term in the final softmax's row\n"
      "sums, flash_fwd_sm120_sink.load_row_sinks), block sparsity (the producer and the MMA warps walk the\n"
-     "listed K/V tiles instead of the n_block range: flash_fwd_sm120_block_sparse.py). Refused with\n"
-     "NotImplementedError (the interface gives these the cp.async entry instead): varlen (cu_seqlens /\n"
-     "seqused), pack_gqa when tile_m is not a multiple of qhead_per_kvhead, paged KV.\n"),
+     "listed K/V tiles instead of the n_block range: flash_fwd_sm120_block_sparse.py), varlen (below).\n"
+     "Refused with NotImplementedError (the interface gives these the cp.async entry instead): seqused_k\n"
+     "without cu_seqlens_k, pack_gqa with varlen q or when tile_m is not a multiple of\n"
+     "qhead_per_kvhead, paged KV.\n"),
     ("through quack's `tma_get_copy_fn`, which groups them). SM120 emulation on an H200 (sm_90a) cannot\n"
      "show an SM120-only hang, so the first runs on a real SM120 must use a timeout\n"
      "(scripts/smoke_tma.py guards every call). The shipped table chooses this family for causal d64/d96/d128\n"
@@ -275,6 +276,17 @@ _CPASYNC_TABLE = (
     "        max(head_dim, head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads\n"
     "    ) is None\n"
     "\n\n"
+    "def sm120_tma_varlen_ok(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> bool:\n"
+    "    \"\"\"Whether the table's choice for these head dims and mask, if a TMA entry, runs a varlen call\n"
+    "    without spills (flash_fwd_sm120_tma.varlen_register_error); if not, varlen calls get the cp.async\n"
+    "    entry.\"\"\"\n"
+    "    from flash_attn.cute.flash_fwd_sm120_tma import varlen_register_error\n"
+    "\n"
+    "    cfg = select_fwd_config(SM120_FWD_TABLE, head_dim, head_dim_v, causal, local)\n"
+    "    return cfg.family != \"tma\" or varlen_register_error(\n"
+    "        max(head_dim, head_dim_v), cfg.tile_m, cfg.tile_n, cfg.num_threads\n"
+    "    ) is None\n"
+    "\n\n"
     "def sm120_tma_packs(qhead_per_kvhead: int) -> bool:\n"
     "    \"\"\"Whether every TMA entry of the table can pack this many query heads per KV head: the family's\n"
     "    Q/O TMA boxes hold whole head groups, so tile_m must be a multiple of qhead_per_kvhead.\"\"\"\n"
@@ -311,7 +323,12 @@ _TMA_INTERFACE_EDITS = (
     (
         "import of the SM120 TMA kernel",
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n",
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config, sm120_tma_fp16_ok, sm120_tma_packs\n"
+        "from flash_attn.cute.flash_fwd_sm120_configs import (\n"
+        "    sm120_fwd_config,\n"
+        "    sm120_tma_fp16_ok,\n"
+        "    sm120_tma_packs,\n"
+        "    sm120_tma_varlen_ok,\n"
+        ")\n"
         "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n",
     ),
     (
@@ -345,15 +362,24 @@ _TMA_INTERFACE_EDITS = (
         "        arch=arch,\n",
         "            pack_gqa = False\n"
         "\n"
-        "    # SM120: the TMA family takes dense, unsplit, unpaged calls without sinks, block sparsity or\n"
-        "    # broadcast (stride-0) q/k/v, packing GQA heads when its tiles hold whole head groups, and\n"
-        "    # float16 where its tile does not spill in float16; the others get the table's cp.async entry\n"
+        "    # SM120: the TMA family takes unsplit, unpaged calls without sinks, block sparsity or broadcast\n"
+        "    # (stride-0) q/k/v; varlen with packed K/V (seqused_k only with cu_seqlens_k) where its tile does\n"
+        "    # not spill with varlen; GQA heads packed when its tiles hold whole head groups and q is dense;\n"
+        "    # float16 where its tile does not spill in float16. The others get the table's cp.async entry\n"
+        "    sm120_varlen_q = cu_seqlens_q is not None or seqused_q is not None\n"
         "    sm120_tma_ok = (\n"
         "        arch // 10 == 12\n"
         "        and q is not None and k is not None\n"
-        "        and cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None\n"
+        "        and (seqused_k is None or cu_seqlens_k is not None)\n"
+        "        and (\n"
+        "            not (sm120_varlen_q or cu_seqlens_k is not None)\n"
+        "            or sm120_tma_varlen_ok(head_dim, head_dim_v, causal, local)\n"
+        "        )\n"
         "        and page_table is None and num_splits == 1\n"
-        "        and (not pack_gqa or qhead_per_kvhead == 1 or sm120_tma_packs(qhead_per_kvhead))\n"
+        "        and (\n"
+        "            not pack_gqa or qhead_per_kvhead == 1\n"
+        "            or (sm120_tma_packs(qhead_per_kvhead) and not sm120_varlen_q)\n"
+        "        )\n"
         "        and (q.dtype != torch.float16 or sm120_tma_fp16_ok(head_dim, head_dim_v, causal, local))\n"
         "        and learnable_sink is None and block_sparse_tensors is None\n"
         "        and not any(any(get_broadcast_dims(t)) for t in (q, k, v))\n"
@@ -436,8 +462,12 @@ def step_sm120_tma(ctx: Context) -> str:
             "listed K/V tiles, mask-list tiles take the mask_mod and full-list tiles do not, a sparse "
             "block may span several Q and K/V tiles). The interface routes neither to it here: a call "
             "with a sink takes the cp.async entry, and block sparsity stays refused on SM120 until a later "
-            "patch of this series. It refuses varlen, paged KV and other packed GQA ratios with "
-            "NotImplementedError. One or more K/V slots (one frees the shared memory for "
+            "patch of this series. Varlen runs through ragged TMA descriptors (quack's "
+            "create_ragged_tensor_for_tma): O is stored with each sequence's seqlen_q as TMA's bound, and "
+            "packed K/V (cu_seqlens_k) load with seqlen_k (or seqused_k) as the bound, so rows past it are "
+            "zero-filled and never enter P V; tiles come from SingleTileVarlenScheduler. It refuses "
+            "seqused_k without cu_seqlens_k, packed GQA with varlen q, paged KV and other packed GQA ratios "
+            "with NotImplementedError. One or more K/V slots (one frees the shared memory for "
             "256x48 tiles at d=128); float16 is refused where it spills (fp16_register_error). Causal "
             "tiles run longest first (SingleTileLPTScheduler, as FlashAttentionForwardSm90; lpt forces "
             "either order), and pingpong (off by default, 8 MMA warps) lets the two MMA warpgroups take "
@@ -445,10 +475,12 @@ def step_sm120_tma(ctx: Context) -> str:
             "flash_fwd_sm120_configs.py: the family is registered (tma_config_error: 4 or 8 MMA warps, "
             "1 KB-aligned buffers and mbarriers within 99 KB), so the table's TMA entries appear; "
             "SM120_FWD_TABLE_CPASYNC holds the rest, and sm120_fwd_config(..., tma_ok) picks between them.",
-            "interface.py: a call the family takes (dense, unsplit, unpaged, no sink, no block sparsity, "
-            "no broadcast q/k/v, GQA packed only at ratios every TMA entry's tile_m is a multiple of: "
-            "sm120_tma_packs; float16 only where the entry does not spill: sm120_tma_fp16_ok) gets the table's entry, any other the cp.async entry of the same key; the "
-            "family joins the compile key.",
+            "interface.py: a call the family takes (unsplit, unpaged, no sink, no block sparsity, "
+            "no broadcast q/k/v; varlen with packed K/V where the entry does not spill with varlen: "
+            "sm120_tma_varlen_ok; GQA packed only for dense q at ratios every TMA entry's tile_m is a "
+            "multiple of: sm120_tma_packs, so a varlen GQA call keeps upstream's default packing and the "
+            "cp.async entry; float16 only where the entry does not spill: sm120_tma_fp16_ok) gets the "
+            "table's entry, any other the cp.async entry of the same key; the family joins the compile key.",
         ],
         *measured,
         "Tested:",
