@@ -49,10 +49,13 @@ def sparse_block_size(tensors: BlockSparseTensorsTorch, seqlen_q: int, seqlen_k:
     when that is unambiguous (upstream's rule for Q; KV from a full-width index tensor)."""
     if tensors.mask_block_cnt is None or tensors.mask_block_idx is None:
         raise ValueError("block_sparse_tensors needs mask_block_cnt and mask_block_idx")
-    if tensors.cu_total_m_blocks is not None or tensors.mask_block_cnt.ndim != 3:
-        raise NotImplementedError(
-            "varlen block sparsity (2-D tensors with cu_total_m_blocks) is not supported by the SM120 kernels yet"
-        )
+    if is_varlen_form(tensors):
+        if tensors.block_size is None:
+            raise ValueError("varlen block_sparse_tensors (cu_total_m_blocks) need block_size: the lists' shapes do "
+                             "not give it")
+    elif tensors.mask_block_cnt.ndim != 3:
+        raise ValueError(f"block_sparse_tensors.mask_block_cnt must be (batch, heads, q_blocks), or (heads, "
+                         f"total_q_blocks) with cu_total_m_blocks; got shape {tuple(tensors.mask_block_cnt.shape)}")
     if tensors.block_size is not None:
         bq, bk = (int(x) for x in tensors.block_size)
         if bq <= 0 or bk <= 0:
@@ -67,6 +70,31 @@ def sparse_block_size(tensors: BlockSparseTensorsTorch, seqlen_q: int, seqlen_k:
             " (the BlockMask's BLOCK_SIZE)"
         )
     return bq, bk
+
+
+def is_varlen_form(tensors: BlockSparseTensorsTorch) -> bool:
+    """Upstream's varlen lists: (heads, total_q_blocks) counts and (heads, total entries) indices over the
+    packed sequences, with cu_total_m_blocks (each sequence's first Q block) and, for varlen K,
+    cu_block_idx_offsets (each sequence's first index entry); compute_block_sparsity writes them."""
+    return tensors.cu_total_m_blocks is not None
+
+
+def check_varlen_form(tensors: BlockSparseTensorsTorch, *, packed_q: bool, varlen_k: bool) -> None:
+    """ValueError when the lists' layout does not fit the call (upstream's rules): packed q takes the varlen
+    form only, which with varlen K needs cu_block_idx_offsets; a dense q takes the (batch, heads, ...) form."""
+    if packed_q and not is_varlen_form(tensors):
+        raise ValueError("block sparsity with packed q (cu_seqlens_q) needs the varlen lists: "
+                         "block_sparse_tensors.cu_total_m_blocks (compute_block_sparsity(..., cu_seqlens_q=...))")
+    if is_varlen_form(tensors):
+        if not packed_q:
+            raise ValueError("varlen block_sparse_tensors (cu_total_m_blocks) need packed q (cu_seqlens_q)")
+        if tensors.mask_block_cnt.ndim != 2 or tensors.mask_block_idx.ndim != 2:
+            raise ValueError("varlen block_sparse_tensors must be 2-D: (heads, total_q_blocks) counts and "
+                             f"(heads, total entries) indices, got {tuple(tensors.mask_block_cnt.shape)} and "
+                             f"{tuple(tensors.mask_block_idx.shape)}")
+        if varlen_k and tensors.cu_block_idx_offsets is None:
+            raise ValueError("varlen block sparsity with cu_seqlens_k or seqused_k requires "
+                             "block_sparse_tensors.cu_block_idx_offsets")
 
 
 def divides(config: FwdConfig, block_size: tuple[int, int]) -> bool:
@@ -116,9 +144,13 @@ def normalize(tensors: BlockSparseTensorsTorch, config: FwdConfig, *, batch: int
 
 
 def statics_key(norm: NormalizedBlockSparseConfig) -> tuple:
-    """What a compiled kernel is specialized on: subtile factors, full lists or not, stride-0 dims."""
-    return (norm.q_subtile_factor, norm.kv_subtile_factor, norm.tensors.full_block_cnt is not None,
-            norm.broadcast_pattern)
+    """What a compiled kernel is specialized on: subtile factors, full lists or not, stride-0 dims, and
+    for varlen lists whether they carry cu_block_idx_offsets (the last entry: a 4-tuple without it)."""
+    key = (norm.q_subtile_factor, norm.kv_subtile_factor, norm.tensors.full_block_cnt is not None,
+           norm.broadcast_pattern)
+    if norm.tensors.cu_total_m_blocks is not None:
+        key += (norm.tensors.cu_block_idx_offsets is not None,)
+    return key
 
 
 def cute_tensors(norm: NormalizedBlockSparseConfig):
@@ -135,7 +167,7 @@ def launch_tuple(norm: NormalizedBlockSparseConfig) -> tuple:
 
 def heads_broadcast(tensors: BlockSparseTensorsTorch) -> bool:
     """Whether the sparse lists are the same for every head (size-1 head dim): packed GQA needs it."""
-    return tensors.mask_block_cnt.shape[1] == 1
+    return tensors.mask_block_cnt.shape[0 if tensors.mask_block_cnt.ndim == 2 else 1] == 1
 
 
 def dq_turns(mask_cnt: torch.Tensor, mask_idx: torch.Tensor, full_cnt: Optional[torch.Tensor],

@@ -170,7 +170,8 @@ def compile_fwd_cubin(
         has_seqused_q="seqused_q" in varlen, has_seqused_k="seqused_k" in varlen, has_window_left=local,
         has_window_right=local, score_mod_hash=False, mask_mod_hash=False, aux_metadata=None,
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
-        block_sparse=None if block_sparse is None else (*block_sparse, None),
+        block_sparse=None if block_sparse is None else (
+            (*block_sparse, None) + (("cu_seqlens_k" in varlen,) if "cu_seqlens_q" in varlen else ())),
     )
     if upstream_class or kernel_cls is not None:
         kernel = (kernel_cls or FlashAttentionForwardSm120)(
@@ -204,9 +205,17 @@ def compile_fwd_cubin(
         from flash_attn.cute.block_sparsity import BlockSparseTensors
 
         m, n = cute.sym_int(), cute.sym_int()
-        lists = [make_fake_tensor(cutlass.Int32, shape, divisibility=1)
-                 for shape in ((b, h, m), (b, h, m, n)) * (2 if block_sparse[2] else 1)]
-        sparse = BlockSparseTensors(*lists)
+        if "cu_seqlens_q" in varlen:  # upstream's varlen lists: (h, total Q blocks), (h, total entries)
+            lists = [make_fake_tensor(cutlass.Int32, shape, divisibility=1)
+                     for shape in ((h, m), (h, n)) * (2 if block_sparse[2] else 1)]
+            lists += [None] * (4 - len(lists))
+            cu_m = make_fake_tensor(cutlass.Int32, (nb,), divisibility=1)
+            cu_idx = make_fake_tensor(cutlass.Int32, (nb,), divisibility=1) if "cu_seqlens_k" in varlen else None
+            sparse = BlockSparseTensors(*lists, cu_m, cu_idx)
+        else:
+            lists = [make_fake_tensor(cutlass.Int32, shape, divisibility=1)
+                     for shape in ((b, h, m), (b, h, m, n)) * (2 if block_sparse[2] else 1)]
+            sparse = BlockSparseTensors(*lists)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
             kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window, AuxData(None, None),

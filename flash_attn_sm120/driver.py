@@ -340,17 +340,32 @@ def choose_block_sparse(
 ) -> tuple[FwdStatics, object]:
     """(compile key, upstream's normalized sparse config) of a block-sparse forward: the given or forced
     config, else the first of block_sparse.forward_candidates that the TMA family serves."""
-    varlen = [n for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k") if build.get(n) is not None]
-    if varlen or q.dim() != 4:
-        raise NotImplementedError(f"block sparsity with varlen ({', '.join(varlen) or 'packed q'}) is not supported by "
-                                  "the SM120 kernels yet")
-    block_size = block_sparse.sparse_block_size(tensors, q.shape[1], k.shape[1])
+    packed_q, packed_k = build.get("cu_seqlens_q") is not None, build.get("cu_seqlens_k") is not None
+    block_sparse.check_varlen_form(tensors, packed_q=packed_q,
+                                   varlen_k=packed_k or build.get("seqused_k") is not None)
+    # the lists' shapes: with packed q the varlen form carries its own; with packed K the index width
+    # stands for the longest sequence's K/V blocks
+    batch = build["cu_seqlens_q"].numel() - 1 if packed_q else q.shape[0]
+    seqlen_q = 0 if packed_q else q.shape[1]
+    if packed_k and not packed_q:
+        if tensors.block_size is None:
+            raise ValueError("block sparsity with packed K/V (cu_seqlens_k) needs block_size: the lists' shapes do "
+                             "not give it")
+        seqlen_k = tensors.mask_block_idx.shape[-1] * int(tensors.block_size[1])
+    else:
+        seqlen_k = 0 if packed_k else k.shape[1]
+    block_size = block_sparse.sparse_block_size(tensors, seqlen_q, seqlen_k)
     if pack_gqa and not block_sparse.heads_broadcast(tensors):
         pack_gqa = False  # upstream's rule: packed GQA needs the same lists for every head
     config_given = config is not None or bool(_forced_config)
     if config is None and _forced_config:
         config = _forced_config[-1]
     candidates = [config] if config_given else block_sparse.forward_candidates(q.shape[-1], v.shape[-1], block_size)
+    if packed_q and candidates and not any(c.tile_m == block_size[0] for c in candidates):
+        # upstream's varlen lists hold one Q tile per sparse block (its normalize refuses other sizes)
+        rows = sorted({c.tile_m for c in candidates})
+        raise ValueError(f"varlen block sparsity needs the sparse Q block to be one kernel tile ({rows} rows at head "
+                         f"dim {q.shape[-1]}), got block_size {tuple(block_size)}")
     reasons = []
     for cfg in candidates:
         if cfg.family != "tma":
@@ -358,8 +373,13 @@ def choose_block_sparse(
             continue
         if not block_sparse.divides(cfg, block_size):
             raise ValueError(f"block sparsity: config {cfg.name}'s tile does not divide the sparse block {block_size}")
-        norm = block_sparse.normalize(tensors, cfg, batch=q.shape[0], num_heads=q.shape[2], seqlen_q=q.shape[1],
-                                      seqlen_k=k.shape[1], block_size=block_size, device=q.device)
+        if packed_q and cfg.tile_m != block_size[0]:
+            # upstream's varlen lists hold one Q tile per sparse block
+            reasons.append(f"varlen block sparsity needs tile_m == the sparse Q block {block_size[0]} "
+                           f"(config {cfg.name} has tile_m={cfg.tile_m})")
+            continue
+        norm = block_sparse.normalize(tensors, cfg, batch=batch, num_heads=q.shape[-2], seqlen_q=seqlen_q,
+                                      seqlen_k=seqlen_k, block_size=block_size, device=q.device)
         statics = build_statics(q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, config=cfg,
                                 block_sparse_key=block_sparse.statics_key(norm), **build)
         check = FAMILIES["tma"].kernel_cls.unsupported_reason

@@ -68,7 +68,8 @@ class AttnCase:
     backward: bool = False
     sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
     mods: str = ""  # a testing_mods.MODS name: score_mod / mask_mod / aux data (public API only)
-    block_sparse: str = ""  # a testing_sparse.CASES name: random block lists (public API, dense layout)
+    block_sparse: str = ""  # a testing_sparse.CASES name: random block lists (public API; dense layout, or packed
+    # q and k/v for a forward case: testing_sparse.varlen_case_ok)
     # the public API's deterministic=True: backward cases only, run twice and compared bit for bit
     deterministic: bool = False
 
@@ -301,8 +302,10 @@ def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_gr
     if case.block_sparse:
         from flash_attn_sm120 import testing_sparse
 
-        if not case.is_dense:
-            raise ValueError("block-sparse cases take the dense layout")
+        if not case.is_dense and not testing_sparse.varlen_case_ok(case.block_sparse, case.q_layout, case.k_layout,
+                                                                   case.backward):
+            raise ValueError("block-sparse cases take the dense layout, or packed q and k/v in a forward case "
+                             f"whose sparse Q block is one kernel tile ({sorted(testing_sparse.VARLEN_CASES)})")
         inputs.sparse_kinds = testing_sparse.case_map(case.block_sparse, problem.batch, h, max(problem.seqlens_q),
                                                       max(problem.seqlens_k), gen, device)
     if requires_grad:
@@ -417,7 +420,11 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
     if case.block_sparse:
         from flash_attn_sm120 import testing_sparse
 
-        kw.update(testing_sparse.case_lists(case.block_sparse, inputs.sparse_kinds, case.backward))
+        if case.q_layout == "packed":  # upstream's varlen lists, from each sequence's part of the map
+            kw.update(testing_sparse.case_varlen_lists(case.block_sparse, inputs.sparse_kinds, problem.seqlens_q,
+                                                       problem.seqlens_k))
+        else:
+            kw.update(testing_sparse.case_lists(case.block_sparse, inputs.sparse_kinds, case.backward))
     if case.deterministic:  # only then: forward-only callers pass these to upstream's _flash_attn_fwd as well
         kw["deterministic"] = True
     if not case.is_dense:

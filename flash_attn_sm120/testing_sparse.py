@@ -48,6 +48,33 @@ def lists_from_map(kinds: torch.Tensor, block_size: tuple[int, int], with_full: 
                                    full_block_idx=full_idx, block_size=block_size)
 
 
+def varlen_lists_from_maps(maps: list, block_size: tuple[int, int], with_full: bool = True,
+                           offsets: bool = True) -> BlockSparseTensorsTorch:
+    """upstream's varlen tensors (compute_block_sparsity's layout) for per-sequence block maps, each
+    (heads, q_blocks_b, kv_blocks_b): counts (heads, total Q blocks) and indices (heads, total entries),
+    sequence b's Q block m listing from entry cu_block_idx_offsets[b] + m * kv_blocks_b. offsets=False
+    leaves cu_block_idx_offsets out (every sequence then has the same kv_blocks, the uniform-K layout)."""
+    mask_cnt, mask_idx, full_cnt, full_idx, cu_m, cu_idx = [], [], [], [], [0], [0]
+    for kinds in maps:
+        lists = lists_from_map(kinds[None], block_size, with_full)
+        h, m, n = kinds.shape
+        mask_cnt.append(lists.mask_block_cnt[0])
+        mask_idx.append(lists.mask_block_idx[0].reshape(h, m * n))
+        if with_full:
+            full_cnt.append(lists.full_block_cnt[0])
+            full_idx.append(lists.full_block_idx[0].reshape(h, m * n))
+        cu_m.append(cu_m[-1] + m)
+        cu_idx.append(cu_idx[-1] + m * n)
+    dev = maps[0].device
+    cat = lambda parts: torch.cat(parts, dim=1).contiguous() if parts else None  # noqa: E731
+    tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=dev)  # noqa: E731
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=cat(mask_cnt), mask_block_idx=cat(mask_idx), full_block_cnt=cat(full_cnt),
+        full_block_idx=cat(full_idx), cu_total_m_blocks=tensor(cu_m),
+        cu_block_idx_offsets=tensor(cu_idx) if offsets else None, block_size=block_size,
+    )
+
+
 def keep_from_map(kinds: torch.Tensor, block_size: tuple[int, int], seqlen_q: int, seqlen_k: int,
                   keep_twin: Optional[Callable] = None, causal: bool = False) -> torch.Tensor:
     """The dense (b, h, sq, sk) attend mask: full blocks, and partial blocks where keep_twin(b, h, qi, ki)."""
@@ -109,6 +136,23 @@ def case_lists(name: str, kinds: torch.Tensor, backward: bool) -> dict:
     if backward:
         kw["block_sparse_tensors_bwd"] = lists_from_map(kinds.transpose(2, 3).contiguous(), block, with_full)
     return kw
+
+
+# cases whose sparse Q block is one kernel tile: upstream's varlen lists take only those (forward; the
+# varlen backward, as upstream's, applies the mask_mod without lists)
+VARLEN_CASES = frozenset(n for n, ((bq, _), _, _) in CASES.items() if bq <= 128)
+
+
+def varlen_case_ok(name: str, q_layout: str, k_layout: str, backward: bool) -> bool:
+    """Whether a block-sparse case runs in these storage layouts with varlen lists."""
+    return (q_layout, k_layout) == ("packed", "packed") and not backward and name in VARLEN_CASES
+
+
+def case_varlen_lists(name: str, kinds: torch.Tensor, seqlens_q, seqlens_k) -> dict:
+    """The public API's varlen block_sparse_tensors of a case: sequence b's part of the block map."""
+    block, with_full, _ = case_spec(name)
+    maps = [kinds[b, :, :-(-sq // block[0]), :-(-sk // block[1])] for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k))]
+    return {"block_sparse_tensors": varlen_lists_from_maps(maps, block, with_full)}
 
 
 def case_keep(name: str, kinds: torch.Tensor, seq: int, seqlen_q: int, seqlen_k: int,

@@ -120,6 +120,11 @@ SPARSE_SHAPES = (
     ("bs-fwd-d128-document-gqa", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, True, "dense", "dense",
                                           mods="document", block_sparse="random"),
      AttnProblem((300, 300), (520, 520), nheads_kv=2, seed=18)),
+    # upstream's varlen lists (packed q and k/v, cu_total_m_blocks / cu_block_idx_offsets): an empty sequence and
+    # one with fewer keys than a block, GQA unpacked
+    ("bs-fwd-d64-varlen-gqa", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, True, "packed", "packed",
+                                       block_sparse="random"),
+     AttnProblem((300, 0, 150), (520, 64, 200), nheads_kv=2, seed=21)),
     ("bs-bwd-d64-prefix-q256", AttnCase("bfloat16", 64, 64, 1, None, "none", 0.0, True, "dense", "dense", True,
                                         mods="prefix", block_sparse="q256"),
      AttnProblem((300,), (400,), nheads_kv=2, seed=19)),

@@ -30,6 +30,7 @@ from typing import Sequence
 from hypothesis import strategies as st
 
 from flash_attn_sm120.paths import BACKWARD_GAPS, KernelPath
+from flash_attn_sm120 import testing_sparse
 from flash_attn_sm120.testing import MASKS, AttnCase, AttnProblem
 from fuzz_profiles import FuzzPlan
 
@@ -147,9 +148,15 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         softcap = cols["softcap"][i] if s.softcap else 0.0
         mods = _mods(cols["mods"][i], s, softcap)
         sparse = cols["sparse"][i] if s.block_sparse else ""
-        if sparse:  # the lists' limits: dense layout, d 64/96/128 = dv, no window
+        if sparse:  # the lists' limits: dense layout or varlen lists (packed), d 64/96/128 = dv, no window
             d = dv = d if d in SPARSE_HEAD_DIMS else rng.choice(SPARSE_HEAD_DIMS)
-            layout, mask = ("dense", "dense"), mask if mask in ("none", "causal") else "none"
+            if sparse in testing_sparse.VARLEN_CASES and i % 2 == 0:
+                layout = ("packed", "packed")  # every other such case: varlen lists (no draw: the stream stays)
+            if not testing_sparse.varlen_case_ok(sparse, *layout, backward=False):
+                layout = ("dense", "dense")
+            if layout[0] != "dense":
+                pack = None  # varlen q runs its GQA heads unpacked on TMA
+            mask = mask if mask in ("none", "causal") else "none"
         api = "public" if layout[1] == "paged" or s.splits or sink or mods or sparse else cols["api"][i]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],

@@ -30,8 +30,12 @@ def test_block_size_given_or_inferred():
         block_sparse.sparse_block_size(_tensors(), 512, 1024)
     with pytest.raises(ValueError, match="positive"):
         block_sparse.sparse_block_size(_tensors(block_size=(0, 128)), 256, 256)
-    with pytest.raises(NotImplementedError, match="varlen block sparsity"):
+    with pytest.raises(ValueError, match="cu_total_m_blocks"):  # 2-D lists are the varlen form only
         block_sparse.sparse_block_size(_tensors(ndim=2, block_size=(128, 128)), 256, 256)
+    varlen = _tensors(ndim=2)._replace(cu_total_m_blocks=torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="need block_size"):
+        block_sparse.sparse_block_size(varlen, 0, 0)
+    assert block_sparse.sparse_block_size(varlen._replace(block_size=(128, 256)), 0, 0) == (128, 256)
 
 
 def test_candidates_divide_the_block():
@@ -205,12 +209,39 @@ def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
                                                                                             "stages_q": 2}))
 
 
-def test_varlen_block_sparsity_is_refused_by_name(monkeypatch):
-    """flash_attn_varlen_func with lists: NotImplementedError naming varlen, before any kernel work."""
+def test_varlen_lists_choose_a_tma_tile_of_one_sparse_q_block():
+    """flash_attn_varlen_func's lists (upstream's varlen form, fake CUDA tensors): a TMA config whose tile_m
+    is the sparse Q block; upstream's rules as ValueErrors (dense-form lists with packed q, varlen K
+    without cu_block_idx_offsets, a Q block no tile matches)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from flash_attn_sm120 import driver
 
-    q = torch.empty(100, 2, 64, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="varlen"):
-        driver.choose_block_sparse(q, q, q, _tensors(block_size=(128, 128)), causal=False, local=False, pack_gqa=False,
-                                   pack_gqa_chosen=False, config=None, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    h, d = 2, 128
+
+    def lists(block, offsets=True, total_m=4, total_idx=10):
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
+        return BlockSparseTensorsTorch(z(h, total_m), z(h, total_idx), z(h, total_m), z(h, total_idx),
+                                       cu_total_m_blocks=z(3), cu_block_idx_offsets=z(3) if offsets else None,
+                                       block_size=block)
+
+    with FakeTensorMode():
+        q = torch.empty(300 + 77, h, d, dtype=torch.bfloat16, device="cuda")
+        cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+        call = dict(causal=False, local=False, pack_gqa=False, pack_gqa_chosen=False, config=None, cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, has_lse=True, seqused_q=None, seqused_k=None, window_size_left=None,
+                    window_size_right=None, score_mod=None, mask_mod=None, aux_tensors=None, emulate_host_smem=None)
+        for block in ((128, 128), (64, 128), (128, 256)):
+            statics, norm = driver.choose_block_sparse(q, q, q, lists(block), **call)
+            assert statics.config.family == "tma" and statics.config.tile_m == block[0], (block, statics.config)
+            assert statics.has_cu_seqlens_q and statics.block_sparse[0] == 1  # one Q tile per sparse block
+            assert statics.block_sparse[-1] is True  # the key knows cu_block_idx_offsets is there
+        dense_form = BlockSparseTensorsTorch(torch.zeros(2, h, 3, dtype=torch.int32, device="cuda"),
+                                             torch.zeros(2, h, 3, 3, dtype=torch.int32, device="cuda"),
+                                             block_size=(128, 128))
+        with pytest.raises(ValueError, match="cu_total_m_blocks"):
+            driver.choose_block_sparse(q, q, q, dense_form, **call)
+        with pytest.raises(ValueError, match="cu_block_idx_offsets"):
+            driver.choose_block_sparse(q, q, q, lists((128, 128), offsets=False), **call)
+        with pytest.raises(ValueError, match="one kernel tile"):
+            driver.choose_block_sparse(q, q, q, lists((256, 128)), **call)

@@ -297,3 +297,64 @@ def test_backward_lists_deterministic(case):
     for later in runs[1:]:
         for name, a, r in zip(("dq", "dk", "dv"), runs[0], later):
             assert torch.equal(a, r), f"{case}: {name} differs between deterministic runs"
+
+
+def _varlen_case(lens_q, lens_k, h, hk, d, block, seed, with_full=True, density=0.5):
+    """Packed q/k/v, per-sequence random block maps and their varlen lists (upstream's layout)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(sum(lens), n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for lens, n in ((lens_q, h), (lens_k, hk), (lens_k, hk)))
+    maps = [testing_sparse.random_block_map(1, h, -(-sq // block[0]), -(-sk // block[1]), density=density,
+                                            full_share=0.5, generator=g)[0]
+            for sq, sk in zip(lens_q, lens_k)]
+    cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+          for lens in (lens_q, lens_k)]
+    return q, k, v, maps, cu
+
+
+@pytest.mark.parametrize("d,block", [(64, (128, 128)), (128, (128, 128)), (128, (64, 128)), (96, (128, 256))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_full", [True, False])
+def test_varlen_lists(d, block, causal, with_full):
+    """Upstream's varlen lists (2-D, cu_total_m_blocks, cu_block_idx_offsets) through flash_attn_varlen_func:
+    sequences of 0 rows, of fewer keys than one block, not block multiples, seqlen_q != seqlen_k; GQA; a
+    mask_mod on the partial blocks; each sequence against the fp32 reference of the mask the lists mean."""
+    lens_q, lens_k = (300, 0, 128, 700, 5), (517, 64, 100, 700, 1000)
+    h, hk = 4, 2
+    q, k, v, maps, (cu_q, cu_k) = _varlen_case(lens_q, lens_k, h, hk, d, block, seed=d + causal + 2 * with_full)
+    sparse = testing_sparse.varlen_lists_from_maps(maps, block, with_full)
+    prefix = testing_mods.spec("prefix")
+    with testing.poisoned_outputs():
+        out, lse = flash_attn_sm120.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+            causal=causal, mask_mod=prefix.mask_mod, block_sparse_tensors=sparse, return_lse=True)
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq == 0:
+            continue
+        kinds = maps[i][None] if with_full else torch.where(maps[i][None] > 0, testing_sparse.PARTIAL, 0).int()
+        keep = testing_sparse.keep_from_map(kinds, block, sq, sk,
+                                            lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None), causal)
+        rows_q, rows_k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        qs, ks, vs = q[None, rows_q], k[None, rows_k], v[None, rows_k]
+        ref_out, ref_lse = _ref(qs.float(), ks.float(), vs.float(), keep, True)
+        pt_out, pt_lse = _ref(qs, ks, vs, keep, False)
+        testing.assert_close_to_ref(f"out[{i}]", out[None, rows_q], ref_out, pt_out, q.dtype)
+        testing.assert_lse_close(lse[None, :, rows_q], ref_lse, pt_lse, 1e-2, 1e-3)
+
+
+def test_varlen_lists_refusals_name_the_problem():
+    """Upstream's rules for varlen lists, as ValueErrors: packed q needs them; varlen K needs
+    cu_block_idx_offsets; the sparse Q block must be one kernel tile (no config has 256 rows here)."""
+    lens = (300, 77)
+    q, k, v, maps, (cu_q, cu_k) = _varlen_case(lens, lens, 2, 2, 128, (128, 128), seed=3)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=300)
+    dense_form = testing_sparse.lists_from_map(torch.zeros(2, 2, 3, 3, dtype=torch.int32, device="cuda"), (128, 128))
+    with pytest.raises(ValueError, match="cu_total_m_blocks"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, block_sparse_tensors=dense_form, **kw)
+    no_offsets = testing_sparse.varlen_lists_from_maps(maps, (128, 128), offsets=False)
+    with pytest.raises(ValueError, match="cu_block_idx_offsets"):
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, block_sparse_tensors=no_offsets, **kw)
+    _, _, _, maps256, _ = _varlen_case(lens, lens, 2, 2, 128, (256, 128), seed=3)
+    with pytest.raises(ValueError, match="one kernel tile"):
+        flash_attn_sm120.flash_attn_varlen_func(
+            q, k, v, block_sparse_tensors=testing_sparse.varlen_lists_from_maps(maps256, (256, 128)), **kw)

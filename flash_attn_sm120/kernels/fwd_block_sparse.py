@@ -76,7 +76,7 @@ def tile_lists(
     """The lists of the sparse Q block holding kernel M tile `m_block` (upstream's indexing helpers)."""
     m_sparse = sparse_tensor_m_block(m_block, qhead_per_kvhead_packgqa, q_subtile_factor)
     mask_cnt, mask_idx, full_cnt, full_idx = get_curr_blocksparse_tensors(
-        batch_idx, head_idx, m_sparse, blocksparse_tensors, seqlen
+        batch_idx, head_idx, m_sparse, blocksparse_tensors, seqlen, kv_subtile_factor
     )
     num_n_tiles = cute.ceil_div(seqlen.seqlen_k, tile_n)
     mask_tiles = _tiles_in_list(mask_cnt, mask_idx, kv_subtile_factor, num_n_tiles)

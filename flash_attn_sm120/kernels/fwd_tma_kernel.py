@@ -118,9 +118,16 @@ class TmaKernelMixin:
             seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
             # varlen: this sequence's offsets and lengths (SeqlenInfoQK reads cu_seqlens / seqused);
             # mK is the ragged TMA view with cu_seqlens_k, whose static length is never read
+            # varlen block-sparse lists: each sequence's first Q block and first index entry, and its K/V
+            # block count in this kernel's tiles
+            sparse_varlen = const_expr(blocksparse_tensors is not None
+                                       and blocksparse_tensors.cu_total_m_blocks is not None)
             seqlen = SeqlenInfoQK.create(
                 batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0],
                 mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
+                mCuTotalMBlocks=blocksparse_tensors.cu_total_m_blocks if sparse_varlen else None,
+                mCuBlockIdxOffsets=blocksparse_tensors.cu_block_idx_offsets if sparse_varlen else None,
+                tile_m=self.tile_m, tile_n=self.tile_n,
             )
             if const_expr(fastdiv_mods is not None):
                 # aux tensors index by position in the sequence: divisors of this sequence's lengths
