@@ -73,7 +73,7 @@ def sparse_block_size(tensors: BlockSparseTensorsTorch, seqlen_q: int, seqlen_k:
 
 
 def is_varlen_form(tensors: BlockSparseTensorsTorch) -> bool:
-    """Upstream's varlen lists: (heads, total_q_blocks) counts and (heads, total entries) indices over the
+    """The varlen form of BlockSparseTensorsTorch: (heads, total_q_blocks) counts and (heads, total entries) indices over the
     packed sequences, with cu_total_m_blocks (each sequence's first Q block) and, for varlen K,
     cu_block_idx_offsets (each sequence's first index entry); compute_block_sparsity writes them."""
     return tensors.cu_total_m_blocks is not None

@@ -211,8 +211,19 @@ with FakeTensorMode():
     qv_, kv_ = torch.empty(517, 4, 128, dtype=torch.bfloat16, device="cuda"), torch.empty(700, 4, 128, dtype=torch.bfloat16, device="cuda")
     cu_q = torch.empty(2, dtype=torch.int32, device="cuda")
     cu_k = torch.empty(2, dtype=torch.int32, device="cuda")
-    run("varlen", lambda: fwd(qv_, kv_, kv_, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=517, max_seqlen_k=700,
-                             block_sparse_tensors=lists(1, 4, 5, 6, (128, 128))))
+    run("varlen, dense-form lists", lambda: fwd(qv_, kv_, kv_, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=517,
+                                                max_seqlen_k=700, block_sparse_tensors=lists(1, 4, 5, 6, (128, 128))))
+    cu3 = torch.empty(3, dtype=torch.int32, device="cuda")
+    vcnt = torch.empty(4, 6, dtype=torch.int32, device="cuda")
+    vidx = torch.empty(4, 30, dtype=torch.int32, device="cuda")
+    varlen_lists = BlockSparseTensorsTorch(vcnt, vidx, vcnt.clone(), vidx.clone(), cu_total_m_blocks=cu3,
+                                           cu_block_idx_offsets=cu3.clone(), block_size=(128, 128))
+    run("varlen lists", lambda: fwd(qv_, kv_, kv_, cu_seqlens_q=cu3, cu_seqlens_k=cu3, max_seqlen_q=400,
+                                    max_seqlen_k=500, block_sparse_tensors=varlen_lists))
+    run("varlen lists, 256-row blocks", lambda: fwd(qv_, kv_, kv_, cu_seqlens_q=cu3, cu_seqlens_k=cu3, max_seqlen_q=400,
+                                                    max_seqlen_k=500,
+                                                    block_sparse_tensors=varlen_lists._replace(block_size=(256, 128))))
+    run("seqused_k alone", lambda: fwd(q, k, v, seqused_k=cu_q, block_sparse_tensors=sparse))
     kp = torch.empty(8, 128, 4, 128, dtype=torch.bfloat16, device="cuda")
     pages = torch.empty(2, 4, dtype=torch.int32, device="cuda")
     run("paged", lambda: fwd(q, kp, kp, page_table=pages, block_sparse_tensors=lists(2, 4, 5, 4, (128, 128))))
@@ -260,13 +271,20 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     assert det["deterministic"] is True and det["fused_turns"] is True, det
     gqa = one("d64 GQA 4:1, 64x128 blocks shared by the heads", tma, [1, 0])
     assert (gqa["tile"], gqa["threads"], gqa["subtiles"], gqa["pack_gqa"]) == ([64, 64], 128, [1, 2], True), gqa
+    varlen = one("varlen lists", tma, [1, 0])  # upstream's varlen lists: one Q tile per sparse block
+    assert (varlen["tile"], varlen["subtiles"], varlen["pack_gqa"]) == ([128, 64], [1, 2], False), varlen
     odd = one("d96 GQA 3:1, shared lists: 128-row tiles cannot pack 3", tma, [1, 0])
     assert (odd["tile"], odd["pack_gqa"]) == ([128, 64], False), odd
     for name, error in (("d192", "NotImplementedError: block sparsity on SM120 runs in the TMA family: head dims"),
                         ("96-row blocks", "ValueError: block sparsity: sparse block size (96, 128) is not a multiple"),
                         ("no block_size, ambiguous", "ValueError: block_sparse_tensors: cannot infer the sparse block"),
-                        ("varlen", "NotImplementedError: block sparsity on SM120 runs in the TMA family, which does "
-                                   "not take varlen"),
+                        # upstream's own rule for packed q
+                        ("varlen, dense-form lists", "AssertionError: Varlen block sparsity requires "
+                                                     "block_sparse_tensors.cu_total_m_blocks"),
+                        ("varlen lists, 256-row blocks", "ValueError: varlen block sparsity needs the sparse Q block "
+                                                         "to be one kernel tile"),
+                        ("seqused_k alone", "NotImplementedError: block sparsity on SM120 runs in the TMA family, "
+                                            "which does not take seqused_k without cu_seqlens_k"),
                         ("paged", "NotImplementedError: block sparsity on SM120 runs in the TMA family, which does "
                                   "not take paged KV"),
                         ("bwd no block_size", "ValueError: the SM120 block-sparse backward needs block_sparse_tensors."

@@ -5,7 +5,8 @@ already walks upstream's lists; this step lets `interface.py` give them to it. `
 on SM120 with `block_sparse_tensors` runs the TMA class with a config whose tile divides the sparse
 block (the package's `block_sparse.CONFIGS` and its choice, lifted into `flash_fwd_sm120_configs.py`),
 the q/kv subtile factors from upstream's own `normalize_block_sparse_config` (allow_kv_subtile), and
-refuses what the family does not take (varlen, paged KV, stride-0 q/k/v, other head dims).
+refuses what the family does not take (seqused_k without cu_seqlens_k, paged KV, stride-0 q/k/v,
+other head dims); upstream's varlen lists run on a tile of one sparse Q block.
 
 Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
 `flash_bwd_sm120_block_sparse.py` (a subclass of patch 0005's modifier backward that walks the
@@ -125,6 +126,7 @@ _BS_WHERE = "flash_attn_sm120/block_sparse.py"
 _FWD_LIFTED = (
     ("CONFIGS", "SM120_BLOCK_SPARSE_CONFIGS"),
     ("_inferred", "_sm120_inferred_block"),
+    ("is_varlen_form", "sm120_is_varlen_block_sparse"),
     ("sparse_block_size", "sm120_sparse_block_size"),
     ("divides", "sm120_tile_divides_block"),
     ("forward_candidates", "sm120_block_sparse_candidates"),
@@ -143,17 +145,30 @@ def sm120_block_sparse_config(
     block_size: Tuple[int, int],
     fp16: bool = False,
     tile_mn: Optional[Tuple[int, int]] = None,
+    varlen_q: bool = False,
 ) -> Sm120FwdConfig:
     """The TMA config of a block-sparse call on SM120 (flash_fwd_sm120_block_sparse.py walks the lists):
     the first of SM120_BLOCK_SPARSE_CONFIGS for the head dim whose tile divides the sparse block (and is
     tile_mn, when given) that runs these head dims and, in float16, does not spill (fp16_register_error).
-    NotImplementedError or ValueError (sm120_block_sparse_refusal) when none does."""
+    varlen_q (varlen lists: one Q tile per sparse block, as normalize_block_sparse_config requires): the
+    tile_m must be the sparse Q block. NotImplementedError or ValueError (sm120_block_sparse_refusal) when
+    none does."""
     from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error
 
     reasons = []
-    for cfg in sm120_block_sparse_candidates(head_dim, head_dim_v, block_size):
+    candidates = sm120_block_sparse_candidates(head_dim, head_dim_v, block_size)
+    if varlen_q and candidates and not any(cfg.tile_m == block_size[0] for cfg in candidates):
+        rows = sorted({cfg.tile_m for cfg in candidates})
+        raise ValueError(
+            f"varlen block sparsity needs the sparse Q block to be one kernel tile ({rows} rows at head dim "
+            f"{head_dim}), got block_size {tuple(block_size)}"
+        )
+    for cfg in candidates:
         if tile_mn is not None and (cfg.tile_m, cfg.tile_n) != tuple(tile_mn):
             reasons.append(f"tile_mn={tuple(tile_mn)} is not the tile of {cfg.name}")
+            continue
+        if varlen_q and cfg.tile_m != block_size[0]:
+            reasons.append(f"varlen lists need tile_m == {block_size[0]} ({cfg.name})")
             continue
         err = cfg.error(head_dim, head_dim_v)
         if err is None and fp16:
@@ -343,8 +358,7 @@ _BS_INTERFACE_EDITS = (
         "        sm120_sparse_refused = [\n"
         "            what\n"
         "            for what, used in (\n"
-        "                (\"varlen (cu_seqlens / seqused)\",\n"
-        "                 any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))),\n"
+        "                (\"seqused_k without cu_seqlens_k\", seqused_k is not None and cu_seqlens_k is None),\n"
         "                (\"paged KV\", page_table is not None),\n"
         "                (\"stride-0 (expanded) q/k/v\", any(any(get_broadcast_dims(t)) for t in (q, k, v) if t is not None)),\n"
         "            )\n"
@@ -357,12 +371,15 @@ _BS_INTERFACE_EDITS = (
         "            )\n"
         "        sm120_sparse_block = sm120_sparse_block_size(block_sparse_tensors, seqlen_q, seqlen_k)\n"
         "        block_sparse_tensors = block_sparse_tensors._replace(block_size=sm120_sparse_block)\n"
+        "        sm120_sparse_varlen_q = cu_seqlens_q is not None or seqused_q is not None\n"
         "        sm120_sparse_cfg = sm120_block_sparse_config(\n"
-        "            head_dim, head_dim_v, sm120_sparse_block, fp16=q.dtype == torch.float16, tile_mn=tile_mn\n"
+        "            head_dim, head_dim_v, sm120_sparse_block, fp16=q.dtype == torch.float16, tile_mn=tile_mn,\n"
+        "            varlen_q=cu_seqlens_q is not None,\n"
         "        )\n"
         "        num_splits = 1\n"
-        "        if pack_gqa and sm120_sparse_cfg.tile_m % qhead_per_kvhead != 0:\n"
-        "            pack_gqa = False  # the family's Q/O TMA boxes hold whole head groups\n"
+        "        if pack_gqa and (sm120_sparse_cfg.tile_m % qhead_per_kvhead != 0 or sm120_sparse_varlen_q):\n"
+        "            # the family's Q/O TMA boxes hold whole head groups, of dense q only\n"
+        "            pack_gqa = False\n"
         "\n"
         "    # SM120: the TMA family takes unsplit, unpaged calls without sinks, block sparsity or broadcast\n",
     ),
@@ -540,7 +557,11 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             f"SM120_BLOCK_SPARSE_CONFIGS entry for the head dim ({dims}, head_dim == head_dim_v) whose "
             "tile divides the sparse block and, in float16, does not spill; GQA heads stay packed "
             "only where that tile holds whole head groups (and, as before, the lists are shared by "
-            "every head). Varlen, paged KV, stride-0 q/k/v and other head dims are refused by name.",
+            "every head, and never with varlen q). Upstream's varlen lists (2-D, cu_total_m_blocks, "
+            "cu_block_idx_offsets with varlen K, and block_size given) run on a tile whose tile_m is the "
+            "sparse Q block, as normalize_block_sparse_config requires; the TMA class reads each "
+            "sequence's first Q block and index entry through SeqlenInfoQK. seqused_k without "
+            "cu_seqlens_k, paged KV, stride-0 q/k/v and other head dims are refused by name.",
             "flash_fwd_sm120_configs.py: SM120_BLOCK_SPARSE_CONFIGS (8 MMA warps of 16 rows, then 4 "
             "warps on 64x64 for 64-row sparse blocks; the table's TMA entries are not used: the "
             "block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=128 tiles "
