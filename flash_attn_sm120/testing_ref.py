@@ -39,7 +39,7 @@ def _mod_twins(case: AttnCase, inputs: Inputs, seq: int) -> dict:
     if case.block_sparse:
         from flash_attn_sm120 import testing_sparse
 
-        sq, sk = inputs.q.shape[1], inputs.k_seq(seq).shape[1]
+        sq, sk = inputs.q_layout.seq(inputs.q, seq).shape[1], inputs.k_seq(seq).shape[1]
         keep = testing_sparse.case_keep(case.block_sparse, inputs.sparse_kinds, seq, sq, sk, keep_fn,
                                         causal=case.causal and keep_fn is None)
         keep_fn = lambda h, qi, ki: keep  # noqa: E731

@@ -318,22 +318,25 @@ def _varlen_case(lens_q, lens_k, h, hk, d, block, seed, with_full=True, density=
 def test_varlen_lists(d, block, causal, with_full):
     """Upstream's varlen lists (2-D, cu_total_m_blocks, cu_block_idx_offsets) through flash_attn_varlen_func:
     sequences of 0 rows, of fewer keys than one block, not block multiples, seqlen_q != seqlen_k; GQA; a
-    mask_mod on the partial blocks; each sequence against the fp32 reference of the mask the lists mean."""
+    mask_mod on the partial blocks (causal cases: the causal mask inside the listed tiles instead); each
+    sequence against the fp32 reference of the mask the lists mean."""
     lens_q, lens_k = (300, 0, 128, 700, 5), (517, 64, 100, 700, 1000)
     h, hk = 4, 2
     q, k, v, maps, (cu_q, cu_k) = _varlen_case(lens_q, lens_k, h, hk, d, block, seed=d + causal + 2 * with_full)
     sparse = testing_sparse.varlen_lists_from_maps(maps, block, with_full)
-    prefix = testing_mods.spec("prefix")
+    # a mask_mod replaces the causal mask (upstream's _resolve_causal_local_window): causal cases go without one
+    prefix = None if causal else testing_mods.spec("prefix")
     with testing.poisoned_outputs():
         out, lse = flash_attn_sm120.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
-            causal=causal, mask_mod=prefix.mask_mod, block_sparse_tensors=sparse, return_lse=True)
+            causal=causal, mask_mod=None if causal else prefix.mask_mod, block_sparse_tensors=sparse,
+            return_lse=True)
     for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         if sq == 0:
             continue
         kinds = maps[i][None] if with_full else torch.where(maps[i][None] > 0, testing_sparse.PARTIAL, 0).int()
-        keep = testing_sparse.keep_from_map(kinds, block, sq, sk,
-                                            lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None), causal)
+        twin = None if causal else (lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None))
+        keep = testing_sparse.keep_from_map(kinds, block, sq, sk, twin, causal)
         rows_q, rows_k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         qs, ks, vs = q[None, rows_q], k[None, rows_k], v[None, rows_k]
         ref_out, ref_lse = _ref(qs.float(), ks.float(), vs.float(), keep, True)

@@ -747,3 +747,22 @@ def test_watchdog_env_default(monkeypatch):
     monkeypatch.delenv(WATCHDOG_ENV)
     assert Watchdog().seconds == 300
     assert os.environ.get(WATCHDOG_ENV) is None
+
+
+def test_varlen_block_sparse_case_builds_lists_and_per_sequence_masks():
+    """A forward block-sparse case in the packed layout: upstream's varlen lists (one region of the index
+    tensor per sequence) and each sequence's dense mask at its own lengths, an empty sequence included."""
+    from flash_attn_sm120 import testing_ref
+
+    case = testing.AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, True, "packed", "packed", block_sparse="random")
+    problem = testing.AttnProblem((300, 0, 150), (520, 64, 200), nheads_kv=2, seed=21)
+    inputs = testing.make_inputs(case, problem, "cpu")
+    lists = testing.api_kwargs(inputs, case, problem)["block_sparse_tensors"]
+    assert lists.cu_total_m_blocks.tolist() == [0, 3, 3, 5]  # 128-row blocks of 300, 0 and 150 rows
+    assert lists.cu_block_idx_offsets.tolist() == [0, 15, 15, 19]  # 3 x 5, 0 x 1, 2 x 2 entries
+    assert tuple(lists.mask_block_cnt.shape) == (4, 5) and tuple(lists.mask_block_idx.shape) == (4, 19)
+    for seq, (sq, sk) in enumerate(zip(problem.seqlens_q, problem.seqlens_k)):
+        keep = testing_ref._mod_twins(case, inputs, seq)["keep_fn"](0, 0, 0)
+        assert tuple(keep.shape) == (1, 4, sq, sk), seq
+    with pytest.raises(ValueError, match="block-sparse cases take the dense layout"):
+        testing.make_inputs(dataclasses.replace(case, block_sparse="q256"), problem, "cpu")  # 256-row blocks: no varlen lists
