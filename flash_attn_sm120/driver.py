@@ -355,8 +355,10 @@ def choose_block_sparse(
     else:
         seqlen_k = 0 if packed_k else k.shape[1]
     block_size = block_sparse.sparse_block_size(tensors, seqlen_q, seqlen_k)
-    if pack_gqa and not block_sparse.heads_broadcast(tensors):
-        pack_gqa = False  # upstream's rule: packed GQA needs the same lists for every head
+    if pack_gqa and (packed_q or not block_sparse.heads_broadcast(tensors)):
+        # upstream's rule: packed GQA needs the same lists for every head; varlen lists hold one Q tile
+        # per sparse block of positions, which a packed tile (positions of several heads) is not
+        pack_gqa = False
     config_given = config is not None or bool(_forced_config)
     if config is None and _forced_config:
         config = _forced_config[-1]

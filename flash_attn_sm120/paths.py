@@ -128,16 +128,13 @@ class KernelPath:
         """Candidate head dims (head_dim == head_dim_v) that this path can run."""
         return tuple(d for d in self.supports.head_dims if self.error(d, d) is None)
 
-    def packs(self, qhead_per_kvhead: int, head_dim: int, head_dim_v: int, varlen_q: bool = False) -> bool:
+    def packs(self, qhead_per_kvhead: int, head_dim: int, head_dim_v: int) -> bool:
         """Whether an explicit pack_gqa=True runs packed on this path at this GQA ratio (a forced
-        config the family cannot pack raises; the dispatcher would fall back to cp.async). varlen_q:
-        q packed or padded (the TMA family packs GQA only for dense q: fwd_tma.varlen_error)."""
+        config the family cannot pack raises; the dispatcher would fall back to cp.async)."""
         if not self.supports.pack_gqa:
             return False
         if self.family != "tma" or qhead_per_kvhead == 1:
             return True
-        if varlen_q:
-            return False
         from flash_attn_sm120.kernels.fwd_tma import pack_gqa_error  # lazy: imports the DSL
 
         return pack_gqa_error(self.resolved_config(head_dim, head_dim_v).tile_m, qhead_per_kvhead) is None
@@ -158,7 +155,7 @@ def _upstream_config(head_dim: int, head_dim_v: int) -> FwdConfig:
 
 # What a forced config of a family can run (the dispatcher sends the rest to the cp.async entry)
 # TMA: varlen through ragged descriptors, K/V packed (cu_seqlens_k, with or without seqused_k) and q
-# packed or padded; seqused_k alone goes to cp.async (fwd_tma_rules.varlen_error)
+# packed or padded, GQA packed or not; seqused_k alone goes to cp.async (fwd_tma_rules.varlen_error)
 TMA_LAYOUTS = (("packed", "packed"), ("padded", "packed"))
 FAMILY_LIMITS: dict[str, dict] = {
     "tma": dict(head_dims=(64, 96, 128), mixed_head_dims=False, varlen=True, layouts=TMA_LAYOUTS),

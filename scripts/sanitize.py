@@ -157,7 +157,7 @@ def adapt(path: KernelPath, case: AttnCase) -> AttnCase:
         mask = "none"
     layout = (case.q_layout, case.k_layout) if s.allows_layout(case.q_layout, case.k_layout) else ("dense", "dense")
     pack = case.pack_gqa if s.pack_gqa else (False if case.qhead_per_kvhead > 1 else None)
-    if pack and not path.packs(case.qhead_per_kvhead, d, d, varlen_q=layout[0] != "dense"):
+    if pack and not path.packs(case.qhead_per_kvhead, d, d):
         pack = None  # the path cannot pack this call: the driver decides
     return replace(
         case, head_dim=d, head_dim_v=d, dtype=case.dtype if case.dtype in s.dtypes else s.dtypes[0], mask=mask,

@@ -142,7 +142,7 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
         if s.paged and rng.random() < 0.2:
             layout = rng.choice(PAGED_LAYOUTS)
         pack = (cols["pack"][i] if s.pack_gqa else False) if ratio > 1 else None
-        if pack and not path.packs(ratio, d, dv, varlen_q=layout[0] != "dense"):
+        if pack and not path.packs(ratio, d, dv):
             pack = None  # the path's tile cannot hold whole head groups: let the driver decide
         sink = cols["sink"][i] and s.sinks
         softcap = cols["softcap"][i] if s.softcap else 0.0
@@ -155,7 +155,7 @@ def static_cases(paths: Sequence[KernelPath], plan: FuzzPlan, seed: int, mode: s
             if not testing_sparse.varlen_case_ok(sparse, *layout, backward=False):
                 layout = ("dense", "dense")
             if layout[0] != "dense":
-                pack = None  # varlen q runs its GQA heads unpacked on TMA
+                pack = None  # varlen lists run their GQA heads unpacked (driver.choose_block_sparse)
             mask = mask if mask in ("none", "causal") else "none"
         api = "public" if layout[1] == "paged" or s.splits or sink or mods or sparse else cols["api"][i]
         case = AttnCase(

@@ -44,7 +44,7 @@ def test_a_refused_family_says_why_and_falls_back_to_cpasync():
     kv = torch.empty(2048, 8, 128, **META)
     cu = torch.empty(3, device="meta", dtype=torch.int32)
     varlen = explain(qv, kv, kv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
-    assert varlen.family == "tma" and not varlen.pack_gqa  # ragged TMA; varlen q packs no GQA there
+    assert varlen.family == "tma" and varlen.pack_gqa  # ragged TMA descriptors, GQA packed
     kpad = torch.empty(2, 1024, 8, 128, **META)
     used = torch.empty(2, device="meta", dtype=torch.int32)
     cache = explain(qv, kpad, kpad, causal=True, cu_seqlens_q=cu, seqused_k=used, max_seqlen_q=1024)

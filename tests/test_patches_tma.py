@@ -167,7 +167,7 @@ CASES = [
     ("varlen d128 non-causal, seqused_q over packed K/V: the TMA entry (ragged descriptors)",
      dict(mask="none", q_layout="padded", k_layout="packed", return_lse=True),
      dict(seqlens_q=(300, 0, 77), seqlens_k=(500, 64, 1000), nheads_kv=2, pad_q=9)),
-    ("varlen GQA 4:1 d64 causal, packed by default: the cp.async entry", dict(head_dim=64, head_dim_v=64, mask="causal",
+    ("varlen GQA 4:1 d64 causal, packed by default: the TMA entry", dict(head_dim=64, head_dim_v=64, mask="causal",
      qhead_per_kvhead=4, q_layout="packed", k_layout="packed"), dict(seqlens_q=(300, 77), seqlens_k=(300, 77), nheads_kv=2)),
 ]
 out = []
@@ -200,6 +200,8 @@ def test_patched_upstream_tma_forward_matches_reference(tmp_path):
     entry does not spill with varlen and q's GQA heads are not packed, all against the fp32 reference
     with poisoned outputs."""
     results = _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))), script=_GPU_TMA_PROBE, gpu=True)
+    from flash_attn_sm120.kernels.fwd_tma import varlen_register_error
+
     dense, varlen, packed, odd, bf16_none, fp16_none, varlen_none, varlen_gqa = results
     assert all(r["error"] is None for r in results), results
     assert dense["built"][-1] == "FlashAttentionForwardSm120Tma", dense
@@ -213,10 +215,10 @@ def test_patched_upstream_tma_forward_matches_reference(tmp_path):
         assert bf16_none["built"][-1] == "FlashAttentionForwardSm120Tma", bf16_none
         fp16_tma = fp16_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
         assert fp16_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if fp16_tma else "FlashAttentionForwardSm120"), fp16_none
-        from flash_attn_sm120.kernels.fwd_tma import varlen_register_error
-
         varlen_tma = varlen_register_error(128, first.tile_m, first.tile_n, first.num_threads) is None
         assert varlen_none["built"][-1] == ("FlashAttentionForwardSm120Tma" if varlen_tma else
                                             "FlashAttentionForwardSm120"), varlen_none
-    # varlen q with GQA: upstream's default packing stands, so the cp.async entry (the TMA family packs dense q only)
-    assert varlen_gqa["built"][-1] == "FlashAttentionForwardSm120", varlen_gqa
+    # varlen q with GQA packed (the default): the d64 causal TMA entry takes it
+    first64 = select_fwd_config(load_fwd_table(), 64, 64, True, False)
+    if first64.family == "tma" and varlen_register_error(64, first64.tile_m, first64.tile_n, first64.num_threads) is None:
+        assert varlen_gqa["built"][-1] == "FlashAttentionForwardSm120Tma", varlen_gqa

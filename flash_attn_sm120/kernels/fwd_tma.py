@@ -63,14 +63,15 @@ packed or not, softcap and score_mod (applied as in FlashAttentionForwardSm80, t
 sums, sink_fold.load_row_sinks), block sparsity (the producer and the MMA warps walk the listed K/V
 tiles instead of the n_block range: fwd_block_sparse.py), varlen (below). Refused with
 NotImplementedError (the driver routes these to the cp.async family): seqused_k without
-cu_seqlens_k, pack_gqa with varlen q or when tile_m is not a multiple of qhead_per_kvhead, paged
-KV. `unsupported_reason(statics)` states the rule for the driver.
+cu_seqlens_k, pack_gqa when tile_m is not a multiple of qhead_per_kvhead, paged KV.
+`unsupported_reason(statics)` states the rule for the driver.
 
 Varlen (FA3's approach with one addition): SingleTileVarlenScheduler hands out each sequence's own
 M tiles. Q loads from the sequence's first row (a tile past seqlen_q reads the next sequence's
 rows, whose outputs are never stored); O stores through a ragged descriptor
 (quack's create_ragged_tensor_for_tma: one extra mode whose coordinate places the sequence, so
-TMA's bound is the sequence's seqlen_q). Packed K/V (cu_seqlens_k) load through ragged descriptors
+TMA's bound is the sequence's seqlen_q; with packed GQA the ragged tensor is packed as a dense one
+is, as FA3 does). Packed K/V (cu_seqlens_k) load through ragged descriptors
 too, so that TMA zero-fills every row past seqlen_k (with seqused_k, past it): those rows never
 enter P V, where 0 * NaN would poison a row. seqused_k alone (a (b, s) cache) has no such bound
 in a 4-mode descriptor and stays on the cp.async family, which predicates its loads.
@@ -382,8 +383,6 @@ class FlashAttentionForwardSm120Tma(
             seqused_k_without_cu_seqlens_k=mSeqUsedK if const_expr(mCuSeqlensK is None) else None,
         )
         self.varlen_q = mCuSeqlensQ is not None or mSeqUsedQ is not None
-        if const_expr(self.varlen_q and self.pack_gqa):
-            raise NotImplementedError("SM120 TMA forward: pack_gqa with varlen q; pass pack_gqa=False")
         self.has_sink = learnable_sink is not None
         self._check_type(
             *(t.element_type if t is not None else None
@@ -429,7 +428,8 @@ class FlashAttentionForwardSm120Tma(
         tma_atom_V, tma_tensor_V = cpasync.make_tiled_tma_atom(
             tma_load, mV_tma, cute.select(self.sV_layout, mode=[0, 1]), (self.tile_n, self.tile_hdimv), 1
         )
-        # varlen q: a ragged O descriptor, so that the store clips at each sequence's seqlen_q
+        # varlen q: a ragged O descriptor, so that the store clips at each sequence's seqlen_q (packed
+        # GQA packs the ragged view's (head, position) modes as a dense O's)
         mO_tma = mO
         if const_expr(self.varlen_q):
             mO_tma = copy_utils.create_ragged_tensor_for_tma(mO, ragged_dim=0, ptr_shift=True)

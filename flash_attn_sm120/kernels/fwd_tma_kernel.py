@@ -9,7 +9,7 @@ Every warp of the CTA runs `kernel` from the top:
      the operand's TMA transaction bytes; an empty barrier expects one arrive per MMA warp (lane 0
      after the warp converges). The inits are deferred and made visible once for all three
      (pipeline_init_arrive / pipeline_init_wait: one CTA sync);
-  4. the tile scheduler names this CTA's (m_block, head, batch) tile (varlen q: SingleTileVarlenScheduler
+  4. (in each role, after its setmaxnreg) the tile scheduler names this CTA's (m_block, head, batch) tile (varlen q: SingleTileVarlenScheduler
      over each sequence's own M tiles), SeqlenInfoQK the sequence's offsets and lengths (cu_seqlens /
      seqused), and BlockInfo its n_block range (or, with block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py);
   5. the roles split: warps from `producer_warp_idx` on drop their registers (setmaxnreg.dec) and
@@ -111,66 +111,103 @@ class TmaKernelMixin:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        tile_scheduler = TileScheduler.create(tile_sched_params)
-        work_tile = tile_scheduler.initial_work_tile_info()
-        if work_tile.is_valid_tile:
-            m_block, head_idx, batch_idx, _ = work_tile.tile_idx
-            seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
-            # varlen: this sequence's offsets and lengths (SeqlenInfoQK reads cu_seqlens / seqused);
-            # mK is the ragged TMA view with cu_seqlens_k, whose static length is never read
-            # varlen block-sparse lists: each sequence's first Q block and first index entry, and its K/V
-            # block count in this kernel's tiles
-            sparse_varlen = const_expr(blocksparse_tensors is not None
-                                       and blocksparse_tensors.cu_total_m_blocks is not None)
-            seqlen = SeqlenInfoQK.create(
-                batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0],
-                mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
-                mCuTotalMBlocks=blocksparse_tensors.cu_total_m_blocks if sparse_varlen else None,
-                mCuBlockIdxOffsets=blocksparse_tensors.cu_block_idx_offsets if sparse_varlen else None,
-                tile_m=self.tile_m, tile_n=self.tile_n,
-            )
-            if const_expr(fastdiv_mods is not None):
-                # aux tensors index by position in the sequence: divisors of this sequence's lengths
-                fastdiv_mods = (
-                    FastDivmodDivisorV2(seqlen.seqlen_q) if const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None)
-                    else fastdiv_mods[0],
-                    FastDivmodDivisorV2(seqlen.seqlen_k) if const_expr(mCuSeqlensK is not None or mSeqUsedK is not None)
-                    else fastdiv_mods[1],
-                )
-            block_info = BlockInfo(
-                self.tile_m,
-                self.tile_n,
-                self.is_causal,
-                self.is_local,
-                False,  # is_split_kv
-                window_size_left,
-                window_size_right,
-                qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
-            )
-            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
-            # with block sparsity, each role reads this Q tile's lists after its first wait or load
-            lists = partial(
-                fwd_block_sparse.tile_lists, blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
-                self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
-            ) if const_expr(blocksparse_tensors is not None) else None
-            if warp_idx >= self.producer_warp_idx:
-                if const_expr(self.registers.producer_regs is not None):
-                    cute.arch.setmaxregister_decrease(self.registers.producer_regs)
-                if warp_idx == self.producer_warp_idx:
+        # each role asks the scheduler for its tile and makes the tile's sequence info after its setmaxnreg:
+        # values live across the register reallocation are spilled around it (varlen lengths and the varlen
+        # scheduler's decode are loads and divisions, not kernel parameters)
+        tile_scheduler = TileScheduler.create(tile_sched_params)  # the tile's decode waits for the roles
+        setup = partial(
+            self._tile_setup, mQ, mK, window_size_left=window_size_left, window_size_right=window_size_right,
+            fastdiv_mods=fastdiv_mods, blocksparse_tensors=blocksparse_tensors, mCuSeqlensQ=mCuSeqlensQ,
+            mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
+        )
+        if warp_idx >= self.producer_warp_idx:
+            if const_expr(self.registers.producer_regs is not None):
+                cute.arch.setmaxregister_decrease(self.registers.producer_regs)
+            if warp_idx == self.producer_warp_idx:
+                work_tile = tile_scheduler.initial_work_tile_info()
+                if work_tile.is_valid_tile:
+                    m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                    seqlen, _, n_block_min, n_block_max, lists, _ = setup(
+                        m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v,
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, lists, seqlen,
                     )
-            else:
-                if const_expr(self.registers.mma_regs is not None):
-                    cute.arch.setmaxregister_increase(self.registers.mma_regs)
+        else:
+            if const_expr(self.registers.mma_regs is not None):
+                cute.arch.setmaxregister_increase(self.registers.mma_regs)
+            work_tile = tile_scheduler.initial_work_tile_info()
+            if work_tile.is_valid_tile:
+                m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                 tidx, _, _ = cute.arch.thread_idx()
+                seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
+                    m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
                 self.mma(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
                     tiled_mma_qk, tiled_mma_pv, tidx, warp_idx,
                     softmax_scale_log2, softmax_scale, block_info, seqlen,
                     window_size_left, window_size_right,
                     m_block, head_idx, batch_idx, n_block_min, n_block_max,
-                    aux_data, fastdiv_mods, lists,
+                    aux_data, tile_fastdiv_mods, lists,
                 )
+
+    def _tile_setup(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        *,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+        window_size_left: Optional[Int32],
+        window_size_right: Optional[Int32],
+        fastdiv_mods,
+        blocksparse_tensors: Optional[BlockSparseTensors],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+    ):
+        """The tile's sequence info (SeqlenInfoQK), block range (BlockInfo), block-sparse lists reader and
+        aux-tensor divisors: (seqlen, block_info, n_block_min, n_block_max, lists, fastdiv_mods). Traced
+        inline where a role calls it (no control flow of its own: a plain method)."""
+        seqlen_q_static = mQ.shape[0][1] if const_expr(self.pack_gqa) else mQ.shape[0]
+        # varlen: this sequence's offsets and lengths (SeqlenInfoQK reads cu_seqlens / seqused);
+        # mK is the ragged TMA view with cu_seqlens_k, whose static length is never read
+        # varlen block-sparse lists: each sequence's first Q block and first index entry, and its K/V
+        # block count in this kernel's tiles
+        sparse_varlen = const_expr(blocksparse_tensors is not None
+                                   and blocksparse_tensors.cu_total_m_blocks is not None)
+        seqlen = SeqlenInfoQK.create(
+            batch_idx, seqlen_q_static=seqlen_q_static, seqlen_k_static=mK.shape[0],
+            mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
+            mCuTotalMBlocks=blocksparse_tensors.cu_total_m_blocks if sparse_varlen else None,
+            mCuBlockIdxOffsets=blocksparse_tensors.cu_block_idx_offsets if sparse_varlen else None,
+            tile_m=self.tile_m, tile_n=self.tile_n,
+        )
+        if const_expr(fastdiv_mods is not None):
+            # aux tensors index by position in the sequence: divisors of this sequence's lengths
+            fastdiv_mods = (
+                FastDivmodDivisorV2(seqlen.seqlen_q) if const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None)
+                else fastdiv_mods[0],
+                FastDivmodDivisorV2(seqlen.seqlen_k) if const_expr(mCuSeqlensK is not None or mSeqUsedK is not None)
+                else fastdiv_mods[1],
+            )
+        block_info = BlockInfo(
+            self.tile_m,
+            self.tile_n,
+            self.is_causal,
+            self.is_local,
+            False,  # is_split_kv
+            window_size_left,
+            window_size_right,
+            qhead_per_kvhead_packgqa=self.qhead_per_kvhead_packgqa,
+        )
+        n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+        # with block sparsity, each role reads this Q tile's lists after its first wait or load
+        lists = partial(
+            fwd_block_sparse.tile_lists, blocksparse_tensors, batch_idx, head_idx, m_block, seqlen, self.tile_n,
+            self.qhead_per_kvhead_packgqa, self.q_subtile_factor, self.kv_subtile_factor,
+        ) if const_expr(blocksparse_tensors is not None) else None
+        return seqlen, block_info, n_block_min, n_block_max, lists, fastdiv_mods

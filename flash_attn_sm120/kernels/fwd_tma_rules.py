@@ -156,11 +156,11 @@ def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: in
 def varlen_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
     """Why a varlen call cannot run this tile without spills, or None. The sequence lengths and
     offsets, read from cu_seqlens / seqused, take registers that a dense call reads as kernel
-    parameters: the tiles at the edge of the 240-register budget in bfloat16 (d=128, 32-row warps,
-    more than 48 keys: fp16_register_error's tiles) spill 8 B on sm_120a with varlen
-    (tests/test_fwd_tma_varlen.py compiles every TMA table entry with varlen against this rule)."""
+    parameters: the tiles at the edge of the 240-register budget (32-row warps with more than 48
+    keys at d > 64) spill 8-16 B in the softmax on sm_120a with varlen (tests/test_fwd_tma_varlen.py
+    compiles every TMA table entry with varlen against this rule)."""
     rows = rows_per_warp(tile_m, num_threads)
-    if head_dim > 96 and rows == 32 and tile_n > 48:
+    if head_dim > 64 and rows == 32 and tile_n > 48:
         return (
             f"varlen at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 spills on "
             "sm_120a in the TMA family (the dense call does not)"
@@ -186,17 +186,14 @@ def pack_gqa_error(tile_m: int, qhead_per_kvhead: int) -> Optional[str]:
     return None
 
 
-def varlen_error(cu_seqlens_q: bool, cu_seqlens_k: bool, seqused_q: bool, seqused_k: bool,
-                 pack_gqa: bool) -> Optional[str]:
+def varlen_error(cu_seqlens_q: bool, cu_seqlens_k: bool, seqused_q: bool, seqused_k: bool) -> Optional[str]:
     """Why this family cannot serve a varlen call, or None. Packed K/V (cu_seqlens_k) load through
     ragged TMA descriptors that end at each sequence's seqlen_k, with or without seqused_k; seqused_k
     alone would have TMA read the rows between seqused_k and the tensor's seqlen_k (a cache's unused
-    rows, which may hold NaN). Varlen q (cu_seqlens_q / seqused_q) stores O through a ragged
-    descriptor, which this family builds only for unpacked GQA."""
+    rows, which may hold NaN). Varlen q (cu_seqlens_q / seqused_q, GQA packed or not) stores O
+    through a ragged descriptor."""
     if seqused_k and not cu_seqlens_k:
         return "seqused_k without cu_seqlens_k is not supported by the TMA family"
-    if pack_gqa and (cu_seqlens_q or seqused_q):
-        return "pack_gqa with varlen q (cu_seqlens_q / seqused_q) is not supported by the TMA family"
     return None
 
 
@@ -218,7 +215,7 @@ def unsupported_reason(statics) -> Optional[str]:
         if err is not None:
             return err
     flags = (statics.has_cu_seqlens_q, statics.has_cu_seqlens_k, statics.has_seqused_q, statics.has_seqused_k)
-    err = varlen_error(*flags, statics.pack_gqa)
+    err = varlen_error(*flags)
     if err is None and any(flags):
         err = varlen_register_error(max(statics.head_dim, statics.head_dim_v), cfg.tile_m, cfg.tile_n,
                                     cfg.num_threads)
