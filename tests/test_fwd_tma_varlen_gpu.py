@@ -116,3 +116,15 @@ def test_seqused_k_within_packed_kv(causal):
         finite = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isfinite(l), finite), i
         assert torch.allclose(l[finite], ref_lse[0][finite], atol=1e-3, rtol=1e-3), i
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True])
+@pytest.mark.parametrize("layouts", [("packed", "packed"), ("padded", "packed")], ids=["packed", "seqused_q"])
+def test_varlen_gqa_packed_and_not(layouts, pack_gqa):
+    """GQA 4:1 with the heads packed into the M tile (the ragged O descriptor packed as a dense one) and not."""
+    cfg = FwdConfig(256, 128, 64, 2, True, family="tma")
+    path = KernelPath("tma-varlen-gqa", "tma", cfg, Supports(head_dims=(128,), mixed_head_dims=False))
+    case = testing.AttnCase(dtype="bfloat16", head_dim=128, head_dim_v=128, qhead_per_kvhead=4, pack_gqa=pack_gqa,
+                            mask="causal", return_lse=True, q_layout=layouts[0], k_layout=layouts[1])
+    testing.run_case(path, "driver", case, testing.AttnProblem((0, 33, 700, 129), (10, 64, 700, 1000), nheads_kv=2,
+                                                               pad_q=5, seed=8))
