@@ -459,8 +459,9 @@ class FlashAttentionForwardSm120Tma(
             seqlen_k=cute.size(mK.shape[0]),
             headdim=mQ.shape[1],
             headdim_v=mV.shape[1],
+            # rows the grid covers: packed GQA multiplies them by qhead_per_kvhead
             total_q=cute.size(mQ_rows.shape[0]) * cute.size(mQ_rows.shape[3]) if const_expr(mCuSeqlensQ is None)
-            else cute.size(mQ.shape[0]),
+            else cute.size(mQ_rows.shape[0]),
             tile_shape_mn=(self.tile_m, self.tile_n),
             mCuSeqlensQ=mCuSeqlensQ,
             mSeqUsedQ=mSeqUsedQ,
