@@ -243,11 +243,15 @@ def report_row(
     note: str = "",
     keep_sass: Optional[dict] = None,
     block_sparse: Optional[tuple] = None,
+    varlen: tuple = (),
+    qhead_per_kvhead: int = 1,
+    pack_gqa: bool = False,
 ) -> CodegenResult:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kernels: list = []
     cubin, smem_dyn = compile_fwd_cubin(config, head_dim, head_dim_v, causal=causal, dtype=dtype,
-                                        upstream_class=upstream_class, kernel_out=kernels, block_sparse=block_sparse)
+                                        upstream_class=upstream_class, kernel_out=kernels, block_sparse=block_sparse,
+                                        varlen=varlen, qhead_per_kvhead=qhead_per_kvhead, pack_gqa=pack_gqa)
     # families with extra warps (the TMA producer warpgroup) launch more threads than config.num_threads
     threads = getattr(kernels[0], "num_threads_total", config.num_threads)
     return _row_of_cubin(cubin, smem_dyn, threads, config, keep_sass,
