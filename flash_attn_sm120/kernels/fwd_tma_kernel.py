@@ -9,13 +9,15 @@ Every warp of the CTA runs `kernel` from the top:
      the operand's TMA transaction bytes; an empty barrier expects one arrive per MMA warp (lane 0
      after the warp converges). The inits are deferred and made visible once for all three
      (pipeline_init_arrive / pipeline_init_wait: one CTA sync);
-  4. (in each role, after its setmaxnreg) the tile scheduler names this CTA's (m_block, head, batch) tile (varlen q: SingleTileVarlenScheduler
-     over each sequence's own M tiles), SeqlenInfoQK the sequence's offsets and lengths (cu_seqlens /
-     seqused), and BlockInfo its n_block range (or, with block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py);
-  5. the roles split: warps from `producer_warp_idx` on drop their registers (setmaxnreg.dec) and
-     the first of them runs `load` (fwd_tma_producer.py); the MMA warps raise theirs
-     (setmaxnreg.inc) and run `mma` (fwd_tma_mainloop.py), which ends in `epilogue`
-     (fwd_tma_epilogue.py).
+  4. the roles split: warps from `producer_warp_idx` on drop their registers (setmaxnreg.dec), the
+     MMA warps raise theirs (setmaxnreg.inc);
+  5. each role then asks the tile scheduler for this CTA's (m_block, head, batch) tile (varlen q:
+     SingleTileVarlenScheduler over each sequence's own M tiles) and makes SeqlenInfoQK (the
+     sequence's offsets and lengths: cu_seqlens / seqused) and BlockInfo (its n_block range; with
+     block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py) in `_tile_setup`. After
+     setmaxnreg, not before: values live across it are spilled around the register reallocation.
+     The first producer warp runs `load` (fwd_tma_producer.py); the MMA warps run `mma`
+     (fwd_tma_mainloop.py), which ends in `epilogue` (fwd_tma_epilogue.py).
 
 A mixin of FlashAttentionForwardSm120Tma: it reads the attributes that the class's constructor and
 host side set (tile sizes, `registers`, `tma_copy_bytes`, `num_mma_warps`).
