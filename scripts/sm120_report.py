@@ -1,8 +1,8 @@
 """sm_120a codegen report for every shipped forward and backward config, on any machine (no GPU needed).
 
 Compiles each entry of flash_attn_sm120/configs/sm120_fwd.toml, plus upstream's own SM120 default (4 warps,
-128x64, d=128, the reference row), the TMA entries that take varlen calls (`varlen/` rows: packed q and K/V,
-GQA 4:1 packed), and each entry of flash_attn_sm120/configs/sm120_bwd.toml and the backward's
+128x64, d=128, the reference row), the TMA entries with GQA 4:1 packed (`gqa4/` rows) and those that take
+varlen calls (`varlen/` rows: packed q and K/V, GQA 4:1 packed), and each entry of flash_attn_sm120/configs/sm120_bwd.toml and the backward's
 fallbacks, plus upstream's own SM120 backward at d=128, and the block-sparse forward configs and backward walks
 (`sparse/` rows), for sm_120a with fake tensors, then prints registers, spill
 bytes, shared memory, CTAs per SM on SM120 (and what limits it) and a SASS opcode histogram.
@@ -38,6 +38,11 @@ def rows(table_path: Path | None = None, include_upstream: bool = True) -> list[
     for e in load_fwd_table(table_path):
         jobs.append(lambda e=e: report_row(e.config, e.head_dim, name=f"{e.head_dim}/{e.mask}/{e.config.name}",
                                            shipped=True, causal=e.mask != "none"))
+        if e.config.family == "tma":
+            # GQA 4:1 with the heads packed into the M tile (the default for GQA calls the tile can pack)
+            jobs.append(lambda e=e: report_row(
+                e.config, e.head_dim, name=f"gqa4/{e.head_dim}/{e.mask}/{e.config.name}", shipped=True,
+                causal=e.mask != "none", qhead_per_kvhead=4, pack_gqa=True))
         if e.config.family == "tma" and e.config.varlen_error(e.head_dim) is None:
             # the entries varlen calls take: packed q and K/V, GQA 4:1 packed (ragged TMA descriptors)
             jobs.append(lambda e=e: report_row(
