@@ -195,28 +195,15 @@ def table_paths(table: Iterable[TableEntry]) -> tuple[KernelPath, ...]:
         limits = dict(FAMILY_LIMITS.get(e.config.family, {}))
         family_dims = limits.pop("head_dims", ALL_HEAD_DIMS)
         dims = tuple(d for d in _bucket_dims(e.head_dim) if d in family_dims)
-        if e.config.family == "tma" and _tma_fp16_refused(e.config, dims):
-            limits["dtypes"] = ("bfloat16",)  # the driver gives fp16 the cp.async entry (its own path)
-        if e.config.family == "tma" and _tma_varlen_refused(e.config, dims):
-            limits["varlen"] = False  # the driver gives varlen calls the next entry
+        # what the driver refuses a forced config at any of these dims: fp16 where the tile spills (that
+        # path draws bfloat16 only; fp16 runs the cp.async entry, its own path) and varlen where the tile
+        # spills with it (varlen calls run the next entry)
+        if any(e.config.dtype_error("float16", d) for d in dims):
+            limits["dtypes"] = ("bfloat16",)
+        if any(e.config.varlen_error(d) for d in dims):
+            limits["varlen"] = False
         paths.append(KernelPath(name, e.config.family, e.config, Supports(head_dims=dims, **limits)))
     return tuple(paths)
-
-
-def _tma_fp16_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
-    """Whether the TMA family refuses float16 for this config at any of `dims` (fwd_tma.fp16_register_error):
-    a forced config raises there, so such a path draws bfloat16 only."""
-    from flash_attn_sm120.kernels.fwd_tma import fp16_register_error  # lazy: imports the DSL
-
-    return any(fp16_register_error(d, config.tile_m, config.tile_n, config.num_threads) for d in dims)
-
-
-def _tma_varlen_refused(config: FwdConfig, dims: tuple[int, ...]) -> bool:
-    """Whether the TMA family refuses varlen calls for this config at any of `dims`
-    (fwd_tma.varlen_register_error: such a tile spills with varlen)."""
-    from flash_attn_sm120.kernels.fwd_tma import varlen_register_error  # lazy: imports the DSL
-
-    return any(varlen_register_error(d, config.tile_m, config.tile_n, config.num_threads) for d in dims)
 
 
 def kernel_paths(table: Optional[Iterable[TableEntry]] = None) -> tuple[KernelPath, ...]:

@@ -33,3 +33,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def hang_watchdog(request):
+    """Ends the process with a report if the test hangs (an mbarrier/TMA wait that never completes):
+    tests/watchdog.py, when that module is present. Request it with pytest.mark.usefixtures."""
+    try:
+        from watchdog import Watchdog
+    except ImportError:  # the hang watchdog is optional
+        yield None
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    wd = Watchdog(before_report=(lambda: capture.suspend_global_capture(in_=False)) if capture else None)
+    wd.arm(request.node.nodeid)
+    yield wd
+    wd.close()

@@ -16,12 +16,8 @@ from flash_attn_sm120.config import FwdConfig
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.kernels.fwd_tma import PROPOSED_CONFIGS
 
-pytestmark = pytest.mark.gpu
-
-try:
-    from watchdog import Watchdog
-except ImportError:  # the hang watchdog is optional here
-    Watchdog = None
+# a hung kernel (mbarrier/TMA) ends the process through conftest.hang_watchdog
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hang_watchdog")]
 
 ATOL = 1e-3
 SEQLENS = [(1, 1), (17, 17), (333, 333), (1000, 1000), (333, 1000), (1000, 333), (17, 1000)]
@@ -29,18 +25,6 @@ MASKS = {"none": (False, (None, None)), "causal": (True, (None, None)), "local":
 ALL_PROPOSED = [
     (d, FwdConfig(*c, family="tma"), masks) for d, entries in PROPOSED_CONFIGS.items() for c, masks in entries
 ]
-
-
-@pytest.fixture(autouse=True)
-def hang_watchdog(request):
-    if Watchdog is None:
-        yield None
-        return
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    wd = Watchdog(before_report=(lambda: capture.suspend_global_capture(in_=False)) if capture else None)
-    wd.arm(request.node.nodeid)
-    yield wd
-    wd.close()
 
 
 def _first_config(d: int) -> FwdConfig:

@@ -18,24 +18,8 @@ from flash_attn_sm120.device import device_info
 from flash_attn_sm120.config import FwdConfig, family_entries
 from flash_attn_sm120.paths import KernelPath, Supports
 
-pytestmark = pytest.mark.gpu
-
-try:
-    from watchdog import Watchdog
-except ImportError:  # the hang watchdog is optional here
-    Watchdog = None
-
-
-@pytest.fixture(autouse=True)
-def hang_watchdog(request):
-    if Watchdog is None:
-        yield None
-        return
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    wd = Watchdog(before_report=(lambda: capture.suspend_global_capture(in_=False)) if capture else None)
-    wd.arm(request.node.nodeid)
-    yield wd
-    wd.close()
+# a hung kernel (mbarrier/TMA) ends the process through conftest.hang_watchdog
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hang_watchdog")]
 
 
 def _configs():

@@ -138,16 +138,22 @@ def tma_config_error(
     return None
 
 
+def _at_register_edge(head_dim: int, tile_m: int, tile_n: int, num_threads: int, above_head_dim: int) -> bool:
+    """The tiles at the edge of the MMA warps' 240-register budget: warps of 32 rows with more than 48
+    keys per block, at head dims above `above_head_dim`. Anything that adds live registers (fp16's
+    conversions, varlen's loaded lengths) makes them spill."""
+    return head_dim > above_head_dim and rows_per_warp(tile_m, num_threads) == 32 and tile_n > 48
+
+
 def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
     """Why fp16 cannot run this tile without spills, or None. fp16 takes more registers than bf16 in
     this kernel: at d=128, warps of 32 rows with more than 48 keys per block spill on sm_120a in fp16
     (256x64: 24-40 B of stack) while bf16 fits the 240-register budget; 256x48 fits both since the PV
     product loads V one ldmatrix ahead (tests/test_fwd_tma_codegen.py compiles both dtypes against
     this rule)."""
-    rows = rows_per_warp(tile_m, num_threads)
-    if head_dim > 96 and rows == 32 and tile_n > 48:
+    if _at_register_edge(head_dim, tile_m, tile_n, num_threads, above_head_dim=96):
         return (
-            f"float16 at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 "
+            f"float16 at head_dim={head_dim} with 32 rows per warp and tile_n={tile_n} > 48 "
             "spills on sm_120a in the TMA family (bfloat16 does not)"
         )
     return None
@@ -156,13 +162,12 @@ def fp16_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: in
 def varlen_register_error(head_dim: int, tile_m: int, tile_n: int, num_threads: int) -> Optional[str]:
     """Why a varlen call cannot run this tile without spills, or None. The sequence lengths and
     offsets, read from cu_seqlens / seqused, take registers that a dense call reads as kernel
-    parameters: the tiles at the edge of the 240-register budget (32-row warps with more than 48
-    keys at d > 64) spill 8-16 B in the softmax on sm_120a with varlen (tests/test_fwd_tma_varlen.py
-    compiles every TMA table entry with varlen against this rule)."""
-    rows = rows_per_warp(tile_m, num_threads)
-    if head_dim > 64 and rows == 32 and tile_n > 48:
+    parameters: the edge tiles (32-row warps with more than 48 keys, at d > 64) spill 8-16 B in the
+    softmax on sm_120a with varlen (tests/test_fwd_tma_varlen.py compiles every TMA table entry with
+    varlen against this rule)."""
+    if _at_register_edge(head_dim, tile_m, tile_n, num_threads, above_head_dim=64):
         return (
-            f"varlen at head_dim={head_dim} with {rows} rows per warp and tile_n={tile_n} > 48 spills on "
+            f"varlen at head_dim={head_dim} with 32 rows per warp and tile_n={tile_n} > 48 spills on "
             "sm_120a in the TMA family (the dense call does not)"
         )
     return None
