@@ -21,7 +21,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from flash_attn_sm120.kernels import FAMILIES
-from flash_attn_sm120.kernels.fwd_tma import fp16_register_error, pingpong_error, varlen_register_error
+from flash_attn_sm120.kernels.fwd_tma import (
+    fp16_register_error,
+    persistent_error,
+    pingpong_error,
+    varlen_register_error,
+)
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 MASK_KINDS = ("none", "causal", "local")
@@ -47,6 +52,9 @@ class FwdConfig:
     # TMA family tile order: None = longest-first (LPT) for causal masks, grid order otherwise;
     # True/False force it (the scheduling half of a causal gain, measured apart from TMA)
     lpt: Optional[bool] = None
+    # TMA family: one wave of CTAs walks every tile, its K/V and Q loads for the next tile under the
+    # current tile's epilogue (kernels/persistent_scheduler.py); varlen q keeps one CTA per tile
+    persistent: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -57,13 +65,20 @@ class FwdConfig:
         q = "-qreg" if self.q_in_regs else ""
         pp = "-pp" if self.pingpong else ""
         lpt = "" if self.lpt is None else "-lpt" if self.lpt else "-nolpt"
-        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}{lpt}"
+        pers = "-pers" if self.persistent else ""
+        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}{lpt}{pers}"
 
     def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
         if self.family not in FAMILIES:
             return f"unknown kernel family {self.family!r} (known: {', '.join(FAMILIES)})"
         if self.lpt is not None and self.family != "tma":
             return f"lpt is a TMA-family option (upstream's cp.async kernel has its own grid order), not one of {self.family!r}"
+        if self.persistent:
+            if self.family != "tma":
+                return f"persistent is a TMA-family option, not one of family {self.family!r}"
+            err = persistent_error(self.pingpong)
+            if err is not None:
+                return err
         if self.pingpong:
             if self.family != "tma":
                 return f"pingpong is a TMA-family schedule, not one of family {self.family!r}"
@@ -107,7 +122,34 @@ class FwdConfig:
             family=str(raw.get("family", default_family)),
             pingpong=bool(raw.get("pingpong", False)),
             lpt=None if raw.get("lpt") is None else bool(raw["lpt"]),
+            persistent=bool(raw.get("persistent", False)),
         )
+
+
+_NAME_FLAGS = {"qreg": ("q_in_regs", True), "pp": ("pingpong", True), "lpt": ("lpt", True),
+               "nolpt": ("lpt", False), "pers": ("persistent", True)}
+
+
+def config_from_name(name: str) -> FwdConfig:
+    """The config a `FwdConfig.name` names ("tma-w8-256x64-s2-qreg-pers"); ValueError names a bad part."""
+    parts = name.split("-")
+    try:
+        family, warps, tile, stages = parts[:4]
+        tile_m, tile_n = (int(x) for x in tile.split("x"))
+        if not (warps.startswith("w") and stages.startswith("s")):
+            raise ValueError
+        kw = dict(num_threads=32 * int(warps[1:]), tile_m=tile_m, tile_n=tile_n, num_stages=int(stages[1:]),
+                  family=family)
+    except ValueError:
+        raise ValueError(f"config name {name!r} is not FAMILY-wW-MxN-sS[-qreg][-pp][-lpt|-nolpt][-pers]") from None
+    for flag in parts[4:]:
+        if flag not in _NAME_FLAGS:
+            raise ValueError(f"config name {name!r}: unknown flag {flag!r} (known: {', '.join(_NAME_FLAGS)})")
+        field_name, value = _NAME_FLAGS[flag]
+        kw[field_name] = value
+    cfg = FwdConfig(**kw)
+    assert cfg.name == name, (cfg.name, name)
+    return cfg
 
 
 # upstream's own SM120 choice (flash_attn/cute/interface.py, _get_fwd_config): 4 warps, 1 stage

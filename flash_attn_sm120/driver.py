@@ -30,8 +30,9 @@ from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcas
 from flash_attn.cute.interface import _resolve_causal_local_window
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import block_sparse, occupancy, sinks
+from flash_attn_sm120 import block_sparse, hardware, occupancy, sinks
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
+from flash_attn_sm120.device import device_info
 from flash_attn_sm120.kernels import FAMILIES
 
 CACHE_DIR_ENV = "FLASH_ATTN_SM120_CACHE_DIR"
@@ -66,6 +67,26 @@ class FwdStatics:
     sink_dtype: Optional[str] = None  # a learnable_sink's, folded into the output tile (kernels/sink_fold.py)
     # block sparsity (block_sparse.statics_key): (q_subtile, kv_subtile, has full lists, stride-0 dims)
     block_sparse: Optional[tuple] = None
+    num_sms: Optional[int] = None  # the GPU's, for a persistent config's grid (None otherwise)
+
+
+# A persistent launch's SM count for tests and the sanitizer: a small wave makes every CTA walk many tiles
+# of a small problem (the cross-tile handoffs of the Q slot and the K/V rings). Unset: the GPU's.
+PERSISTENT_SMS_ENV = "FLASH_ATTN_SM120_PERSISTENT_SMS"
+
+
+def _persistent_num_sms(config: FwdConfig, device: torch.device) -> Optional[int]:
+    """A persistent config launches one wave: this GPU's SM count (SM120's default off a GPU)."""
+    if not config.persistent:
+        return None
+    forced = os.environ.get(PERSISTENT_SMS_ENV)
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{PERSISTENT_SMS_ENV}={forced!r}: expected a positive SM count")
+        return int(forced)
+    if device.type != "cuda":
+        return hardware.DEFAULT_NUM_SMS
+    return device_info(device).num_sms
 
 
 def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tensors: bool = False,
@@ -82,6 +103,8 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
         extra = dict(extra, pingpong=True)
     if cfg.lpt is not None:
         extra = dict(extra, lpt=cfg.lpt)
+    if cfg.persistent:
+        extra = dict(extra, persistent=True, num_sms=statics.num_sms)
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,
@@ -266,6 +289,7 @@ def build_statics(
         emulate_host_smem=emulate_host_smem,
         sink_dtype=None if learnable_sink is None else str(learnable_sink.dtype).replace("torch.", ""),
         block_sparse=block_sparse_key,
+        num_sms=_persistent_num_sms(config, q.device),
     )
 
 

@@ -170,6 +170,10 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     KernelPath("upstream-config", "cpasync", _upstream_config),
     # TMA producer warpgroup + 8 mma.sync warps (kernels/fwd_tma.py): d 64/96/128, varlen with packed K/V
     KernelPath("tma-w8-128x64-s2", "tma", FwdConfig(256, 128, 64, 2, family="tma"), Supports(**FAMILY_LIMITS["tma"])),
+    # the same family with the persistent tile order (kernels/persistent_scheduler.py): d64/d96, whose
+    # 256-row tile fits 99 KB; varlen q runs it one CTA per tile
+    KernelPath("tma-w8-256x64-s2-pers", "tma", FwdConfig(256, 256, 64, 2, family="tma", persistent=True),
+               Supports(**dict(FAMILY_LIMITS["tma"], head_dims=(64, 96)))),
     # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
     KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),
                Supports(head_dims=tuple(range(16, 257, 16)), splits=True, paged=True)),

@@ -81,9 +81,19 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", action="store_true", help="time the backward (autograd.grad) instead of the forward")
     ap.add_argument("--deterministic", action="store_true",
                     help="--bwd: also time the sparse backward with deterministic=True, side by side")
+    ap.add_argument("--sparse-configs", default="",
+                    help="forward: also time the sparse call with each of these configs forced (comma list of "
+                         "FwdConfig names, e.g. tma-w4-64x64-s2-pers), side by side; a config the problem's head dim "
+                         "refuses is skipped")
     args = ap.parse_args(argv)
     if args.deterministic and not args.bwd:
         raise SystemExit("--deterministic times a backward: add --bwd")
+    from flash_attn_sm120 import driver
+    from flash_attn_sm120.config import config_from_name
+
+    forced = [config_from_name(n) for n in args.sparse_configs.split(",") if n]
+    if forced and args.bwd:
+        raise SystemExit("--sparse-configs times forward configs: drop --bwd")
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
@@ -113,6 +123,16 @@ def main(argv=None) -> int:
             order = (False, True, "det", "det", True, False) if args.deterministic else (False, True, True, False)
             for use in order:
                 ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
+            forced_rows = {}
+            for cfg in forced:
+                if cfg.error(d, d) is not None:
+                    continue
+                with driver.force_config(cfg):
+                    try:
+                        forced_rows[cfg.name] = bench.time_cuda(lambda i: call(i, True), rotations=2,
+                                                                reps=args.reps).median_ms
+                    except (ValueError, NotImplementedError) as e:
+                        print(f"  {cfg.name}: {e}", flush=True)
             dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
             det_ms = sum(ms["det"]) / 2 if args.deterministic else None
             dense_tf = dense_flops / dense_ms / 1e9
@@ -122,6 +142,12 @@ def main(argv=None) -> int:
             rows.append(dict(problem=problem, direction=direction, mask=name, visited=visited, dense_ms=dense_ms,
                              sparse_ms=sparse_ms, dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf,
                              ratio=sparse_tf / dense_tf))
+            for cname, fms in forced_rows.items():
+                rows[-1].setdefault("forced", {})[cname] = dict(
+                    ms=fms, tflops_on_computed=dense_flops * visited / fms / 1e9,
+                    ratio=dense_flops * visited / fms / 1e9 / dense_tf, vs_default_sparse=sparse_ms / fms)
+                print(f"    forced {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
+                      f"({sparse_ms / fms:.3f}x the default sparse config)", flush=True)
             det = ""
             if det_ms is not None:
                 rows[-1].update(deterministic_ms=det_ms, deterministic_vs_sparse=sparse_ms / det_ms)

@@ -94,9 +94,10 @@ def _nth_tile(block_idx: cute.Tensor, tiles: Int32, i, kv_subtile_factor: cutlas
 
 @cute.jit
 def load_list(block_idx: cute.Tensor, tiles: Int32, kv_state, load_K: Callable, load_V: Callable,
-              pipeline_k, pipeline_v, kv_subtile_factor: cutlass.Constexpr[int]):
-    """Producer warp: K then V of each tile of one list into the rings; returns the advanced state."""
-    for i in cutlass.range(tiles, unroll=1):
+              pipeline_k, pipeline_v, kv_subtile_factor: cutlass.Constexpr[int], start=0, stop=None):
+    """Producer warp: K then V of the list's visited tiles `start` to `stop` (default: all) into the
+    rings; returns the advanced state."""
+    for i in cutlass.range(start, tiles if const_expr(stop is None) else stop, unroll=1):
         n_block = _nth_tile(block_idx, tiles, i, kv_subtile_factor)
         pipeline_k.producer_acquire(kv_state)
         load_K(src_idx=n_block, producer_state=kv_state)
@@ -108,13 +109,31 @@ def load_list(block_idx: cute.Tensor, tiles: Int32, kv_state, load_K: Callable, 
 
 @cute.jit
 def load_tiles(sparse: SparseTiles, kv_state, load_K: Callable, load_V: Callable, pipeline_k, pipeline_v,
-               kv_subtile_factor: cutlass.Constexpr[int]):
-    """Producer warp: the mask list's tiles, then the full list's."""
+               kv_subtile_factor: cutlass.Constexpr[int], load_q: Optional[Callable] = None, q_state=None):
+    """Producer warp: the mask list's tiles, then the full list's.
+
+    `load_q(q_state)` (the persistent kernel): Q goes after the first tile visited instead of before
+    every tile (the producer's docstring says why); called once, also for a tile with no lists."""
+    mask_start = 0
+    full_start = 0
+    if const_expr(load_q is not None):
+        mask_start = cutlass.min(sparse.mask_tiles, 1)
+        if sparse.mask_tiles > 0:
+            kv_state = load_list(sparse.mask_idx, sparse.mask_tiles, kv_state, load_K, load_V, pipeline_k,
+                                 pipeline_v, kv_subtile_factor, stop=1)
+        if const_expr(sparse.full_idx is not None):
+            full_start = Int32(0)
+            if sparse.mask_tiles == 0:
+                full_start = cutlass.min(sparse.full_tiles, 1)
+                if sparse.full_tiles > 0:
+                    kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V,
+                                         pipeline_k, pipeline_v, kv_subtile_factor, stop=1)
+        load_q(q_state)
     kv_state = load_list(sparse.mask_idx, sparse.mask_tiles, kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                         kv_subtile_factor)
+                         kv_subtile_factor, start=mask_start)
     if const_expr(sparse.full_idx is not None):
         kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                             kv_subtile_factor)
+                             kv_subtile_factor, start=full_start)
     return kv_state
 
 

@@ -133,6 +133,7 @@ from flash_attn_sm120.kernels.fwd_tma_epilogue import TmaEpilogueMixin
 from flash_attn_sm120.kernels.fwd_tma_kernel import TmaKernelMixin
 from flash_attn_sm120.kernels.fwd_tma_mainloop import TmaMainloopMixin
 from flash_attn_sm120.kernels.fwd_tma_producer import TmaProducerMixin
+from flash_attn_sm120.kernels.persistent_scheduler import PersistentTileScheduler, persistent_grid
 from flash_attn_sm120.kernels.fwd_tma_proposals import ALL_MASKS, PROPOSED_CONFIGS
 from flash_attn_sm120.kernels.fwd_tma_rules import (
     MAX_MMA_REGS,
@@ -146,6 +147,7 @@ from flash_attn_sm120.kernels.fwd_tma_rules import (
     fp16_register_error,
     num_mbarriers,
     pack_gqa_error,
+    persistent_error,
     pingpong_error,
     register_split,
     rows_per_warp,
@@ -175,6 +177,7 @@ __all__ = [
     "gemm_ss_by_half_slices",
     "num_mbarriers",
     "pack_gqa_error",
+    "persistent_error",
     "pingpong_error",
     "register_split",
     "rows_per_warp",
@@ -226,6 +229,8 @@ class FlashAttentionForwardSm120Tma(
         pingpong: bool = False,
         lpt: Optional[bool] = None,
         intra_warp_overlap: Optional[bool] = None,
+        persistent: bool = False,
+        num_sms: Optional[int] = None,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -233,6 +238,8 @@ class FlashAttentionForwardSm120Tma(
         error = tma_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs)
         if error is None and pingpong:
             error = pingpong_error(num_threads)
+        if error is None and persistent:
+            error = persistent_error(pingpong)
         if error is not None:
             raise ValueError(f"SM120 TMA forward config not implementable: {error}")
         pack_gqa = pack_gqa and qhead_per_kvhead > 1
@@ -283,6 +290,10 @@ class FlashAttentionForwardSm120Tma(
         self.pingpong = pingpong
         # longest-processing-time tile order; None: for causal (not local) masks, where tiles differ in work
         self.lpt = lpt
+        # one wave of CTAs walks all tiles, the pipelines running on across tiles (persistent_scheduler.py);
+        # varlen q keeps one CTA per tile
+        self.persistent = persistent
+        self.num_sms = hardware.DEFAULT_NUM_SMS if num_sms is None else num_sms
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -448,6 +459,9 @@ class FlashAttentionForwardSm120Tma(
         use_lpt = (self.is_causal and not self.is_local) if self.lpt is None else self.lpt
         if const_expr(self.varlen_q):
             TileScheduler = SingleTileVarlenScheduler  # tiles of each sequence's own seqlen_q
+            self.persistent = False  # the varlen order depends on each sequence: one CTA per tile
+        elif const_expr(self.persistent):
+            TileScheduler = PersistentTileScheduler
         else:
             TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
@@ -471,7 +485,10 @@ class FlashAttentionForwardSm120Tma(
             lpt=use_lpt,
         )
         tile_sched_params = TileScheduler.to_underlying_arguments(tile_sched_args)
-        grid_dim = TileScheduler.get_grid_shape(tile_sched_params)
+        if const_expr(self.persistent):
+            grid_dim = persistent_grid(tile_sched_params.total_blocks, self.num_sms, self.registers.ctas_per_sm)
+        else:
+            grid_dim = TileScheduler.get_grid_shape(tile_sched_params)
 
         softmax_scale_log2, softmax_scale = utils.compute_softmax_scale_log2(softmax_scale, self.score_mod)
         window_size_left = Int32(window_size_left) if window_size_left is not None else None

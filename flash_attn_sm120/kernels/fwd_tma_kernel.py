@@ -126,32 +126,60 @@ class TmaKernelMixin:
             if const_expr(self.registers.producer_regs is not None):
                 cute.arch.setmaxregister_decrease(self.registers.producer_regs)
             if warp_idx == self.producer_warp_idx:
+                # persistent: the rings' states run on across tiles
+                q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, 1)
+                kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.num_stages)
+                load = partial(
+                    self.load, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v,
+                )
                 work_tile = tile_scheduler.initial_work_tile_info()
-                if work_tile.is_valid_tile:
+                if const_expr(self.persistent):
+                    while work_tile.is_valid_tile:
+                        m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                        seqlen, _, n_block_min, n_block_max, lists, _ = setup(
+                            m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
+                        q_state, kv_state = load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
+                                                 seqlen, q_state, kv_state)
+                        tile_scheduler.advance_to_next_work()
+                        work_tile = tile_scheduler.get_current_work()
+                elif work_tile.is_valid_tile:
                     m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                     seqlen, _, n_block_min, n_block_max, lists, _ = setup(
                         m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
-                    self.load(
-                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipeline_q, pipeline_k, pipeline_v,
-                        m_block, head_idx, batch_idx, n_block_min, n_block_max, lists, seqlen,
-                    )
+                    load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists, seqlen, q_state, kv_state)
         else:
             if const_expr(self.registers.mma_regs is not None):
                 cute.arch.setmaxregister_increase(self.registers.mma_regs)
+            tidx, _, _ = cute.arch.thread_idx()
+            q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, 1)
+            kv_k = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
+            kv_v = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
+            mma = partial(
+                self.mma, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
+                tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, softmax_scale_log2, softmax_scale,
+            )
             work_tile = tile_scheduler.initial_work_tile_info()
-            if work_tile.is_valid_tile:
+            if const_expr(self.persistent):
+                while work_tile.is_valid_tile:
+                    m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                    seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
+                        m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
+                    q_state, kv_k, kv_v = mma(
+                        block_info, seqlen, window_size_left, window_size_right,
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max,
+                        aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
+                    )
+                    tile_scheduler.advance_to_next_work()
+                    work_tile = tile_scheduler.get_current_work()
+            elif work_tile.is_valid_tile:
                 m_block, head_idx, batch_idx, _ = work_tile.tile_idx
-                tidx, _, _ = cute.arch.thread_idx()
                 seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
                     m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
-                self.mma(
-                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, pipeline_q, pipeline_k, pipeline_v,
-                    tiled_mma_qk, tiled_mma_pv, tidx, warp_idx,
-                    softmax_scale_log2, softmax_scale, block_info, seqlen,
-                    window_size_left, window_size_right,
+                mma(
+                    block_info, seqlen, window_size_left, window_size_right,
                     m_block, head_idx, batch_idx, n_block_min, n_block_max,
-                    aux_data, tile_fastdiv_mods, lists,
+                    aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
                 )
 
     def _tile_setup(

@@ -85,9 +85,13 @@ class TmaMainloopMixin:
         n_block_max: Int32,
         aux_data: AuxData,
         fastdiv_mods,
-        lists: Optional[Callable] = None,
+        lists: Optional[Callable],
+        q_state: cpipeline.PipelineState,
+        kv_k: cpipeline.PipelineState,
+        kv_v: cpipeline.PipelineState,
     ):
-        """MMA warps: the FA2 loop over n_blocks (or the block-sparse tiles), then the epilogue."""
+        """MMA warps: the FA2 loop over n_blocks (or the block-sparse tiles), then the epilogue.
+        Returns the advanced (q_state, kv_k, kv_v): the persistent kernel's next tile goes on from them."""
         aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
         sVt = layout_utils.transpose_view(sV)  # (head_dim_v, tile_n, stage) for the PV B operand
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -119,14 +123,11 @@ class TmaMainloopMixin:
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
         tOrP = layout_utils.reshape_acc_to_frgA(rP)
 
-        q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
         if const_expr(self.Q_in_regs):
             # this warp's Q rows, once; sQ stays allocated for the epilogue's sO
             cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
         # K and V rings advance in lockstep; with the overlap, V trails K by one n_block
-        kv_k = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
-        kv_v = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
         mma_wg = warp_idx // 4  # this warp's MMA warpgroup (the ping-pong turn it takes)
         if const_expr(self.pingpong):
             if mma_wg == 1:
@@ -202,6 +203,11 @@ class TmaMainloopMixin:
             acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, thr_mma_pv, tiled_mma_pv, tidx, warp_idx,
             seqlen, m_block, head_idx, batch_idx,
         )
+        if const_expr(self.persistent):
+            # sO (= sQ) is free for the next tile's Q: warp 0 has waited for the TMA store's reads
+            self._release(pipeline_q, q_state)
+        q_state.advance()
+        return q_state, kv_k, kv_v
 
     @cute.jit
     def mma_one_n_block(

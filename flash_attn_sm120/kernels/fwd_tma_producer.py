@@ -14,6 +14,7 @@ The partitioning goes through quack's `tma_get_copy_fn`, which groups the tile m
 A mixin of FlashAttentionForwardSm120Tma; `kernel` (fwd_tma_kernel.py) calls `load`.
 """
 
+from functools import partial
 from typing import Callable, Optional
 
 import cutlass
@@ -49,11 +50,17 @@ class TmaProducerMixin:
         batch_idx: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
-        lists: Optional[Callable] = None,
-        seqlen: Optional[SeqlenInfoQK] = None,
+        lists: Optional[Callable],
+        seqlen: SeqlenInfoQK,
+        q_state: cpipeline.PipelineState,
+        kv_state: cpipeline.PipelineState,
     ):
         """Producer warp: Q once, then K and V of each n_block (descending; with block sparsity the
-        listed tiles, fwd_block_sparse.py) into the rings."""
+        listed tiles, fwd_block_sparse.py) into the rings. Returns the advanced (q_state, kv_state).
+
+        Persistent: the tile's first K/V block goes before its Q. The MMA warps release the Q slot only
+        after the previous tile's epilogue (sO reuses it), and the K/V slot is free earlier, so the first
+        block's loads overlap that epilogue instead of queueing behind Q."""
         # packed GQA: the grid's head index is already the KV head
         head_idx_kv = head_idx if const_expr(self.pack_gqa) else head_idx // self.qhead_per_kvhead
         # varlen q: Q from the sequence's first row (a tile past seqlen_q reads the next sequence's
@@ -77,19 +84,39 @@ class TmaProducerMixin:
         load_K = copy_utils.tma_producer_copy_fn(load_K, pipeline_k)
         load_V = copy_utils.tma_producer_copy_fn(load_V, pipeline_v)
 
-        q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, 1)
-        pipeline_q.producer_acquire(q_state)
-        load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-
-        kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.num_stages)
-        if const_expr(lists is not None):  # read under the Q load
-            kv_state = fwd_block_sparse.load_tiles(lists(), kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                                                   self.kv_subtile_factor)
+        if const_expr(not self.persistent):
+            pipeline_q.producer_acquire(q_state)
+            load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        if const_expr(lists is not None):  # read under the Q load (persistent: under the last tile's epilogue)
+            kv_state = fwd_block_sparse.load_tiles(
+                lists(), kv_state, load_K, load_V, pipeline_k, pipeline_v, self.kv_subtile_factor,
+                load_q=partial(self._load_q_slot, pipeline_q, load_Q) if const_expr(self.persistent) else None,
+                q_state=q_state,
+            )
         else:
-            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+            n_blocks = n_block_max - n_block_min
+            first = 0
+            if const_expr(self.persistent):
+                if n_blocks > 0:
+                    pipeline_k.producer_acquire(kv_state)
+                    load_K(src_idx=n_block_max - 1, producer_state=kv_state)
+                    pipeline_v.producer_acquire(kv_state)
+                    load_V(src_idx=n_block_max - 1, producer_state=kv_state)
+                    kv_state.advance()
+                self._load_q_slot(pipeline_q, load_Q, q_state)
+                first = 1
+            for i in cutlass.range(first, n_blocks, unroll=1):
                 n_block = n_block_max - 1 - i
                 pipeline_k.producer_acquire(kv_state)
                 load_K(src_idx=n_block, producer_state=kv_state)
                 pipeline_v.producer_acquire(kv_state)
                 load_V(src_idx=n_block, producer_state=kv_state)
                 kv_state.advance()
+        q_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def _load_q_slot(self, pipeline_q: cpipeline.PipelineAsync, load_Q: Callable, q_state: cpipeline.PipelineState):
+        """Acquire the Q slot (free once the MMA warps released it) and issue the tile's Q load."""
+        pipeline_q.producer_acquire(q_state)
+        load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))

@@ -33,3 +33,21 @@ PROPOSED_CONFIGS: dict[int, tuple] = {
     ),
 }
 
+
+# The persistent tile order (FwdConfig.persistent, persistent_scheduler.py) on the configs that stay
+# spill-free with it on sm_120a (tests/test_fwd_tma_persistent.py compiles each): the tile loop
+# keeps more values live, and the 32-row-warp d128 tiles, the 16-row d96 q-in-registers tiles and
+# most block-sparse walks spill with it (8 to 256 B). Entries: (head_dim, (num_threads, tile_m,
+# tile_n, num_stages, q_in_regs), masks, block_sparse_ok).
+PERSISTENT_CONFIGS: tuple = (
+    (64, (256, 256, 64, 3, True), ("none", "causal"), False),  # the d64 causal table entry
+    (64, (256, 256, 64, 2, False), ("none", "causal"), False),
+    (64, (256, 128, 128, 2, True), ("none", "causal"), False),
+    (64, (256, 128, 64, 3, True), ("none", "causal"), False),
+    (96, (256, 256, 64, 2, False), ("none", "causal"), False),  # the d96 causal table entry
+    (96, (256, 256, 32, 2, False), ("none", "causal"), False),
+    (96, (128, 64, 64, 2, False), (), True),
+    (128, (256, 256, 32, 2, False), ("none",), False),
+    (128, (128, 128, 32, 2, False), ("none", "causal"), False),
+    (128, (128, 64, 64, 2, False), (), True),
+)

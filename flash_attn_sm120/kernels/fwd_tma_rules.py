@@ -4,8 +4,8 @@ Pure Python (no CuTe DSL import), so the config table, the driver's routing and 
 without building a kernel; the kernel class (fwd_tma.py) applies the same functions.
 
   * `tma_config_error`: why a (head dims, tile, stages, MMA threads) config cannot run, or None;
-    `fp16_register_error`, `pack_gqa_error` and `pingpong_error` refuse a dtype, a GQA packing or
-    the ping-pong schedule on a tile that could otherwise run.
+    `fp16_register_error`, `pack_gqa_error`, `pingpong_error` and `persistent_error` refuse a dtype,
+    a GQA packing, the ping-pong schedule or the persistent order on a tile that could otherwise run.
   * `smem_bytes`: the CTA's dynamic shared memory: sQ (reused as sO), sK[num_stages] and
     sV[num_stages], each 1 KB aligned, then the full/empty mbarriers of the Q slot and both rings.
   * `register_split`: the setmaxnreg budget. ptxas gives every thread the same registers at launch;
@@ -178,6 +178,14 @@ def pingpong_error(num_threads: int) -> Optional[str]:
     exactly two MMA warpgroups."""
     if num_threads != 2 * WARPGROUP_THREADS:
         return f"pingpong needs two MMA warpgroups (num_threads=256), got num_threads={num_threads}"
+    return None
+
+
+def persistent_error(pingpong: bool) -> Optional[str]:
+    """Why the persistent tile order cannot run with this schedule, or None. Ping-pong's named-barrier
+    turns start over at every tile; they are not built to run on across tiles."""
+    if pingpong:
+        return "persistent and pingpong together are not implemented (the ping-pong turns start at each tile)"
     return None
 
 

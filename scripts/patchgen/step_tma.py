@@ -29,7 +29,7 @@ from flash_attn_sm120 import hardware
 from flash_attn_sm120.kernels import fwd_block_sparse as pkg_fwd_block_sparse
 from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
 from flash_attn_sm120.kernels import fwd_tma_epilogue, fwd_tma_kernel, fwd_tma_mainloop, fwd_tma_producer
-from flash_attn_sm120.kernels import fwd_tma_rules, mma_sync_utils
+from flash_attn_sm120.kernels import fwd_tma_rules, mma_sync_utils, persistent_scheduler
 
 from patchgen import fold
 from patchgen.core import (
@@ -58,7 +58,7 @@ BLOCK_SPARSE_REL = f"{CUTE}/flash_fwd_sm120_block_sparse.py"
 # as module-level code before the class, in this order; the class of fwd_tma.py; then the methods of
 # each role's mixin appended to the class body, in this order (kernel entry, producer, MMA warps,
 # epilogue), so that upstream gets one class in one module as flash_fwd_sm90.py is.
-LIBRARY_MODULES = (fwd_tma_rules, mma_sync_utils)
+LIBRARY_MODULES = (fwd_tma_rules, mma_sync_utils, persistent_scheduler)
 MIXIN_MODULES = (fwd_tma_kernel, fwd_tma_producer, fwd_tma_mainloop, fwd_tma_epilogue)
 FOLDED_MODULES = LIBRARY_MODULES + (pkg_fwd_tma,) + MIXIN_MODULES
 # package imports of the folded modules -> what flash_fwd_sm120_tma.py imports instead; () for the
@@ -75,6 +75,8 @@ _UPSTREAM_IMPORTS = {
     ("flash_attn_sm120.kernels.emulation", "emulation_storage"): (),
     ("flash_attn_sm120.kernels.fwd_tma_proposals", "ALL_MASKS"): (),
     ("flash_attn_sm120.kernels.fwd_tma_proposals", "PROPOSED_CONFIGS"): (),
+    ("flash_attn_sm120.kernels.persistent_scheduler", "PersistentTileScheduler"): (),
+    ("flash_attn_sm120.kernels.persistent_scheduler", "persistent_grid"): (),
 }
 # the docstring's map of the package modules: upstream has one module
 _CODE_MAP_PARAGRAPH = "Where the code lives:"
@@ -124,7 +126,9 @@ _TMA_DOC_EDITS = (
      "        self.launch_threads: Optional[int] = None\n", ""),
     ("        return emulation_storage(self, SharedStorageTma, self.num_threads_total)\n",
      "        return SharedStorageTma\n"),
-    ("PRODUCER_REGS = 24", f"MAX_REGS_PER_THREAD = {hardware.MAX_REGS_PER_THREAD}\nPRODUCER_REGS = 24"),
+    ("PRODUCER_REGS = 24", f"MAX_REGS_PER_THREAD = {hardware.MAX_REGS_PER_THREAD}\n"
+     f"SM120_NUM_SMS = {hardware.DEFAULT_NUM_SMS}  # a persistent launch's default wave (RTX PRO 6000)\n"
+     "PRODUCER_REGS = 24"),
 )
 _TMA_RENAMES = (
     ("hardware.DSL_STATIC_SMEM", "SM120_STATIC_SMEM"),
@@ -132,6 +136,7 @@ _TMA_RENAMES = (
     ("hardware.sm120_occupancy", "sm120_occupancy"),
     ("hardware.REGS_PER_SM", "REGS_PER_SM"),
     ("hardware.MAX_REGS_PER_THREAD", "MAX_REGS_PER_THREAD"),
+    ("hardware.DEFAULT_NUM_SMS", "SM120_NUM_SMS"),
     ("smem_bytes", "sm120_tma_smem_bytes"),
     ("FwdConfig", "Sm120FwdConfig"),  # the config type of flash_fwd_sm120_configs.py
 )

@@ -1,0 +1,63 @@
+"""The TMA forward's persistent tile order against one CTA per tile, and the table, side by side.
+
+FwdConfig.persistent launches one wave of CTAs that walk all tiles (kernels/persistent_scheduler.py):
+the producer loads a tile's first K/V block under the previous tile's epilogue, and no CTA pays a
+launch, mbarrier inits and a cold pipeline per tile. Each group times, on the seed problems of its
+(head dim, mask), the table's entries and the spill-free persistent configs (PERSISTENT_CONFIGS),
+each next to the same config without persistence, in one prepare.py run (occupancy verified at every
+compile, every candidate gated against fp32):
+
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_persistent.py --reps 10 --no-ceiling --json out.json
+
+The block-sparse side is `scripts/bench_block_sparse.py --sparse-configs NAME,...`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import prepare  # noqa: E402
+
+from flash_attn_sm120.config import FwdConfig, load_fwd_table  # noqa: E402
+from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS  # noqa: E402
+
+
+def groups() -> dict:
+    """(bucket, mask) -> the persistent configs and their one-tile-per-CTA twins."""
+    out: dict = {}
+    for d, c, masks, _ in PERSISTENT_CONFIGS:
+        for mask in masks:
+            cfg = FwdConfig(*c, family="tma")
+            out.setdefault((d, mask), []).extend([cfg, replace(cfg, persistent=True)])
+    return out
+
+
+def candidates(info) -> list:
+    impls = []
+    for (bucket, mask), extra in groups().items():
+        shipped = [e.config for e in load_fwd_table() if e.head_dim == bucket and e.mask == mask]
+        seen = set()
+        for cfg in shipped + extra:
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            tag = "table" if cfg in shipped else "cand"
+            impl = prepare.sm120_impl(f"{bucket}-{mask}-{tag}-{cfg.name}", lambda p, cfg=cfg: cfg, info)
+            impl.supports = lambda p, b=bucket, m=mask: max(p.head_dim, p.dv) == b and p.causal == (m == "causal")
+            impls.append(impl)
+    return impls
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--set" not in argv:
+        argv = ["--set", "seed"] + argv
+    if "--references" not in argv:
+        argv = ["--references", "upstream_sm120"] + argv
+    prepare.run(candidates, argv, description=__doc__)
