@@ -4,7 +4,8 @@ Two tables, each against references timed in the same run:
 
   gqa    causal GQA prefill shapes: the table's TMA entry with the query heads of a KV head packed
          into its M tile (pack_gqa=True) vs unpacked (pack_gqa=False), the table's cp.async entry
-         packed (what explicit pack_gqa=True ran before the TMA family packed), and upstream's SM120
+         packed (what explicit pack_gqa=True ran before the TMA family packed), the table's next TMA entry
+         packed (where the first spills with packed GQA), and upstream's SM120
          path (its own tile, packed as upstream defaults).
   paged  prefill over 64-token pages (b4 s4096 32:8; default causal d64 and d128, --paged-keys):
          the dense call (the table), and the paged call with what driver_splitkv.kernel_config
@@ -102,6 +103,11 @@ def run_gqa(emulate) -> list:
             (f"cpasync {cpasync.name} packed", cpasync, True),
             (f"upstream {upstream_fwd_config(d).name} packed", upstream_fwd_config(d), True),
         ]
+        # the table's next TMA entry packed: the alternative where the first one spills with packed GQA
+        tma_entries = [e.config for e in load_fwd_table() if e.head_dim == d and e.mask == "causal"
+                       and e.config.family == "tma"]
+        if len(tma_entries) > 1:
+            variants.append((f"next tma {tma_entries[1].name} packed", tma_entries[1], True))
         for name, cfg, pack in variants:
             times[name] = _timed(name, lambda x, o, c=cfg, pk=pack: _dense(x, emulate, c, pk, o), sets, p, rows,
                                  dict(table="gqa", pack_gqa=pack, config=cfg.name))

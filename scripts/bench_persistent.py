@@ -8,6 +8,7 @@ each next to the same config without persistence, in one prepare.py run (occupan
 compile, every candidate gated against fp32):
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_persistent.py --reps 10 --no-ceiling --json out.json
+  ... --buckets 64,96   only the groups of those head-dim buckets
 
 The block-sparse side is `scripts/bench_block_sparse.py --sparse-configs NAME,...`.
 """
@@ -38,9 +39,11 @@ def groups() -> dict:
     return out
 
 
-def candidates(info) -> list:
+def candidates(info, buckets=None) -> list:
     impls = []
     for (bucket, mask), extra in groups().items():
+        if buckets and bucket not in buckets:
+            continue
         shipped = [e.config for e in load_fwd_table() if e.head_dim == bucket and e.mask == mask]
         seen = set()
         for cfg in shipped + extra:
@@ -60,4 +63,9 @@ if __name__ == "__main__":
         argv = ["--set", "seed"] + argv
     if "--references" not in argv:
         argv = ["--references", "upstream_sm120"] + argv
-    prepare.run(candidates, argv, description=__doc__)
+    buckets = None
+    if "--buckets" in argv:  # e.g. --buckets 64,96: only those head-dim groups
+        i = argv.index("--buckets")
+        buckets = {int(x) for x in argv[i + 1].split(",")}
+        del argv[i:i + 2]
+    prepare.run(lambda info: candidates(info, buckets), argv, description=__doc__)

@@ -129,3 +129,23 @@ def test_backward_with_lse_gradient_varlen():
     for name, a, r in zip(("dq", "dk", "dv", "dsink"), got, want):
         scale = r.abs().max().item()
         assert (a.float() - r).abs().max().item() <= 0.02 * scale + 2e-3, name
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, True), (96, True), (64, False)])
+def test_sink_far_above_every_score(d, causal):
+    """A score_mod that lowers every score by 100 (ALiBi far from the diagonal does so): the sink is the
+    row's largest logit by more than e^88, where a sink term scaled by the row's max overflows fp32 (LSE
+    inf; FA4's Softmax.finalize does). The TMA entries count it against the larger of the two."""
+    import cutlass.cute as cute
+
+    @cute.jit
+    def far_below(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return score - cute.full_like(score, 100.0)
+
+    q, k, v, sink = _inputs(2, 300, 300, 8, 2, d, seed=11 + d, sink_dtype=torch.float32)
+    out, lse = flash_attn_sm120.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, score_mod=far_below,
+                                                return_lse=True)
+    kw = dict(causal=causal, score_fn=lambda s, h, qi, ki: s - 100.0)
+    (ro, rl), (po, pl) = _refs(q, k, v, sink, **kw)
+    _close("out", out, ro, po)
+    _close("lse", lse, rl, pl, atol=1e-3)

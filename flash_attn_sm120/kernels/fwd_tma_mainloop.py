@@ -193,11 +193,12 @@ class TmaMainloopMixin:
                 self._pingpong_arrive(mma_wg)  # the turn taken by the last block's PV
 
         # with a sink, the final softmax counts it (one more column per row, no value)
-        row_sinks = None
         if const_expr(self.has_sink):
             row_sinks = sink_fold.load_row_sinks(sink, thr_mma_pv, self.tile_m, self.tile_hdimv, m_block, head_idx,
                                                  self.qhead_per_kvhead, self.pack_gqa)
-        row_scale = softmax.finalize(sink_val=row_sinks)
+            row_scale = sink_fold.finalize_with_sinks(softmax, row_sinks)  # overflow-safe for any sink
+        else:
+            row_scale = softmax.finalize()
         softmax.rescale_O(acc_O, row_scale)
         self.epilogue(
             acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, thr_mma_pv, tiled_mma_pv, tidx, warp_idx,

@@ -14,9 +14,12 @@ With SplitKV, only split 0 folds the sink in (`active`): the combine's logsumexp
 then counts it once per row. With packed GQA a tile's rows interleave the query heads of one KV
 head, and each row takes its own head's sink (`load_learnable_sink`).
 
-A kernel that owns its final softmax can count the sink there instead (`Softmax.finalize(sink_val=...)`
-with `load_row_sinks`): one more term per row sum and no pass over O; the fold after the softmax made the
+A kernel that owns its final softmax can count the sink there instead (`finalize_with_sinks` with
+`load_row_sinks`): one more term per row sum and no pass over O; the fold after the softmax made the
 compiler reschedule one TMA mainloop (+5% on a 0.25 ms problem, measured), the final-softmax route +2.7%.
+FA4's `Softmax.finalize(sink_val=...)` scales the sink's term by the row's max, which overflows to
+inf when the sink exceeds the row's largest score by more than ~88 (a score_mod such as ALiBi far
+from the diagonal): LSE = inf. `finalize_with_sinks` takes the larger of the two as the reference.
 
 A kernel whose mainloop cannot take the sink as an argument (the SM80 mainloop) gets it as the last
 of the aux tensors (`with_sink`), a kernel argument like any aux tensor; `split_sink` takes it back
@@ -26,12 +29,14 @@ off before a score_mod sees the list.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from flash_attn.cute.softmax import load_learnable_sink
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.softmax import Softmax, load_learnable_sink
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
@@ -96,3 +101,27 @@ def fold_sink(acc_O: cute.Tensor, lse: cute.Tensor, row_sinks: cute.Tensor, acti
         scale = scale if lse_new != -Float32.inf else Float32(1.0)
         acc_O_mn[r, None].store(acc_O_mn[r, None].load() * scale)
         lse[r] = lse_new
+
+
+@cute.jit
+def finalize_with_sinks(softmax: Softmax, row_sinks: cute.Tensor) -> cute.Tensor:
+    """Softmax.finalize with each row's sink counted, safe for any sink: returns the rows' O scale and
+    leaves each row's LSE (natural log) in softmax.row_sum, as finalize does.
+
+    Per row, in log2 units: m = the row's max score, s = the sink; against hi = max(m, s),
+    total = row_sum * 2^(m - hi) + 2^(s - hi), O scale = 2^(m - hi) / total, LSE = hi + log2(total).
+    An empty row (m = -inf) gets O = 0 and LSE = s; with s = -inf too, LSE = -inf."""
+    row_sum, row_max = softmax.row_sum, softmax.row_max
+    row_sum.store(fa_utils.warp_reduce(row_sum.load(), operator.add, width=4))  # the quad's partial sums
+    row_scale = cute.make_fragment_like(row_max, Float32)
+    for r in cutlass.range(cute.size(row_sum), unroll_full=True):
+        m = row_max[r] * softmax.scale_log2
+        s = row_sinks[r] * _LOG2_E
+        hi = m if m > s else s
+        hi = hi if hi != -Float32.inf else Float32(0.0)
+        kept = cute.math.exp2(m - hi, fastmath=True)
+        total = row_sum[r] * kept + cute.math.exp2(s - hi, fastmath=True)
+        empty = total == 0.0 or total != total
+        row_scale[r] = cute.arch.rcp_approx(total if not empty else Float32(1.0)) * kept
+        row_sum[r] = (hi + cute.math.log2(total, fastmath=True)) * _LN_2 if not empty else -Float32.inf
+    return row_scale
