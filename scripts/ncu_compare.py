@@ -13,12 +13,14 @@ pre/post-processing or combine kernels) is compared on:
 
 Implementations: `table` (the shipped config table, what flash_attn_func runs), `upstream` (upstream's
 SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
-for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1). Backward: `bwd:table`,
+for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1), `sparse:<density>` (the
+public API with random block-sparse lists: that share of the 128 x 128 blocks, all full). Backward: `bwd:table`,
 `bwd:deterministic` (the same with deterministic=True) or `bwd:upstream` (the main backward kernel).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/ncu_compare.py --problem b4s2048h32d64 [--causal]
   python scripts/ncu_compare.py --problem b2s4096h16d96 --candidate table --reference config:upstream-config
   python scripts/ncu_compare.py --problem b2s4096h16d128 --candidate bwd:deterministic --reference bwd:table
+  python scripts/ncu_compare.py --problem b1s8192h16d128 --candidate sparse:0.1 --reference table
   python scripts/ncu_compare.py --parse saved.csv       # print the table of an existing ncu --csv file
 """
 
@@ -163,14 +165,36 @@ def _forward_call(impl: str, p, x, info):
         config = upstream_fwd_config(max(p.head_dim, p.dv))
     elif impl.startswith("config:"):
         config = get_path(impl.split(":", 1)[1]).config_for(p.head_dim, p.dv)
+    elif impl.startswith("sparse:"):
+        return _sparse_call(float(impl.split(":", 1)[1]), p, x)
     else:
-        raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>, "
+        raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>, sparse:<density>, "
                          "bwd:table, bwd:deterministic, bwd:upstream)")
 
     def call():
         return driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
                               window_size_right=None, softcap=None, pack_gqa=None, need_lse=False,
                               emulate_host_smem=info.emulate_host_smem, config=config)
+
+    return call
+
+
+def _sparse_call(density: float, p, x):
+    """The public API with block-sparse lists: a random `density` of the 128 x 128 blocks, all full (no
+    mask_mod), the dispatcher's sparse config (scripts/bench_block_sparse.py's random10 at 0.1)."""
+    import torch
+
+    import flash_attn_sm120
+    from flash_attn_sm120 import testing_sparse
+
+    block = (128, 128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kinds = testing_sparse.random_block_map(p.batch, p.nheads, -(-p.seqlen_q // 128), -(-p.seqlen_k // 128),
+                                            density=density, full_share=1.0, generator=g)
+    lists = testing_sparse.lists_from_map(kinds, block)
+
+    def call():
+        return flash_attn_sm120.flash_attn_func(x["q"], x["k"], x["v"], causal=p.causal, block_sparse_tensors=lists)
 
     return call
 
