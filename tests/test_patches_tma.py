@@ -109,12 +109,14 @@ def test_tma_module_is_lifted_without_package_parts():
                  "Mixin", "Where the code lives"):
         assert gone not in text, gone
     # the package's modules folded into one class: the rules, the GEMM helpers and every role's methods
-    assert text.count("\nclass ") == 2  # RegisterSplit and the kernel
+    assert text.count("\nclass ") == 3  # RegisterSplit, the persistent tile scheduler and the kernel
+    assert "class PersistentTileScheduler(SingleTileLPTScheduler):" in text
     assert "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):" in text
     for there in ("def tma_config_error(", "def gemm_rs_by_ldmatrix(", "    def __call__(", "    def kernel(",
                   "    def load(", "    def mma_one_n_block(", "    def _pingpong_sync(", "    def epilogue("):
         assert there in text, there
     assert text.index("def register_split(") < text.index("def gemm_rs_by_ldmatrix(") < text.index("    def kernel(")
+    assert "SM120_NUM_SMS = 188" in text and "hardware.DEFAULT_NUM_SMS" not in text
 
 
 def test_tma_fold_refuses_what_it_cannot_fold():

@@ -24,12 +24,19 @@ PROPOSED_CONFIGS: dict[int, tuple] = {
         ((256, 128, 64, 3, True), ALL_MASKS),
         ((256, 128, 64, 2, True), ALL_MASKS),
         ((256, 256, 32, 2, False), ALL_MASKS),  # R=2
+        # 4 warps R=2, 2 CTAs/SM (38 / 44 KB): the TMA twins of the cp.async 2-CTA non-causal entries
+        ((128, 128, 32, 1, False), ALL_MASKS),
+        ((128, 128, 48, 1, False), ("none",)),  # local spills 8 B
     ),
     64: (
         ((256, 128, 128, 2, True), ALL_MASKS),
         ((256, 128, 64, 3, True), ALL_MASKS),
         ((256, 256, 64, 2, False), ALL_MASKS),  # R=2
         ((128, 64, 64, 2, True), ALL_MASKS),  # 2 CTAs/SM (41 KB each): two tiles interleave per SM
+        # 4 warps R=2, 2 CTAs/SM (35 / 43 / 35 KB): the TMA twins of the cp.async 2-CTA entry (4w 128x80 s1)
+        ((128, 128, 64, 1, False), ALL_MASKS),
+        ((128, 128, 48, 2, False), ALL_MASKS),
+        ((128, 128, 32, 2, False), ALL_MASKS),
     ),
 }
 
