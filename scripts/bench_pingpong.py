@@ -22,7 +22,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import prepare  # noqa: E402
 
-from flash_attn_sm120.config import FwdConfig, load_fwd_table  # noqa: E402
+from bench_configs import group_candidates  # noqa: E402
+
+from flash_attn_sm120.config import FwdConfig  # noqa: E402
 
 
 def _tma(m, n, s, qreg=False, pingpong=False):
@@ -53,19 +55,7 @@ WIDE = {
 
 
 def candidates(info, groups=None) -> list:
-    impls = []
-    for (bucket, mask), extra in (groups or GROUPS).items():
-        shipped = [e.config for e in load_fwd_table() if e.head_dim == bucket and e.mask == mask]
-        seen = set()
-        for cfg in shipped + extra:
-            if cfg in seen:
-                continue
-            seen.add(cfg)
-            tag = "table" if cfg in shipped else "cand"
-            impl = prepare.sm120_impl(f"{bucket}-{mask}-{tag}-{cfg.name}", lambda p, cfg=cfg: cfg, info)
-            impl.supports = lambda p, b=bucket, m=mask: max(p.head_dim, p.dv) == b and p.causal == (m == "causal")
-            impls.append(impl)
-    return impls
+    return group_candidates(info, groups or GROUPS)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ transaction mbarriers. This kernel uses them the way FA3 does on Hopper, with SM
                      three exit at once; the warpgroup exists because setmaxnreg acts per
                      warpgroup: it drops to 24 registers and the MMA warps rise to up to 240
 
-Pipeline (one CTA = one (m_block, head, batch) tile; mbarriers through cutlass' PipelineTmaAsync):
+Pipeline (one CTA = one (m_block, head, batch) tile, or with `persistent` one wave of CTAs striding all
+tiles: persistent_scheduler.py; mbarriers through cutlass' PipelineTmaAsync):
 
   producer:  Q once            -> pipeline_q (1 stage)
              for n_block = n_block_max-1 down to n_block_min:
@@ -459,7 +460,9 @@ class FlashAttentionForwardSm120Tma(
         use_lpt = (self.is_causal and not self.is_local) if self.lpt is None else self.lpt
         if const_expr(self.varlen_q):
             TileScheduler = SingleTileVarlenScheduler  # tiles of each sequence's own seqlen_q
-            self.persistent = False  # the varlen order depends on each sequence: one CTA per tile
+            # the varlen order depends on each sequence: one CTA per tile (this kernel object compiles one
+            # key, and varlen is part of it, so the flag holds for the whole trace)
+            self.persistent = False
         elif const_expr(self.persistent):
             TileScheduler = PersistentTileScheduler
         else:

@@ -17,7 +17,11 @@ Every warp of the CTA runs `kernel` from the top:
      block sparsity, `lists` reads the tile's K/V lists: fwd_block_sparse.py) in `_tile_setup`. After
      setmaxnreg, not before: values live across it are spilled around the register reallocation.
      The first producer warp runs `load` (fwd_tma_producer.py); the MMA warps run `mma`
-     (fwd_tma_mainloop.py), which ends in `epilogue` (fwd_tma_epilogue.py).
+     (fwd_tma_mainloop.py), which ends in `epilogue` (fwd_tma_epilogue.py);
+  6. persistent (FwdConfig.persistent, persistent_scheduler.py): steps 5's tile setup, `load` and `mma`
+     repeat for each tile the scheduler hands this CTA, the pipeline states carried from one tile to the
+     next (the MMA warps release the Q slot after the epilogue's store has read sO). Otherwise each CTA
+     runs one tile, and the same code runs once.
 
 A mixin of FlashAttentionForwardSm120Tma: it reads the attributes that the class's constructor and
 host side set (tile sizes, `registers`, `tma_copy_bytes`, `num_mma_warps`).
