@@ -148,7 +148,8 @@ def config_from_name(name: str) -> FwdConfig:
         field_name, value = _NAME_FLAGS[flag]
         kw[field_name] = value
     cfg = FwdConfig(**kw)
-    assert cfg.name == name, (cfg.name, name)
+    if cfg.name != name:  # flags out of order or repeated, a padded number: one spelling per config
+        raise ValueError(f"config name {name!r} is not in canonical form; write {cfg.name!r}")
     return cfg
 
 

@@ -81,9 +81,13 @@ def _persistent_num_sms(config: FwdConfig, device: torch.device) -> Optional[int
         return None
     forced = os.environ.get(PERSISTENT_SMS_ENV)
     if forced:
-        if not forced.isdigit() or int(forced) < 1:
+        try:
+            count = int(forced.strip())
+        except ValueError:
+            count = 0
+        if count < 1:
             raise ValueError(f"{PERSISTENT_SMS_ENV}={forced!r}: expected a positive SM count")
-        return int(forced)
+        return count
     if device.type != "cuda":
         return hardware.DEFAULT_NUM_SMS
     return device_info(device).num_sms
@@ -323,7 +327,7 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
         raise NotImplementedError(f"kernel family {cfg.family!r} cannot run this call: {reason}")
     # the table's cp.async entry of the same (bucket, mask), listed after the faster family's
     fallback = select_fwd_config(family_entries("cpasync"), statics.head_dim, statics.head_dim_v, causal, local)
-    return replace(statics, config=fallback)
+    return replace(statics, config=fallback, num_sms=None)  # num_sms keys persistent TMA configs only
 
 
 def table_config(q, v, causal: bool, local: bool, cu_seqlens_q=None, seqused_q=None, cu_seqlens_k=None,

@@ -142,12 +142,6 @@ def main(argv=None) -> int:
             rows.append(dict(problem=problem, direction=direction, mask=name, visited=visited, dense_ms=dense_ms,
                              sparse_ms=sparse_ms, dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf,
                              ratio=sparse_tf / dense_tf))
-            for cname, fms in forced_rows.items():
-                rows[-1].setdefault("forced", {})[cname] = dict(
-                    ms=fms, tflops_on_computed=dense_flops * visited / fms / 1e9,
-                    ratio=dense_flops * visited / fms / 1e9 / dense_tf, vs_default_sparse=sparse_ms / fms)
-                print(f"    forced {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
-                      f"({sparse_ms / fms:.3f}x the default sparse config)", flush=True)
             det = ""
             if det_ms is not None:
                 rows[-1].update(deterministic_ms=det_ms, deterministic_vs_sparse=sparse_ms / det_ms)
@@ -156,6 +150,12 @@ def main(argv=None) -> int:
                   f"{dense_ms:7.3f} ms {dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  "
                   f"ratio {sparse_tf / dense_tf:.3f}{det}",
                   flush=True)
+            for cname, fms in forced_rows.items():
+                rows[-1].setdefault("forced", {})[cname] = dict(
+                    ms=fms, tflops_on_computed=dense_flops * visited / fms / 1e9,
+                    ratio=dense_flops * visited / fms / 1e9 / dense_tf, vs_default_sparse=sparse_ms / fms)
+                print(f"    forced {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
+                      f"({sparse_ms / fms:.3f}x the default sparse config)", flush=True)
     if args.json:
         doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
                "gpu": info.name, "mode": info.mode, "mode_label": info.label(), "commit": harness.git_commit(),

@@ -94,7 +94,7 @@ def run_gqa(emulate) -> list:
     for b, s, h, hk, d in GQA_SHAPES:
         p = bench.Problem(b, s, s, h, hk, d, causal=True, tag="gqa")
         sets = [bench.make_inputs(p, seed=i) for i in range(bench.rotations_for(p))]
-        tma = select_fwd_config(load_fwd_table(), d, d, True, False)
+        tma = select_fwd_config(load_fwd_table(), d, d, True, False, seqlen_q=s)  # what the dispatcher runs
         cpasync = select_fwd_config(family_entries("cpasync"), d, d, True, False)
         times = {}
         variants = [
@@ -104,10 +104,10 @@ def run_gqa(emulate) -> list:
             (f"upstream {upstream_fwd_config(d).name} packed", upstream_fwd_config(d), True),
         ]
         # the table's next TMA entry packed: the alternative where the first one spills with packed GQA
-        tma_entries = [e.config for e in load_fwd_table() if e.head_dim == d and e.mask == "causal"
-                       and e.config.family == "tma"]
-        if len(tma_entries) > 1:
-            variants.append((f"next tma {tma_entries[1].name} packed", tma_entries[1], True))
+        others = [e.config for e in load_fwd_table() if e.head_dim == d and e.mask == "causal"
+                  and e.config.family == "tma" and e.serves(s) and e.config != tma]
+        if others:
+            variants.append((f"next tma {others[0].name} packed", others[0], True))
         for name, cfg, pack in variants:
             times[name] = _timed(name, lambda x, o, c=cfg, pk=pack: _dense(x, emulate, c, pk, o), sets, p, rows,
                                  dict(table="gqa", pack_gqa=pack, config=cfg.name))

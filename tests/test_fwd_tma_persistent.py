@@ -88,6 +88,8 @@ def test_config_from_name_refuses_bad_names():
         config_from_name("tma-w8-256x64-s2-fast")
     with pytest.raises(ValueError, match="is not FAMILY"):
         config_from_name("tma-256x64")
+    with pytest.raises(ValueError, match="canonical form; write 'tma-w8-256x64-s2-qreg-pers'"):
+        config_from_name("tma-w8-256x64-s2-pers-qreg")
 
 
 def test_persistent_sms_env_sets_the_wave(monkeypatch):

@@ -71,3 +71,24 @@ def test_small_wave_walks_many_tiles_per_cta(sms, monkeypatch):
         _check(cfg, bench.Problem(3, 700, 300, 4, 2, 64), causal, window, seed=int(sms))
     _check(FwdConfig(128, 64, 64, 2, False, "tma", persistent=True), bench.Problem(2, 333, 1000, 4, 4, 128),
            True, (None, None), seed=7)
+
+
+def test_small_wave_block_sparse_handoffs(monkeypatch):
+    """One CTA walks every Q tile of a block-sparse call: tiles whose first visited tile comes from the mask
+    list, from the full list (mask list empty) and tiles with nothing listed, one after another."""
+    from flash_attn_sm120 import driver
+    from test_block_sparse_gpu import _inputs, _map_case, check
+
+    monkeypatch.setenv(driver.PERSISTENT_SMS_ENV, "1")
+    b, h, sq, sk, d = 2, 3, 900, 1000, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=17)
+    block = (128, 128)
+    kinds = _map_case(b, h, sq, sk, block, seed=17, density=0.4)
+    kinds[0, 0, 1] = testing_sparse.SKIP  # nothing listed
+    kinds[0, 1, 2] = testing_sparse.SKIP
+    kinds[0, 1, 2, 3] = testing_sparse.FULL  # the full list only
+    kinds[1, 2, 0] = testing_sparse.SKIP
+    kinds[1, 2, 0, 0] = testing_sparse.PARTIAL  # the mask list only
+    keep = testing_sparse.keep_from_map(kinds, block, sq, sk)
+    with driver.force_config(FwdConfig(128, 64, 64, 2, False, "tma", persistent=True)):
+        check(q, k, v, keep, dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, block)))

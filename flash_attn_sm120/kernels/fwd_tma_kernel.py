@@ -145,8 +145,7 @@ class TmaKernelMixin:
                             m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
                         q_state, kv_state = load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
                                                  seqlen, q_state, kv_state)
-                        tile_scheduler.advance_to_next_work()
-                        work_tile = tile_scheduler.get_current_work()
+                        work_tile = tile_scheduler.advance_to_next_work()
                 elif work_tile.is_valid_tile:
                     m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                     seqlen, _, n_block_min, n_block_max, lists, _ = setup(
@@ -174,8 +173,7 @@ class TmaKernelMixin:
                         m_block, head_idx, batch_idx, n_block_min, n_block_max,
                         aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
                     )
-                    tile_scheduler.advance_to_next_work()
-                    work_tile = tile_scheduler.get_current_work()
+                    work_tile = tile_scheduler.advance_to_next_work()
             elif work_tile.is_valid_tile:
                 m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                 seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
