@@ -50,6 +50,16 @@ def group_candidates(info, groups: dict) -> list:
     return impls
 
 
+def run_seed_groups(make_candidates, argv: list, description: str) -> None:
+    """prepare.run on the seed set against upstream's SM120 path unless argv names another --set /
+    --references (the group benches' shared defaults)."""
+    if "--set" not in argv:
+        argv = ["--set", "seed"] + argv
+    if "--references" not in argv:
+        argv = ["--references", "upstream_sm120"] + argv
+    prepare.run(make_candidates, argv, description=description)
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     groups: dict = {}
@@ -60,8 +70,4 @@ if __name__ == "__main__":
         del argv[i:i + 2]
     if not groups:
         raise SystemExit("name at least one --group BUCKET:MASK=NAME[,NAME...]")
-    if "--set" not in argv:
-        argv = ["--set", "seed"] + argv
-    if "--references" not in argv:
-        argv = ["--references", "upstream_sm120"] + argv
-    prepare.run(lambda info: group_candidates(info, groups), argv, description=__doc__)
+    run_seed_groups(lambda info: group_candidates(info, groups), argv, __doc__)

@@ -23,9 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import prepare  # noqa: E402
-
-from bench_configs import group_candidates  # noqa: E402
+from bench_configs import group_candidates, run_seed_groups  # noqa: E402
 
 from flash_attn_sm120.config import FwdConfig  # noqa: E402
 from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS  # noqa: E402
@@ -47,13 +45,9 @@ def candidates(info, buckets=None) -> list:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--set" not in argv:
-        argv = ["--set", "seed"] + argv
-    if "--references" not in argv:
-        argv = ["--references", "upstream_sm120"] + argv
     buckets = None
     if "--buckets" in argv:  # e.g. --buckets 64,96: only those head-dim groups
         i = argv.index("--buckets")
         buckets = {int(x) for x in argv[i + 1].split(",")}
         del argv[i:i + 2]
-    prepare.run(lambda info: candidates(info, buckets), argv, description=__doc__)
+    run_seed_groups(lambda info: candidates(info, buckets), argv, __doc__)

@@ -20,9 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import prepare  # noqa: E402
-
-from bench_configs import group_candidates  # noqa: E402
+from bench_configs import group_candidates, run_seed_groups  # noqa: E402
 
 from flash_attn_sm120.config import FwdConfig  # noqa: E402
 
@@ -60,12 +58,8 @@ def candidates(info, groups=None) -> list:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--set" not in argv:
-        argv = ["--set", "seed"] + argv
-    if "--references" not in argv:
-        argv = ["--references", "upstream_sm120"] + argv
     groups = GROUPS
     if "--wide" in argv:
         argv.remove("--wide")
         groups = WIDE
-    prepare.run(lambda info: candidates(info, groups), argv, description=__doc__)
+    run_seed_groups(lambda info: candidates(info, groups), argv, __doc__)
