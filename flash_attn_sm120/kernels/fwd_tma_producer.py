@@ -85,8 +85,7 @@ class TmaProducerMixin:
         load_V = copy_utils.tma_producer_copy_fn(load_V, pipeline_v)
 
         if const_expr(not self.persistent):
-            pipeline_q.producer_acquire(q_state)
-            load_Q(tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            self._load_q_slot(pipeline_q, load_Q, q_state)
         if const_expr(lists is not None):  # read under the Q load (persistent: under the last tile's epilogue)
             kv_state = fwd_block_sparse.load_tiles(
                 lists(), kv_state, load_K, load_V, pipeline_k, pipeline_v, self.kv_subtile_factor,
