@@ -9,11 +9,16 @@ block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=1
 it on sm_120a (tests/test_block_sparse.py compiles every entry here spill-free). Normalization (shape
 checks, broadcasting over batch and heads, compact index tensors) is upstream's
 `normalize_block_sparse_config`, by import.
+
+Tiles launch longest first (`tile_order`, kernels/ordered_scheduler.py): the lists give each Q tile's
+work, and a window with global tokens, or random lists, make it very unequal across tiles.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from flash_attn.cute.block_sparsity import (
@@ -27,12 +32,17 @@ from flash_attn.cute.block_sparsity import (
 
 from flash_attn_sm120.config import FwdConfig
 
-# TMA configs per head dim, best first: 8 warps x 16 rows (the intra-warp overlap), then 4 warps on
-# 64 x 64 for 64-row sparse blocks. FlexAttention's default block is 128 x 128.
+# TMA configs per head dim, best first. d64/d96: 4 warps x 32 rows with one K/V stage (34-45 KB, two
+# CTAs per SM, so that one CTA's prologue and epilogue run under the other's loop: short sparse tiles
+# have little loop to hide them), measured 1.02-1.29x the 8-warp tiles on 10-16% of 128 x 128 blocks.
+# Then 8 warps x 16 rows (the intra-warp overlap; d128
+# keeps it first: its 4-warp tiles run one CTA per SM), then 4 warps on 64 x 64 for 64-row sparse
+# blocks. FlexAttention's default block is 128 x 128.
 CONFIGS: dict[int, tuple[FwdConfig, ...]] = {
-    64: (FwdConfig(256, 128, 128, 2, False, "tma"), FwdConfig(256, 128, 64, 2, True, "tma"),
+    64: (FwdConfig(128, 128, 64, 1, False, "tma"), FwdConfig(256, 128, 128, 2, False, "tma"),
+         FwdConfig(256, 128, 64, 2, True, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
+    96: (FwdConfig(128, 128, 32, 1, False, "tma"), FwdConfig(256, 128, 64, 2, True, "tma"),
          FwdConfig(128, 64, 64, 2, False, "tma")),
-    96: (FwdConfig(256, 128, 64, 2, True, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
     128: (FwdConfig(256, 128, 64, 2, False, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
 }
 
@@ -202,3 +212,60 @@ def _valid_or(idx: torch.Tensor, cnt: torch.Tensor, fill: int) -> torch.Tensor:
     position = torch.ones_like(idx, dtype=torch.int32).cumsum(-1) - 1
     past = position >= cnt.expand(idx.shape[:-1]).unsqueeze(-1)
     return idx.long().masked_fill(past, fill).contiguous()
+
+
+# a tile's work in the order's sort key: a mask-list block (mask_mod applied) weighs more than a full one
+MASK_BLOCK_WEIGHT, FULL_BLOCK_WEIGHT = 3, 2
+_ORDER_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_ORDER_CACHE_SIZE = 16
+_grid_order_forced = [False]
+
+
+@contextmanager
+def grid_order() -> Iterator[None]:
+    """Within the block, block-sparse forwards launch their tiles in the grid's own order (m fastest, then
+    heads, batch) instead of longest first: the A/B of scripts/bench_block_sparse.py --grid-order."""
+    _grid_order_forced.append(True)
+    try:
+        yield
+    finally:
+        _grid_order_forced.pop()
+
+
+def orders_tiles(config: FwdConfig, *, varlen_q: bool) -> bool:
+    """Whether a block-sparse forward launches its tiles longest first: one CTA per tile of a fixed-length
+    grid (varlen q has its own scheduler, a persistent config its own stride)."""
+    return not varlen_q and not config.persistent
+
+
+def tile_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int, num_block: int,
+               tiles_per_sparse_row: int) -> torch.Tensor:
+    """The launch order of a block-sparse forward's tiles (kernels/ordered_scheduler.py): an int32
+    permutation of the linear tile indices m + num_block * (head + grid_heads * batch), by descending
+    work (the tile's list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT),
+    ties in grid order. Tile m reads sparse Q row m // tiles_per_sparse_row (packed GQA rows per
+    position times the Q subtile factor). Cached per count tensors (pointer, version, layout) and grid:
+    a stale entry could only cost speed, since every permutation computes the same result."""
+    t = norm.tensors
+    counts = [(c, w) for c, w in ((t.mask_block_cnt, MASK_BLOCK_WEIGHT), (t.full_block_cnt, FULL_BLOCK_WEIGHT))
+              if c is not None]
+    key = tuple((c.data_ptr(), c._version, tuple(c.shape), c.stride(), str(c.device)) for c, _ in counts)
+    key += (batch, grid_heads, num_block, tiles_per_sparse_row, _grid_order_forced[-1])
+    cached = _ORDER_CACHE.get(key)
+    if cached is not None:
+        _ORDER_CACHE.move_to_end(key)
+        return cached
+    work = sum(c.to(torch.int32) * w for c, w in counts)  # (batch or 1, heads or 1, sparse Q rows)
+    if work.shape[1] != grid_heads:
+        work = work[:, :1]  # packed GQA: the lists are the same for every head (heads_broadcast)
+    rows = work.shape[2]
+    sparse_row = torch.div(torch.arange(num_block, device=work.device), tiles_per_sparse_row, rounding_mode="floor")
+    work = work.expand(batch, grid_heads, rows).index_select(2, sparse_row.clamp_(max=rows - 1))
+    if _grid_order_forced[-1]:
+        order = torch.arange(work.numel(), dtype=torch.int32, device=work.device)
+    else:
+        order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
+    _ORDER_CACHE[key] = order
+    if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
+        _ORDER_CACHE.popitem(last=False)
+    return order

@@ -160,6 +160,8 @@ def compile_fwd_cubin(
     from quack.compile_utils import make_fake_tensor
 
     from flash_attn_sm120 import driver
+    from flash_attn_sm120.block_sparse import orders_tiles
+    from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
@@ -172,6 +174,8 @@ def compile_fwd_cubin(
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
         block_sparse=None if block_sparse is None else (
             (*block_sparse, None) + (("cu_seqlens_k" in varlen,) if "cu_seqlens_q" in varlen else ())),
+        ordered_tiles=block_sparse is not None and orders_tiles(
+            config, varlen_q="cu_seqlens_q" in varlen or "seqused_q" in varlen),
     )
     if upstream_class or kernel_cls is not None:
         kernel = (kernel_cls or FlashAttentionForwardSm120)(
@@ -216,9 +220,12 @@ def compile_fwd_cubin(
             lists = [make_fake_tensor(cutlass.Int32, shape, divisibility=1)
                      for shape in ((b, h, m), (b, h, m, n)) * (2 if block_sparse[2] else 1)]
             sparse = BlockSparseTensors(*lists)
+    # the block-sparse launch order rides as the last aux tensor (kernels/ordered_scheduler.py)
+    order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1) if statics.ordered_tiles else None
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
-            kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window, AuxData(None, None),
+            kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window,
+            with_tile_order(AuxData(None, None), order),
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)
@@ -503,10 +510,13 @@ def compile_bwd_cubin(
     # the driver's launch plan for a dense call (masks only where needed without a causal mask or window)
     # unless `ordering` sets its flags
     launch = launch_plan(causal, local, deterministic, dense_k=True)
+    # the non-deterministic list walk launches its K/V tiles longest first, as the driver's does
+    ordered = block_sparse is not None and not deterministic
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
                         block_sparse_key=None if block_sparse is None else (*block_sparse, None), is_causal=causal,
                         is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
-                        **{"dq_descending": dq_descending, **launch, **(ordering or {})})
+                        **{"dq_descending": dq_descending, **launch, **(ordering or {})},
+                        **({"ordered_tiles": True} if ordered else {}))
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
@@ -530,6 +540,10 @@ def compile_bwd_cubin(
         # deterministic: each list entry's dQ turn (block_sparse.dq_turns), shaped as the index lists
         turns = [fake((b, h, n, m)) if deterministic and lists[i] is not None else None for i in (1, 3)]
         sparse = BlockSparseTensors(*lists, None, None, *turns)
+    if ordered:  # the launch order rides as the last aux tensor (kernels/ordered_scheduler.py)
+        from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
+
+        aux = with_tile_order(aux, make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1))
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,

@@ -34,6 +34,7 @@ from flash_attn_sm120 import block_sparse, hardware, occupancy, sinks
 from flash_attn_sm120.config import FwdConfig, family_entries, load_fwd_table, select_fwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.kernels import FAMILIES
+from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 
 CACHE_DIR_ENV = "FLASH_ATTN_SM120_CACHE_DIR"
 
@@ -68,6 +69,8 @@ class FwdStatics:
     # block sparsity (block_sparse.statics_key): (q_subtile, kv_subtile, has full lists, stride-0 dims)
     block_sparse: Optional[tuple] = None
     num_sms: Optional[int] = None  # the GPU's, for a persistent config's grid (None otherwise)
+    # block sparsity: tiles launched longest first, in an order the host computes (block_sparse.tile_order)
+    ordered_tiles: bool = False
 
 
 # A persistent launch's SM count for tests and the sanitizer: a small wave makes every CTA walk many tiles
@@ -109,6 +112,8 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
         extra = dict(extra, lpt=cfg.lpt)
     if cfg.persistent:
         extra = dict(extra, persistent=True, num_sms=statics.num_sms)
+    if statics.ordered_tiles:
+        extra = dict(extra, ordered_tiles=True)
     return cls(
         _TORCH_TO_CUTE[getattr(torch, statics.dtype)],
         statics.head_dim,
@@ -412,6 +417,8 @@ def choose_block_sparse(
                                       seqlen_k=seqlen_k, block_size=block_size, device=q.device)
         statics = build_statics(q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, config=cfg,
                                 block_sparse_key=block_sparse.statics_key(norm), **build)
+        varlen_q = packed_q or build.get("seqused_q") is not None
+        statics = replace(statics, ordered_tiles=block_sparse.orders_tiles(cfg, varlen_q=varlen_q))
         check = FAMILIES["tma"].kernel_cls.unsupported_reason
         if check(statics) is not None and statics.pack_gqa and not pack_gqa_chosen:
             statics = replace(statics, pack_gqa=False)
@@ -523,24 +530,35 @@ def forward(
                                  pack_gqa_chosen=pack_gqa_chosen, config=config, **build)
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
+    order = _tile_order(statics, sparse, q) if statics.ordered_tiles else None
     if key not in _verified_keys:
         _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                         learnable_sink, sparse)
+                         learnable_sink, sparse, order)
     _compile_cache[key](
         q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         None, window_size_left, window_size_right, learnable_sink,
         None if sparse is None else block_sparse.launch_tuple(sparse),
-        AuxData(aux_tensors, aux_scalars),
+        with_tile_order(AuxData(aux_tensors, aux_scalars), order),
         None, None,
     )
     return out, lse
 
 
+def _tile_order(statics: FwdStatics, sparse, q: torch.Tensor) -> torch.Tensor:
+    """The longest-first launch order of a block-sparse forward's tiles (block_sparse.tile_order)."""
+    packed = statics.qhead_per_kvhead if statics.pack_gqa else 1
+    rows = q.shape[1] * packed
+    return block_sparse.tile_order(
+        sparse, batch=q.shape[0], grid_heads=q.shape[2] // packed, num_block=-(-rows // statics.config.tile_m),
+        tiles_per_sparse_row=packed * sparse.q_subtile_factor,
+    )
+
+
 def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                     learnable_sink=None, sparse=None) -> None:
+                     learnable_sink=None, sparse=None, order=None) -> None:
     """Compile and occupancy-check the kernel of `key`, once per process.
 
     A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on a real SM120 (the check there only
@@ -558,7 +576,9 @@ def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                                      aux_tensors is not None),
             lambda kernel, options: compile_kernel(
                 kernel, *tensors, cute_lse, *index, window_size_left, window_size_right,
-                AuxData(cute_aux, aux_scalars), options=options, learnable_sink=cute_sink,
+                with_tile_order(AuxData(cute_aux, aux_scalars),
+                                None if order is None else to_cute_tensor(order, assumed_align=4, leading_dim=0)),
+                options=options, learnable_sink=cute_sink,
                 blocksparse=None if sparse is None else block_sparse.cute_tensors(sparse),
             ),
             statics.emulate_host_smem, q.device, describe(statics),

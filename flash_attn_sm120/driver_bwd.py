@@ -54,6 +54,7 @@ from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
+from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import (
@@ -118,6 +119,8 @@ class BwdStatics:
     aux_scalar_kinds: Optional[tuple] = None
     # block sparsity (kernels/bwd_block_sparse.py): (q_subtile, kv_subtile, has full lists, stride-0 dims)
     block_sparse: Optional[tuple] = None
+    # block sparsity: K/V tiles launched longest first, in an order the host computes (block_sparse.tile_order)
+    ordered_tiles: bool = False
 
     @property
     def has_mods(self) -> bool:
@@ -209,7 +212,8 @@ def make_kernel(statics: BwdStatics, host, mods: Optional[Mods] = None) -> Flash
     return kernel_for(_TORCH_TO_CUTE[getattr(torch, statics.dtype)], statics.head_dim, statics.head_dim_v,
                       statics.qhead_per_kvhead, statics.config, mods, block_sparse_key=statics.block_sparse,
                       is_causal=statics.causal, is_local=statics.local,
-                      emulate_host_smem=host, deterministic=statics.deterministic, **ordering_flags(statics))
+                      emulate_host_smem=host, deterministic=statics.deterministic, **ordering_flags(statics),
+                      **({"ordered_tiles": True} if statics.ordered_tiles else {}))
 
 
 def ordering_flags(statics: BwdStatics) -> dict:
@@ -395,6 +399,12 @@ def backward(
     )
     if deterministic and sparse is not None:  # the list walk's order: turns from its lists (block_sparse.dq_turns)
         statics = replace(statics, **SPARSE_DETERMINISTIC_PLAN)
+    order = None  # the list walk's launch order, longest first (the deterministic walk keeps the grid's)
+    if sparse is not None and not deterministic:
+        statics = replace(statics, ordered_tiles=True)
+        order = block_sparse.tile_order(sparse[0], batch=batch, grid_heads=num_heads,
+                                        num_block=-(-seqlen_k // cfg.n_block),
+                                        tiles_per_sparse_row=sparse[0].kv_subtile_factor)
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
     cute_dtype = _TORCH_TO_CUTE[q.dtype]
@@ -416,8 +426,8 @@ def backward(
     sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None)
     if statics not in _verified_keys:
         _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods,
-                         None if sparse is None else sparse[0])
-    aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
+                         None if sparse is None else sparse[0], order)
+    aux = with_tile_order(AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars), order)
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
                             *sems, None, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
@@ -493,7 +503,7 @@ def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: 
 
 
 def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device,
-                     mods: Optional[Mods] = None, sparse=None) -> None:
+                     mods: Optional[Mods] = None, sparse=None, order=None) -> None:
     """Compile and occupancy-check the main kernel of `statics`, once per process."""
     cute_tensors = [to_cute_tensor(t) for t in tensors]
     cute_index = [to_cute_tensor(t, assumed_align=4) if t is not None else None for t in index]
@@ -502,6 +512,7 @@ def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, win
     if mods is not None and (mods.aux_tensors or mods.aux_scalars):
         aux = AuxData([to_cute_aux_tensor(t) for t in mods.aux_tensors] if mods.aux_tensors else None,
                       mods.aux_scalars)
+    aux = with_tile_order(aux, None if order is None else to_cute_tensor(order, assumed_align=4, leading_dim=0))
     _compile_cache[statics] = compile_verified(
         lambda host: make_kernel(replace(statics, emulate_host_smem=host), host, mods),
         lambda kernel, options: compile_kernel(kernel, *cute_tensors, *cute_index, window_left, window_right,

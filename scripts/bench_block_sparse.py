@@ -12,6 +12,7 @@ Computed FLOPs are 4 * b * h * d * (visited blocks * 128 * 128). Times are CUDA-
 the backward instead (autograd.grad of a kept forward; the sparse call with the Q-direction lists,
 block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them. --bwd --deterministic
 also times the sparse backward with deterministic=True (dQ in list order) next to it, for what the order costs.
+--grid-order also times each sparse call with its tiles in grid order instead of longest first.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -19,6 +20,7 @@ also times the sparse backward with deterministic=True (dQ in list order) next t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import sys
@@ -85,10 +87,13 @@ def main(argv=None) -> int:
                     help="forward: also time the sparse call with each of these configs forced (comma list of "
                          "FwdConfig names, e.g. tma-w4-64x64-s2-pers), side by side; a config the problem's head dim "
                          "refuses is skipped")
+    ap.add_argument("--grid-order", action="store_true",
+                    help="also time each sparse call with its tiles launched in grid order instead of longest "
+                         "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
     args = ap.parse_args(argv)
     if args.deterministic and not args.bwd:
         raise SystemExit("--deterministic times a backward: add --bwd")
-    from flash_attn_sm120 import driver
+    from flash_attn_sm120 import block_sparse, driver
     from flash_attn_sm120.config import config_from_name
 
     forced = [config_from_name(n) for n in args.sparse_configs.split(",") if n]
@@ -124,15 +129,23 @@ def main(argv=None) -> int:
             for use in order:
                 ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
             forced_rows = {}
-            for cfg in forced:
-                if cfg.error(d, d) is not None:
+            for cfg in [None] + forced:
+                if cfg is not None and cfg.error(d, d) is not None:
                     continue
-                with driver.force_config(cfg):
-                    try:
-                        forced_rows[cfg.name] = bench.time_cuda(lambda i: call(i, True), rotations=2,
-                                                                reps=args.reps).median_ms
-                    except (ValueError, NotImplementedError) as e:
-                        print(f"  {cfg.name}: {e}", flush=True)
+                for grid in (False, True) if args.grid_order else (False,):
+                    if cfg is None and not grid:
+                        continue  # the default config, longest first: the row itself
+                    label = (cfg.name if cfg is not None else "default config") + (" grid order" if grid else "")
+                    with contextlib.ExitStack() as stack:
+                        if cfg is not None:
+                            stack.enter_context(driver.force_config(cfg))
+                        if grid:
+                            stack.enter_context(block_sparse.grid_order())
+                        try:
+                            forced_rows[label] = bench.time_cuda(lambda i: call(i, True), rotations=2,
+                                                                 reps=args.reps).median_ms
+                        except (ValueError, NotImplementedError) as e:
+                            print(f"  {label}: {e}", flush=True)
             dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
             det_ms = sum(ms["det"]) / 2 if args.deterministic else None
             dense_tf = dense_flops / dense_ms / 1e9
@@ -154,7 +167,7 @@ def main(argv=None) -> int:
                 rows[-1].setdefault("forced", {})[cname] = dict(
                     ms=fms, tflops_on_computed=dense_flops * visited / fms / 1e9,
                     ratio=dense_flops * visited / fms / 1e9 / dense_tf, vs_default_sparse=sparse_ms / fms)
-                print(f"    forced {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
+                print(f"    {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
                       f"({sparse_ms / fms:.3f}x the default sparse config)", flush=True)
     if args.json:
         doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -42,7 +42,8 @@ def test_candidates_divide_the_block():
     c = block_sparse.forward_candidates(128, 128, (128, 128))
     assert c == [FwdConfig(256, 128, 64, 2, False, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")]
     assert block_sparse.forward_candidates(128, 128, (64, 128)) == [FwdConfig(128, 64, 64, 2, False, "tma")]
-    assert block_sparse.forward_candidates(64, 64, (128, 128))[0].tile_n == 128
+    assert block_sparse.forward_candidates(64, 64, (128, 128))[0] == FwdConfig(128, 128, 64, 1, False, "tma")
+    assert block_sparse.forward_candidates(96, 96, (128, 128))[0] == FwdConfig(128, 128, 32, 1, False, "tma")
     assert block_sparse.forward_candidates(64, 64, (128, 64))[0].tile_n == 64
     assert block_sparse.forward_candidates(128, 128, (96, 128)) == []
     assert block_sparse.forward_candidates(192, 192, (128, 128)) == []
@@ -245,3 +246,74 @@ def test_varlen_lists_choose_a_tma_tile_of_one_sparse_q_block():
             driver.choose_block_sparse(q, q, q, lists((128, 128), offsets=False), **call)
         with pytest.raises(ValueError, match="one kernel tile"):
             driver.choose_block_sparse(q, q, q, lists((256, 128)), **call)
+
+
+def _normalized(mask_cnt, full_cnt=None, q_subtile=1):
+    from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig
+
+    idx = torch.zeros(*mask_cnt.shape, 4, dtype=torch.int32)
+    tensors = BlockSparseTensorsTorch(mask_cnt, idx, full_cnt, None if full_cnt is None else idx)
+    return NormalizedBlockSparseConfig(tensors, None, q_subtile, 1)
+
+
+def test_tile_order_is_a_longest_first_permutation_of_the_grid():
+    """block_sparse.tile_order: a permutation of the linear tiles m + M * (head + H * batch), by descending
+    weighted list length, ties in grid order; Q subtiles share their sparse row's work."""
+    g = torch.Generator().manual_seed(0)
+    b, h, rows = 2, 3, 5
+    mask_cnt = torch.randint(0, 6, (b, h, rows), dtype=torch.int32, generator=g)
+    full_cnt = torch.randint(0, 6, (b, h, rows), dtype=torch.int32, generator=g)
+    for subtiles in (1, 2):
+        num_block = rows * subtiles - (1 if subtiles == 2 else 0)  # a last sparse row with one tile
+        order = block_sparse.tile_order(_normalized(mask_cnt, full_cnt, subtiles), batch=b, grid_heads=h,
+                                        num_block=num_block, tiles_per_sparse_row=subtiles)
+        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(b * h * num_block))
+        m, head, batch = order % num_block, order // num_block % h, order // (num_block * h)
+        work = (block_sparse.MASK_BLOCK_WEIGHT * mask_cnt + block_sparse.FULL_BLOCK_WEIGHT * full_cnt)[
+            batch.long(), head.long(), (m // subtiles).long()]
+        assert torch.all(work[:-1] >= work[1:])  # longest first
+        ties = work[:-1] == work[1:]
+        assert torch.all(order[:-1][ties] < order[1:][ties])  # stable: grid order among equals
+    # the global row of a window + global-tokens mask goes first, whatever its head and batch
+    mask_cnt = torch.full((2, 4, 8), 3, dtype=torch.int32)
+    mask_cnt[1, 3, 0] = 64
+    order = block_sparse.tile_order(_normalized(mask_cnt), batch=2, grid_heads=4, num_block=8, tiles_per_sparse_row=1)
+    assert order[0].item() == 0 + 8 * (3 + 4 * 1)
+
+
+def test_tile_order_packed_gqa_and_broadcast_lists():
+    """Lists expanded over the query heads (stride 0) with packed GQA: the grid has the KV heads and
+    tiles of packed rows (tile m reads sparse row m // (qhead_per_kvhead * subtiles)); lists with a
+    size-1 batch expand over the batch."""
+    rows, qh, kv_heads, batch = 4, 4, 2, 3
+    cnt = torch.tensor([1, 9, 2, 5], dtype=torch.int32).view(1, 1, rows)
+    norm = _normalized(cnt.expand(batch, kv_heads * qh, rows))
+    order = block_sparse.tile_order(norm, batch=batch, grid_heads=kv_heads, num_block=rows * qh,
+                                    tiles_per_sparse_row=qh)
+    assert sorted(order.tolist()) == list(range(batch * kv_heads * rows * qh))
+    first = order[: batch * kv_heads * qh] % (rows * qh)  # every tile of sparse row 1 (9 blocks) first
+    assert torch.all(first // qh == 1)
+    norm = _normalized(cnt)
+    order = block_sparse.tile_order(norm, batch=batch, grid_heads=1, num_block=rows, tiles_per_sparse_row=1)
+    assert (order[:batch] % rows).tolist() == [1, 1, 1]
+
+
+def test_tile_order_cache_follows_in_place_updates():
+    """The order is cached per count tensors; an in-place update of the counts (a new version) recomputes."""
+    cnt = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)
+    norm = _normalized(cnt)
+    kw = dict(batch=1, grid_heads=1, num_block=3, tiles_per_sparse_row=1)
+    assert block_sparse.tile_order(norm, **kw).tolist() == [2, 1, 0]
+    assert block_sparse.tile_order(norm, **kw) is block_sparse.tile_order(norm, **kw)
+    cnt[0, 0, 0] = 7
+    assert block_sparse.tile_order(norm, **kw).tolist() == [0, 2, 1]
+
+
+def test_only_fixed_grids_order_their_tiles():
+    """Varlen q (its own scheduler) and persistent configs (their own stride) launch in grid order."""
+    cfg = FwdConfig(256, 128, 64, 2, False, "tma")
+    assert block_sparse.orders_tiles(cfg, varlen_q=False)
+    assert not block_sparse.orders_tiles(cfg, varlen_q=True)
+    from dataclasses import replace
+
+    assert not block_sparse.orders_tiles(replace(cfg, persistent=True), varlen_q=False)

@@ -66,6 +66,38 @@ def test_random_lists_with_mask_mod(d, with_full):
     check(q, k, v, keep, dict(mask_mod=prefix.mask_mod, block_sparse_tensors=sparse))
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_launch_order_changes_no_bit(monkeypatch, pack):
+    """Tiles launch longest first (block_sparse.tile_order, kernels/ordered_scheduler.py). Any permutation
+    must compute the same bits: the default order, its reverse and a random one, against each other and
+    the reference (packed GQA: tiles of packed rows, the grid over KV heads)."""
+    from flash_attn_sm120 import block_sparse
+
+    b, h, hk, sq, sk, d = 2, 4, 2 if pack else 4, 900, 1300, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, hk, d, seed=21)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=22, density=0.3, heads=1 if pack else h)
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128))
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk).expand(b, h, sq, sk)
+    real = block_sparse.tile_order
+    orders = []
+
+    def recorded(*args, **kwargs):
+        orders.append(real(*args, **kwargs))
+        return orders[-1]
+
+    monkeypatch.setattr(block_sparse, "tile_order", recorded)
+    out, lse = check(q, k, v, keep, dict(block_sparse_tensors=sparse, pack_gqa=pack))
+    assert orders, "the block-sparse forward did not order its tiles"
+    default = orders[-1]
+    assert sorted(default.tolist()) == list(range(default.numel()))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for other in (default.flip(0), default[torch.randperm(default.numel(), device="cuda", generator=g)]):
+        monkeypatch.setattr(block_sparse, "tile_order", lambda *a, _o=other, **kw: _o)
+        out2, lse2 = flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, block_sparse_tensors=sparse,
+                                                      pack_gqa=pack)
+        assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
 @pytest.mark.parametrize("block", [(64, 128), (256, 128), (128, 256), (128, 64)])
 def test_block_sizes(block):
     """Q and KV subtiles: 64-row blocks (the 4-warp tile), 256-row blocks (two Q tiles each), 256-key
@@ -209,6 +241,47 @@ def test_backward_random_lists_with_mask_mod(d, with_full):
         kinds = torch.where(kinds > 0, testing_sparse.PARTIAL, testing_sparse.SKIP).to(torch.int32)
     keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk, lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None))
     check_bwd(q, k, v, keep, dict(mask_mod=prefix.mask_mod, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+
+@pytest.mark.parametrize("heads", [1, 8])
+def test_backward_launch_order(monkeypatch, heads):
+    """The backward's K/V tiles launch longest list first (block_sparse.tile_order). Against the reference
+    with the default order, then with its reverse and a random order: dK/dV are each CTA's own sums (MHA),
+    so bitwise equal; dQ (atomics) equal within rounding. GQA 4:2 with lists shared by every head too."""
+    from flash_attn_sm120 import block_sparse
+
+    b, h, sq, sk, d = 2, 4, 700, 1100, 128
+    hk = h if heads > 1 else 2
+    q, k, v, _ = _inputs(b, sq, sk, h, hk, d, seed=41)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=43, density=0.3, heads=1 if heads == 1 else h)
+    fwd, bwd = _both_lists(kinds, (128, 128))
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk).expand(b, h, sq, sk)
+    real, calls = block_sparse.tile_order, []
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs, real(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(block_sparse, "tile_order", recorded)
+    api = dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd)
+    check_bwd(q, k, v, keep, api)
+    assert len(calls) == 2, "the forward and the backward each order their tiles"
+    bwd_kw, default = calls[1]  # the backward's: K/V tiles of every query head
+    assert bwd_kw["grid_heads"] == h and default.numel() == b * h * bwd_kw["num_block"]
+    assert sorted(default.tolist()) == list(range(default.numel()))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=q.dtype, generator=g)
+    grads = []
+    for other in (None, default.flip(0), default[torch.randperm(default.numel(), device="cuda", generator=g)]):
+        if other is not None:
+            monkeypatch.setattr(block_sparse, "tile_order",
+                                lambda *a, _o=other, **kw: _o if kw == bwd_kw else real(*a, **kw))
+        grads.append(_grads(lambda *t: flash_attn_sm120.flash_attn_func(*t, **api)[0], q, k, v, dout))
+    for other in grads[1:]:
+        if hk == h:
+            assert torch.equal(other[2], grads[0][2]) and torch.equal(other[3], grads[0][3])
+        for a, ref in zip(other[1:], grads[0][1:]):
+            torch.testing.assert_close(a, ref, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("heads", [1, 8])

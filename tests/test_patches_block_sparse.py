@@ -274,7 +274,7 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     varlen = one("varlen lists", tma, [1, 0])  # upstream's varlen lists: one Q tile per sparse block
     assert (varlen["tile"], varlen["subtiles"], varlen["pack_gqa"]) == ([128, 64], [1, 2], False), varlen
     odd = one("d96 GQA 3:1, shared lists: 128-row tiles cannot pack 3", tma, [1, 0])
-    assert (odd["tile"], odd["pack_gqa"]) == ([128, 64], False), odd
+    assert (odd["tile"], odd["pack_gqa"]) == ([128, 32], False), odd  # d96: the first entry, 4w 128x32
     for name, error in (("d192", "NotImplementedError: block sparsity on SM120 runs in the TMA family: head dims"),
                         ("96-row blocks", "ValueError: block sparsity: sparse block size (96, 128) is not a multiple"),
                         ("no block_size, ambiguous", "ValueError: block_sparse_tensors: cannot infer the sparse block"),

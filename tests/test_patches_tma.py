@@ -109,8 +109,9 @@ def test_tma_module_is_lifted_without_package_parts():
                  "Mixin", "Where the code lives"):
         assert gone not in text, gone
     # the package's modules folded into one class: the rules, the GEMM helpers and every role's methods
-    assert text.count("\nclass ") == 3  # RegisterSplit, the persistent tile scheduler and the kernel
+    assert text.count("\nclass ") == 4  # RegisterSplit, the persistent and ordered tile schedulers, the kernel
     assert "class PersistentTileScheduler(SingleTileLPTScheduler):" in text
+    assert "class WorkOrderedTileScheduler:" in text
     assert "class FlashAttentionForwardSm120Tma(FlashAttentionForwardSm120):" in text
     for there in ("def tma_config_error(", "def gemm_rs_by_ldmatrix(", "    def __call__(", "    def kernel(",
                   "    def load(", "    def mma_one_n_block(", "    def _pingpong_sync(", "    def epilogue("):

@@ -37,6 +37,11 @@ it releases the previous one, and the last listed tile is released at its step's
 only for K/V tiles of lower index, launched before it, so the walk cannot deadlock. GQA dK/dV
 accumulate in head order in the tuned class's epilogue.
 
+Launch order: with `ordered_tiles` and an order computed on the host, the K/V tiles launch longest
+list first (WorkOrderedTileScheduler in ordered_scheduler.py). A K/V block of global tokens is named
+by every Q block, and in grid order its CTAs would start late and run alone. The deterministic walk
+keeps the grid order, which its no-deadlock argument needs.
+
 Not here: varlen.
 """
 
@@ -51,12 +56,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward
+from flash_attn.cute.tile_scheduler import SingleTileScheduler
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120.kernels import bwd_deterministic
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
 from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list
+from flash_attn_sm120.kernels.ordered_scheduler import WorkOrderedTileScheduler, split_tile_order
 
 
 def with_lists(aux_data: AuxData, blocksparse_tensors, turns: bool = False) -> AuxData:
@@ -92,7 +99,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
     """The modifier backward walking upstream's Q-direction block-sparse lists (module docstring)."""
 
     def __init__(self, *args, q_subtile_factor: int = 1, kv_subtile_factor: int = 1, has_full: bool = False,
-                 is_causal: bool = False, is_local: bool = False, **kwargs):
+                 is_causal: bool = False, is_local: bool = False, ordered_tiles: bool = False, **kwargs):
         # the mainloop without the window (its m range covers every list position); the step applies it
         super().__init__(*args, is_causal=False, is_local=False, **kwargs)
         self.mask_causal, self.mask_local = is_causal, is_local
@@ -109,6 +116,13 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         self.kv_subtile_factor = kv_subtile_factor
         self.has_full = has_full
         self._prologue = True
+        if ordered_tiles and self.deterministic:
+            raise ValueError("the deterministic walk launches its K/V tiles in grid order (a tile waits only for "
+                             "tiles launched before it): no tile order")
+        # K/V tiles launched longest list first, in an order the host computes (ordered_scheduler.py); the
+        # order tensor arrives as the last aux tensor
+        self.ordered_tiles = ordered_tiles
+        self._tile_order = None  # the order's cute tensor, set at trace time by __call__
 
     @cute.jit
     def __call__(
@@ -139,11 +153,24 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
     ):
         # the lists ride as the last aux tensors; the kernel body's prologue is traced before its mainloop
         self._prologue = True
+        aux_data, self._tile_order = split_tile_order(aux_data, self.ordered_tiles)
         FlashAttentionBackwardSm120Tuned.__call__(
             self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
             mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
             with_lists(aux_data, blocksparse_tensors, self.deterministic), None, mCuTotalMBlocks, stream,
         )
+
+    def kernel(self, *args):
+        # upstream's __call__ passes (..., tile scheduler params, its class, aux_data) last: with a tile order
+        # the same grid runs WorkOrderedTileScheduler, which reads each CTA's (n_block, head, batch) from it
+        if self._tile_order is not None:
+            params, scheduler = args[-3], args[-2]
+            if scheduler is not SingleTileScheduler:
+                raise ValueError("a tile order needs the dense SingleTileScheduler grid (no cu_seqlens_k)")
+            ordered = WorkOrderedTileScheduler.Params(params.num_block, params.num_head, params.num_batch,
+                                                      self._tile_order)
+            args = (*args[:-3], ordered, WorkOrderedTileScheduler, args[-1])
+        return super().kernel(*args)
 
     def load_Q_LSE(self, *args, **kwargs):
         if self._prologue:

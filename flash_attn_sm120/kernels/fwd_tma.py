@@ -134,6 +134,7 @@ from flash_attn_sm120.kernels.fwd_tma_epilogue import TmaEpilogueMixin
 from flash_attn_sm120.kernels.fwd_tma_kernel import TmaKernelMixin
 from flash_attn_sm120.kernels.fwd_tma_mainloop import TmaMainloopMixin
 from flash_attn_sm120.kernels.fwd_tma_producer import TmaProducerMixin
+from flash_attn_sm120.kernels.ordered_scheduler import WorkOrderedTileScheduler, split_tile_order
 from flash_attn_sm120.kernels.persistent_scheduler import PersistentTileScheduler, persistent_grid
 from flash_attn_sm120.kernels.fwd_tma_proposals import ALL_MASKS, PROPOSED_CONFIGS
 from flash_attn_sm120.kernels.fwd_tma_rules import (
@@ -232,6 +233,7 @@ class FlashAttentionForwardSm120Tma(
         intra_warp_overlap: Optional[bool] = None,
         persistent: bool = False,
         num_sms: Optional[int] = None,
+        ordered_tiles: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -295,6 +297,9 @@ class FlashAttentionForwardSm120Tma(
         # varlen q keeps one CTA per tile
         self.persistent = persistent
         self.num_sms = hardware.DEFAULT_NUM_SMS if num_sms is None else num_sms
+        # block sparsity: tiles launched in a host-given order, longest lists first (ordered_scheduler.py);
+        # the order tensor arrives as the last aux tensor
+        self.ordered_tiles = ordered_tiles
         # filled in at trace time, read by the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
@@ -395,6 +400,9 @@ class FlashAttentionForwardSm120Tma(
             seqused_k_without_cu_seqlens_k=mSeqUsedK if const_expr(mCuSeqlensK is None) else None,
         )
         self.varlen_q = mCuSeqlensQ is not None or mSeqUsedQ is not None
+        if const_expr(self.ordered_tiles and (self.varlen_q or self.persistent)):
+            raise ValueError("SM120 TMA forward: a tile order is for one CTA per tile of a fixed-length grid")
+        aux_data, tile_order = split_tile_order(aux_data, self.ordered_tiles)
         self.has_sink = learnable_sink is not None
         self._check_type(
             *(t.element_type if t is not None else None
@@ -465,6 +473,8 @@ class FlashAttentionForwardSm120Tma(
             self.persistent = False
         elif const_expr(self.persistent):
             TileScheduler = PersistentTileScheduler
+        elif const_expr(self.ordered_tiles):
+            TileScheduler = WorkOrderedTileScheduler
         else:
             TileScheduler = SingleTileLPTScheduler if const_expr(use_lpt) else SingleTileScheduler
         tile_sched_args = TileSchedulerArguments(
@@ -487,7 +497,10 @@ class FlashAttentionForwardSm120Tma(
             is_persistent=False,
             lpt=use_lpt,
         )
-        tile_sched_params = TileScheduler.to_underlying_arguments(tile_sched_args)
+        if const_expr(self.ordered_tiles):
+            tile_sched_params = WorkOrderedTileScheduler.params_with_order(tile_sched_args, tile_order)
+        else:
+            tile_sched_params = TileScheduler.to_underlying_arguments(tile_sched_args)
         if const_expr(self.persistent):
             grid_dim = persistent_grid(tile_sched_params.total_blocks, self.num_sms, self.registers.ctas_per_sm)
         else:

@@ -77,12 +77,14 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "    \"\"\"The modifier backward walking the Q-direction block-sparse lists (module docstring).\"\"\"\n"),
     ("from flash_attn.cute import utils as fa_utils\n"
      "from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
+     "from flash_attn.cute.tile_scheduler import SingleTileScheduler\n"
      "from flash_attn.cute.utils import AuxData\n"
      "\n"
      "from flash_attn_sm120.kernels import bwd_deterministic\n"
      "from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods\n"
      "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n"
-     "from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list\n",
+     "from flash_attn_sm120.kernels.fwd_block_sparse import _tiles_in_list\n"
+     "from flash_attn_sm120.kernels.ordered_scheduler import WorkOrderedTileScheduler, split_tile_order\n",
      "from flash_attn.cute import utils as fa_utils\n"
      "from flash_attn.cute.block_sparse_utils import sparse_physical_n_block_forward\n"
      "from flash_attn.cute.flash_bwd_sm120_mods import FlashAttentionBackwardSm120Mods\n"
@@ -91,7 +93,15 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      + "".join(f"    {n},\n" for n in sorted(_DET_NAMES)) +
      ")\n"
      "from flash_attn.cute.flash_fwd_sm120_block_sparse import _tiles_in_list\n"
+     "from flash_attn.cute.flash_fwd_sm120_tma import WorkOrderedTileScheduler, split_tile_order\n"
+     "from flash_attn.cute.tile_scheduler import SingleTileScheduler\n"
      "from flash_attn.cute.utils import AuxData\n"),
+    ("list first (WorkOrderedTileScheduler in ordered_scheduler.py). A K/V block",
+     "list first (WorkOrderedTileScheduler in flash_fwd_sm120_tma.py). A K/V block"),
+    ("        # K/V tiles launched longest list first, in an order the host computes (ordered_scheduler.py); the\n"
+     "        # order tensor arrives as the last aux tensor\n",
+     "        # K/V tiles launched longest list first, in an order the host computes (WorkOrderedTileScheduler);\n"
+     "        # the order tensor arrives as the last aux tensor\n"),
 )
 _PACKAGE_NAMES = ("bwd_mods.py", "bwd_sm120.py", "fwd_block_sparse.py", "driver_bwd", "bwd_deterministic",
                   "this package")  # none may be left
@@ -562,8 +572,9 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             "sparse Q block, as normalize_block_sparse_config requires; the TMA class reads each "
             "sequence's first Q block and index entry through SeqlenInfoQK. seqused_k without "
             "cu_seqlens_k, paged KV, stride-0 q/k/v and other head dims are refused by name.",
-            "flash_fwd_sm120_configs.py: SM120_BLOCK_SPARSE_CONFIGS (8 MMA warps of 16 rows, then 4 "
-            "warps on 64x64 for 64-row sparse blocks; the table's TMA entries are not used: the "
+            "flash_fwd_sm120_configs.py: SM120_BLOCK_SPARSE_CONFIGS (at d64/d96 4 MMA warps of 32 rows "
+            "with one K/V stage, two CTAs per SM; then 8 MMA warps of 16 rows, then 4 warps on 64x64 "
+            "for 64-row sparse blocks; the table's TMA entries are not used: the "
             "block-sparse loop keeps two index lists live, and the R=2 and Q-in-registers d=128 tiles "
             "spill with it), sm120_block_sparse_config, and sm120_sparse_block_size (the lists' "
             "block_size, else inferred from their shapes where that is unambiguous, else an error "

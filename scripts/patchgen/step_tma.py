@@ -29,7 +29,7 @@ from flash_attn_sm120 import hardware
 from flash_attn_sm120.kernels import fwd_block_sparse as pkg_fwd_block_sparse
 from flash_attn_sm120.kernels import fwd_tma as pkg_fwd_tma
 from flash_attn_sm120.kernels import fwd_tma_epilogue, fwd_tma_kernel, fwd_tma_mainloop, fwd_tma_producer
-from flash_attn_sm120.kernels import fwd_tma_rules, mma_sync_utils, persistent_scheduler
+from flash_attn_sm120.kernels import fwd_tma_rules, mma_sync_utils, ordered_scheduler, persistent_scheduler
 
 from patchgen import fold
 from patchgen.core import (
@@ -58,7 +58,7 @@ BLOCK_SPARSE_REL = f"{CUTE}/flash_fwd_sm120_block_sparse.py"
 # as module-level code before the class, in this order; the class of fwd_tma.py; then the methods of
 # each role's mixin appended to the class body, in this order (kernel entry, producer, MMA warps,
 # epilogue), so that upstream gets one class in one module as flash_fwd_sm90.py is.
-LIBRARY_MODULES = (fwd_tma_rules, mma_sync_utils, persistent_scheduler)
+LIBRARY_MODULES = (fwd_tma_rules, mma_sync_utils, persistent_scheduler, ordered_scheduler)
 MIXIN_MODULES = (fwd_tma_kernel, fwd_tma_producer, fwd_tma_mainloop, fwd_tma_epilogue)
 FOLDED_MODULES = LIBRARY_MODULES + (pkg_fwd_tma,) + MIXIN_MODULES
 # package imports of the folded modules -> what flash_fwd_sm120_tma.py imports instead; () for the
@@ -77,6 +77,8 @@ _UPSTREAM_IMPORTS = {
     ("flash_attn_sm120.kernels.fwd_tma_proposals", "PROPOSED_CONFIGS"): (),
     ("flash_attn_sm120.kernels.persistent_scheduler", "PersistentTileScheduler"): (),
     ("flash_attn_sm120.kernels.persistent_scheduler", "persistent_grid"): (),
+    ("flash_attn_sm120.kernels.ordered_scheduler", "WorkOrderedTileScheduler"): (),
+    ("flash_attn_sm120.kernels.ordered_scheduler", "split_tile_order"): (),
 }
 # the docstring's map of the package modules: upstream has one module
 _CODE_MAP_PARAGRAPH = "Where the code lives:"
