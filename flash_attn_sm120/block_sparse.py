@@ -269,3 +269,39 @@ def tile_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int
     if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
         _ORDER_CACHE.popitem(last=False)
     return order
+
+
+def cut_lists_at(tensors: BlockSparseTensorsTorch, seqused_k: torch.Tensor, block_k: int) -> BlockSparseTensorsTorch:
+    """Dense-form lists without the entries past each batch row's seqused_k: a block starting at or past
+    seqused_k[b] holds no key, and the walk masks seqlen_k only in each list's first visited (highest) tile.
+    The lists ascend, so the kept entries are each list's first ones: only the counts change, to (batch,
+    heads, m) int32 (the index tensors stay as given)."""
+    limit = torch.div(seqused_k.to(torch.int32) + (block_k - 1), block_k, rounding_mode="floor")  # (batch,)
+    cut = {}
+    for cnt_name, idx_name in (("mask_block_cnt", "mask_block_idx"), ("full_block_cnt", "full_block_idx")):
+        cnt, idx = getattr(tensors, cnt_name), getattr(tensors, idx_name)
+        if cnt is None:
+            continue
+        position = torch.ones_like(idx, dtype=torch.int32).cumsum(-1) - 1  # (b|1, h|1, m, n)
+        kept = (position < cnt.unsqueeze(-1)) & (idx < limit.view(-1, 1, 1, 1))
+        cut[cnt_name] = kept.sum(-1, dtype=torch.int32).contiguous()
+    return tensors._replace(**cut)
+
+
+def seqused_cache_as_packed(k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
+                            tensors: BlockSparseTensorsTorch, seqlen_q: int):
+    """A block-sparse call with seqused_k on a (batch, seqlen_k, heads, d) K/V cache, as the TMA family runs
+    it: the cache viewed as packed sequences of seqlen_k rows (cu_seqlens_k = 0, s, 2s, ...; a copy only if
+    the batch and seqlen dims cannot merge), so that its ragged descriptors stop each sequence at seqused_k
+    (the unused rows, which may hold NaN, are never read). Dense-form lists are cut at seqused_k
+    (`cut_lists_at`, block_size filled in); varlen-form lists (packed q) already have rows of
+    ceil(seqused_k / block) entries, upstream's layout. Returns (k, v, cu_seqlens_k, tensors)."""
+    batch, seqlen_k = k.shape[:2]
+    # (0, s, 2s, ...; no arange: the host path also runs on fake CUDA tensors in a CPU-only build)
+    cu_seqlens_k = (torch.ones(batch + 1, dtype=torch.int32, device=k.device).cumsum(0, dtype=torch.int32) - 1) * seqlen_k
+    packed_k, packed_v = (t.reshape(batch * seqlen_k, *t.shape[2:]) for t in (k, v))
+    if not is_varlen_form(tensors):
+        block_size = tensors.block_size or sparse_block_size(tensors, seqlen_q, seqlen_k)
+        tensors = cut_lists_at(tensors._replace(block_size=tuple(int(b) for b in block_size)), seqused_k,
+                               int(block_size[1]))
+    return packed_k, packed_v, cu_seqlens_k, tensors

@@ -317,3 +317,91 @@ def test_only_fixed_grids_order_their_tiles():
     from dataclasses import replace
 
     assert not block_sparse.orders_tiles(replace(cfg, persistent=True), varlen_q=False)
+
+
+def test_lists_cut_at_seqused_k():
+    """block_sparse.cut_lists_at: each list keeps its entries below ceil(seqused_k / block) (a prefix: the
+    lists ascend); the counts become per batch row; the indices are untouched."""
+    b, h, m, n, block = 3, 2, 4, 8, 128
+    g = torch.Generator().manual_seed(1)
+    kinds = (torch.rand(b, h, m, n, generator=g) < 0.5).to(torch.int32) * testing_sparse.FULL
+    kinds[0, :, :, :] = testing_sparse.PARTIAL
+    tensors = testing_sparse.lists_from_map(kinds, (block, block))
+    used = torch.tensor([1024, 300, 0], dtype=torch.int32)
+    cut = block_sparse.cut_lists_at(tensors, used, block)
+    assert cut.mask_block_idx is tensors.mask_block_idx and cut.full_block_idx is tensors.full_block_idx
+    limit = [8, 3, 0]
+    for name in ("mask_block", "full_block"):
+        cnt, idx, new = (getattr(tensors, name + "_cnt"), getattr(tensors, name + "_idx"),
+                         getattr(cut, name + "_cnt"))
+        assert new.dtype == torch.int32 and new.shape == (b, h, m)
+        for bi, hi, mi in itertools.product(range(b), range(h), range(m)):
+            listed = idx[bi, hi, mi, : cnt[bi, hi, mi]].tolist()
+            assert new[bi, hi, mi] == sum(1 for x in listed if x < limit[bi])
+    # lists shared by the batch (size-1 batch dim) become per batch row
+    shared = tensors._replace(mask_block_cnt=tensors.mask_block_cnt[:1], mask_block_idx=tensors.mask_block_idx[:1],
+                              full_block_cnt=None, full_block_idx=None)
+    cut = block_sparse.cut_lists_at(shared, used, block)
+    assert cut.mask_block_cnt.shape == (b, h, m) and torch.all(cut.mask_block_cnt[2] == 0)
+    assert torch.equal(cut.mask_block_cnt[0], shared.mask_block_cnt[0])
+
+
+def test_seqused_cache_becomes_packed_sequences():
+    """block_sparse.seqused_cache_as_packed: the (batch, seqlen_k) cache as packed sequences of seqlen_k rows
+    (a view when the dims merge), cu_seqlens_k 0, s, 2s, ...; dense-form lists cut and given block_size;
+    varlen-form lists unchanged."""
+    b, sk, hk, d = 2, 512, 2, 64
+    k = torch.randn(b, sk, hk, d)
+    v = torch.randn(b, sk, hk, d)
+    kinds = torch.full((b, 2, 3, 4), testing_sparse.FULL, dtype=torch.int32)
+    tensors = testing_sparse.lists_from_map(kinds, (128, 128))
+    used = torch.tensor([512, 129], dtype=torch.int32)
+    pk, pv, cu, cut = block_sparse.seqused_cache_as_packed(k, v, used, tensors, seqlen_q=384)
+    assert pk.shape == (b * sk, hk, d) and pk.data_ptr() == k.data_ptr() and torch.equal(pv.view_as(v), v)
+    assert cu.tolist() == [0, sk, 2 * sk] and cu.dtype == torch.int32
+    assert cut.block_size == (128, 128)
+    assert cut.full_block_cnt[0].unique().tolist() == [4] and cut.full_block_cnt[1].unique().tolist() == [2]
+    strided = torch.randn(b, 2 * sk, hk, d)[:, :sk]  # a slice of a longer cache: copied to merge the dims
+    pk, _, _, _ = block_sparse.seqused_cache_as_packed(strided, strided, used, tensors, seqlen_q=384)
+    assert torch.equal(pk.view(b, sk, hk, d), strided)
+    z = lambda *shape: torch.zeros(*shape, dtype=torch.int32)  # noqa: E731
+    varlen = BlockSparseTensorsTorch(z(2, 4), z(2, 10), cu_total_m_blocks=z(3), cu_block_idx_offsets=z(3),
+                                     block_size=(128, 128))
+    assert block_sparse.seqused_cache_as_packed(k, v, used, varlen, seqlen_q=0)[3] is varlen
+
+
+def test_seqused_k_cache_lists_choose_a_tma_config():
+    """Lists with seqused_k and no cu_seqlens_k (fake CUDA tensors): after the packed view, the TMA family serves
+    the call (before: NotImplementedError, the family cannot bound a 4-D cache's reads at seqused_k)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_attn_sm120 import driver
+
+    b, sq, sk, h, d = 2, 300, 1000, 4, 128
+    with FakeTensorMode():
+        q = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(b, sk, h, d, dtype=torch.bfloat16, device="cuda")
+        used = torch.zeros(b, dtype=torch.int32, device="cuda")
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
+        lists = BlockSparseTensorsTorch(z(b, h, 3), z(b, h, 3, 8), z(b, h, 3), z(b, h, 3, 8), block_size=(128, 128))
+        pk, pv, cu_k, cut = block_sparse.seqused_cache_as_packed(k, k, used, lists, seqlen_q=sq)
+        assert pk.shape == (b * sk, h, d) and cu_k.shape == (b + 1,)
+        call = dict(causal=False, local=False, pack_gqa=False, pack_gqa_chosen=False, config=None, cu_seqlens_q=None,
+                    cu_seqlens_k=cu_k, has_lse=True, seqused_q=None, seqused_k=used, window_size_left=None,
+                    window_size_right=None, score_mod=None, mask_mod=None, aux_tensors=None, emulate_host_smem=None)
+        statics, norm = driver.choose_block_sparse(q, pk, pv, cut, **call)
+        assert statics.config.family == "tma" and statics.has_cu_seqlens_k and statics.has_seqused_k
+        assert statics.ordered_tiles  # dense q: the tiles launch longest first
+
+
+@pytest.mark.parametrize("d", sorted(block_sparse.CONFIGS))
+def test_seqused_k_cache_walk_compiles_spill_free_for_sm120a(d):
+    """The first sparse config of each head dim with packed K/V and seqused_k under a dense q (what
+    seqused_cache_as_packed makes of a seqused_k cache): spill-free on sm_120a."""
+    from flash_attn_sm120 import codegen
+
+    cfg = block_sparse.CONFIGS[d][0]
+    cubin, _ = codegen.compile_fwd_cubin(cfg, d, block_sparse=(128 // cfg.tile_m, 128 // cfg.tile_n, True),
+                                         varlen=("cu_seqlens_k", "seqused_k"))
+    res, _, _ = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res

@@ -33,10 +33,13 @@ def _ref(q, k, v, keep, upcast, **kw):
     return torch.cat(outs), torch.cat(lses)
 
 
-def check(q, k, v, keep, api_kw: dict, ref_kw: dict | None = None):
+def check(q, k, v, keep, api_kw: dict, ref_kw: dict | None = None, fn=None):
+    """`fn` (default flash_attn_func) against the fp32 reference of `keep`; NaN in q/k/v stands for memory
+    that must not be read (the reference sees zeros there, and `keep` must exclude it)."""
     ref_kw = ref_kw or {}
     with testing.poisoned_outputs():
-        out, lse = flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, **api_kw)
+        out, lse = (fn or flash_attn_sm120.flash_attn_func)(q, k, v, return_lse=True, **api_kw)
+    q, k, v = (t.nan_to_num(0.0) for t in (q, k, v))
     ref_out, ref_lse = _ref(q.float(), k.float(), v.float(), keep, True, **ref_kw)
     pt_out, pt_lse = _ref(q, k, v, keep, False, **ref_kw)
     testing.assert_close_to_ref("out", out, ref_out, pt_out, q.dtype)
@@ -96,6 +99,32 @@ def test_launch_order_changes_no_bit(monkeypatch, pack):
         out2, lse2 = flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, block_sparse_tensors=sparse,
                                                       pack_gqa=pack)
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.parametrize("d,pack,with_full", [(64, False, True), (128, True, True), (96, False, False)])
+def test_seqused_k_cache_with_lists(d, pack, with_full):
+    """flash_attn_varlen_func with seqused_k on a (batch, seqlen_k) K/V cache and dense-form lists drawn over
+    the cache's width, so that they name blocks past seqused_k: the host views the cache as packed sequences
+    and cuts the lists at seqused_k (block_sparse.seqused_cache_as_packed). The unused rows hold NaN; a
+    sequence with no key (out 0, LSE -inf), one ending inside a block, one using the whole cache; packed GQA
+    with lists shared by the heads."""
+    b, h, sq, sk = 3, 4, 300, 1000
+    hk = 2 if pack else h
+    q, k, v, _ = _inputs(b, sq, sk, h, hk, d, seed=51 + d)
+    used = torch.tensor([1000, 333, 0], dtype=torch.int32, device="cuda")
+    for i, n in enumerate(used.tolist()):
+        k[i, n:] = float("nan")
+        v[i, n:] = float("nan")
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=52 + d, density=0.6, heads=1 if pack else h)
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128), with_full=with_full)
+    if not with_full:
+        kinds = torch.where(kinds > 0, testing_sparse.PARTIAL, testing_sparse.SKIP).to(torch.int32)
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk).expand(b, h, sq, sk).clone()
+    for i, n in enumerate(used.tolist()):
+        keep[i, :, :, n:] = False
+    out, lse = check(q, k, v, keep, dict(block_sparse_tensors=sparse, seqused_k=used, pack_gqa=pack),
+                     fn=flash_attn_sm120.flash_attn_varlen_func)
+    assert torch.all(out[2] == 0) and torch.all(torch.isinf(lse[2]))
 
 
 @pytest.mark.parametrize("block", [(64, 128), (256, 128), (128, 256), (128, 64)])
