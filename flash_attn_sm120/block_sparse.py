@@ -46,6 +46,12 @@ CONFIGS: dict[int, tuple[FwdConfig, ...]] = {
     128: (FwdConfig(256, 128, 64, 2, False, "tma"), FwdConfig(128, 64, 64, 2, False, "tma")),
 }
 
+# CONFIGS entries whose list walk spills on sm_120a with varlen q (d64 4w 128x64 s1: 16-56 B of stack with the
+# varlen scheduler's values live): calls with varlen q skip them
+VARLEN_Q_SPILLS: dict[int, tuple[FwdConfig, ...]] = {
+    64: (FwdConfig(128, 128, 64, 1, False, "tma"),),
+}
+
 
 def _inferred(n_blocks: int, seqlen: int) -> Optional[int]:
     """The block size that splits `seqlen` into `n_blocks` blocks, or None if several do."""
@@ -111,11 +117,14 @@ def divides(config: FwdConfig, block_size: tuple[int, int]) -> bool:
     return block_size[0] % config.tile_m == 0 and block_size[1] % config.tile_n == 0
 
 
-def forward_candidates(head_dim: int, head_dim_v: int, block_size: tuple[int, int]) -> list[FwdConfig]:
-    """The CONFIGS entries for this head dim whose tile divides the sparse block, best first."""
+def forward_candidates(head_dim: int, head_dim_v: int, block_size: tuple[int, int],
+                       varlen_q: bool = False) -> list[FwdConfig]:
+    """The CONFIGS entries for this head dim whose tile divides the sparse block, best first (with varlen q,
+    less VARLEN_Q_SPILLS)."""
     if head_dim != head_dim_v or head_dim not in CONFIGS:
         return []
-    return [cfg for cfg in CONFIGS[head_dim] if divides(cfg, block_size)]
+    spills = VARLEN_Q_SPILLS.get(head_dim, ()) if varlen_q else ()
+    return [cfg for cfg in CONFIGS[head_dim] if divides(cfg, block_size) and cfg not in spills]
 
 
 def no_config_error(block_size: tuple[int, int], head_dim: int, head_dim_v: int, reasons: list[str]) -> Exception:
@@ -214,8 +223,10 @@ def _valid_or(idx: torch.Tensor, cnt: torch.Tensor, fill: int) -> torch.Tensor:
     return idx.long().masked_fill(past, fill).contiguous()
 
 
-# a tile's work in the order's sort key: a mask-list block (mask_mod applied) weighs more than a full one
-MASK_BLOCK_WEIGHT, FULL_BLOCK_WEIGHT = 3, 2
+# a tile's work in the launch order's sort key: a mask-list block (mask_mod applied) weighs more than a full one
+MASK_BLOCK_WEIGHT = 3
+FULL_BLOCK_WEIGHT = 2
+# the launch orders of the latest calls (longest_first_order)
 _ORDER_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _ORDER_CACHE_SIZE = 16
 _grid_order_forced = [False]
@@ -240,35 +251,55 @@ def orders_tiles(config: FwdConfig, *, varlen_q: bool) -> bool:
 
 def tile_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int, num_block: int,
                tiles_per_sparse_row: int) -> torch.Tensor:
-    """The launch order of a block-sparse forward's tiles (kernels/ordered_scheduler.py): an int32
-    permutation of the linear tile indices m + num_block * (head + grid_heads * batch), by descending
-    work (the tile's list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT),
-    ties in grid order. Tile m reads sparse Q row m // tiles_per_sparse_row (packed GQA rows per
-    position times the Q subtile factor). Cached per count tensors (pointer, version, layout) and grid:
-    a stale entry could only cost speed, since every permutation computes the same result."""
+    """The launch order of a block-sparse call's tiles (`longest_first_order`; grid order inside
+    `grid_order()`)."""
+    return longest_first_order(norm, batch=batch, grid_heads=grid_heads, num_block=num_block,
+                               tiles_per_sparse_row=tiles_per_sparse_row, grid=_grid_order_forced[-1])
+
+
+def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int, num_block: int,
+                        tiles_per_sparse_row: int, grid: bool = False) -> torch.Tensor:
+    """The launch order of a block-sparse kernel's tiles (WorkOrderedTileScheduler): an int32 permutation
+    of the linear tile indices m + num_block * (head + grid_heads * batch), by descending work (the tile's
+    list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT), ties in grid
+    order; `grid`: the identity (the grid's own order). Tile m reads sparse row m // tiles_per_sparse_row
+    (packed GQA rows per position times the subtile factor). Cached per count tensors (pointer, version,
+    layout) and grid: a stale entry could only cost speed, since every permutation computes the same
+    result (fake tensors are not cached)."""
+    from torch._subclasses.fake_tensor import is_fake
+
     t = norm.tensors
     counts = [(c, w) for c, w in ((t.mask_block_cnt, MASK_BLOCK_WEIGHT), (t.full_block_cnt, FULL_BLOCK_WEIGHT))
               if c is not None]
-    key = tuple((c.data_ptr(), c._version, tuple(c.shape), c.stride(), str(c.device)) for c, _ in counts)
-    key += (batch, grid_heads, num_block, tiles_per_sparse_row, _grid_order_forced[-1])
-    cached = _ORDER_CACHE.get(key)
-    if cached is not None:
-        _ORDER_CACHE.move_to_end(key)
-        return cached
-    work = sum(c.to(torch.int32) * w for c, w in counts)  # (batch or 1, heads or 1, sparse Q rows)
+    key = None
+    if not any(is_fake(c) for c, _ in counts):
+        key = tuple((c.data_ptr(), c._version, tuple(c.shape), c.stride(), str(c.device)) for c, _ in counts)
+        key += (batch, grid_heads, num_block, tiles_per_sparse_row, grid)
+        cached = _ORDER_CACHE.get(key)
+        if cached is not None:
+            _ORDER_CACHE.move_to_end(key)
+            return cached
+    work = sum(c.to(torch.int32) * w for c, w in counts)  # (batch or 1, heads or 1, sparse rows)
     if work.shape[1] != grid_heads:
-        work = work[:, :1]  # packed GQA: the lists are the same for every head (heads_broadcast)
+        work = work.narrow(1, 0, 1)  # packed GQA: the lists are the same for every head
     rows = work.shape[2]
-    sparse_row = torch.div(torch.arange(num_block, device=work.device), tiles_per_sparse_row, rounding_mode="floor")
+    # (counting with new_ones: no factory call with a device, so that fake tensors stay fake)
+    sparse_row = torch.div(_count(work, num_block), tiles_per_sparse_row, rounding_mode="floor")
     work = work.expand(batch, grid_heads, rows).index_select(2, sparse_row.clamp_(max=rows - 1))
-    if _grid_order_forced[-1]:
-        order = torch.arange(work.numel(), dtype=torch.int32, device=work.device)
+    if grid:
+        order = _count(work, work.numel())
     else:
         order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
-    _ORDER_CACHE[key] = order
-    if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
-        _ORDER_CACHE.popitem(last=False)
+    if key is not None:
+        _ORDER_CACHE[key] = order
+        if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
+            _ORDER_CACHE.popitem(last=False)
     return order
+
+
+def _count(like: torch.Tensor, n: int) -> torch.Tensor:
+    """0, 1, ..., n - 1 (int32) on `like`'s device."""
+    return like.new_ones(n, dtype=torch.int32).cumsum(0, dtype=torch.int32) - 1
 
 
 def cut_lists_at(tensors: BlockSparseTensorsTorch, seqused_k: torch.Tensor, block_k: int) -> BlockSparseTensorsTorch:
@@ -297,8 +328,7 @@ def seqused_cache_as_packed(k: torch.Tensor, v: torch.Tensor, seqused_k: torch.T
     (`cut_lists_at`, block_size filled in); varlen-form lists (packed q) already have rows of
     ceil(seqused_k / block) entries, upstream's layout. Returns (k, v, cu_seqlens_k, tensors)."""
     batch, seqlen_k = k.shape[:2]
-    # (0, s, 2s, ...; no arange: the host path also runs on fake CUDA tensors in a CPU-only build)
-    cu_seqlens_k = (torch.ones(batch + 1, dtype=torch.int32, device=k.device).cumsum(0, dtype=torch.int32) - 1) * seqlen_k
+    cu_seqlens_k = _count(k, batch + 1) * seqlen_k  # 0, s, 2s, ...
     packed_k, packed_v = (t.reshape(batch * seqlen_k, *t.shape[2:]) for t in (k, v))
     if not is_varlen_form(tensors):
         block_size = tensors.block_size or sparse_block_size(tensors, seqlen_q, seqlen_k)

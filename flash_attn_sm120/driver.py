@@ -395,7 +395,9 @@ def choose_block_sparse(
     config_given = config is not None or bool(_forced_config)
     if config is None and _forced_config:
         config = _forced_config[-1]
-    candidates = [config] if config_given else block_sparse.forward_candidates(q.shape[-1], v.shape[-1], block_size)
+    varlen_q = packed_q or build.get("seqused_q") is not None
+    candidates = [config] if config_given else block_sparse.forward_candidates(q.shape[-1], v.shape[-1], block_size,
+                                                                               varlen_q=varlen_q)
     if packed_q and candidates and not any(c.tile_m == block_size[0] for c in candidates):
         # upstream's varlen lists hold one Q tile per sparse block (its normalize refuses other sizes)
         rows = sorted({c.tile_m for c in candidates})
@@ -417,7 +419,6 @@ def choose_block_sparse(
                                       seqlen_k=seqlen_k, block_size=block_size, device=q.device)
         statics = build_statics(q, k, v, causal=causal, local=local, pack_gqa=pack_gqa, config=cfg,
                                 block_sparse_key=block_sparse.statics_key(norm), **build)
-        varlen_q = packed_q or build.get("seqused_q") is not None
         statics = replace(statics, ordered_tiles=block_sparse.orders_tiles(cfg, varlen_q=varlen_q))
         check = FAMILIES["tma"].kernel_cls.unsupported_reason
         if check(statics) is not None and statics.pack_gqa and not pack_gqa_chosen:

@@ -144,15 +144,17 @@ def test_unsupported_reason_applies_the_register_rule_to_varlen_keys():
     assert unsupported_reason(statics(FwdConfig(256, 128, 64, 2, True, family="tma"), has_cu_seqlens_k=True)) is None
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_varlen_block_sparse_lists_compile_for_sm120a(d):
     """The list walk over upstream's varlen lists (2-D, cu_total_m_blocks, with and without
-    cu_block_idx_offsets): spill-free, TMA loads, with a K/V subtile factor of 2."""
-    from flash_attn_sm120.block_sparse import CONFIGS
+    cu_block_idx_offsets) on the config a varlen-q call runs: spill-free, TMA loads, with 128-key
+    sparse blocks of 2-4 K/V tiles."""
+    from flash_attn_sm120.block_sparse import forward_candidates
 
-    cfg = CONFIGS[d][0]
+    cfg = forward_candidates(d, d, (128, 128), varlen_q=True)[0]  # what a varlen-q call runs
     for varlen in (("cu_seqlens_q",), ("cu_seqlens_q", "cu_seqlens_k")):
-        cubin, _ = codegen.compile_fwd_cubin(cfg, d, causal=True, varlen=varlen, block_sparse=(1, 2, True))
+        cubin, _ = codegen.compile_fwd_cubin(cfg, d, causal=True, varlen=varlen,
+                                             block_sparse=(128 // cfg.tile_m, 128 // cfg.tile_n, True))
         res, hist, _ = codegen.inspect_cubin(cubin)
         assert res["stack"] == 0 and hist.get("LDL", 0) == 0, (varlen, res)
         assert hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) > 0, varlen

@@ -152,7 +152,7 @@ for name in ("FlashAttentionForwardSm120Tma", "FlashAttentionForwardSm120", "Fla
             threads=kwargs.get("num_threads"), causal=kwargs.get("is_causal"),
             subtiles=[kwargs.get("q_subtile_factor"), kwargs.get("kv_subtile_factor")], has_full=kwargs.get("has_full"),
             mask_mod=getattr(kwargs.get("mask_mod"), "__name__", None), deterministic=kwargs.get("deterministic"),
-            fused_turns=kwargs.get("fused_turns"),
+            fused_turns=kwargs.get("fused_turns"), ordered_tiles=kwargs.get("ordered_tiles"),
             bwd=None if cfg is None else [cfg.num_threads, cfg.m_block, cfg.n_block, cfg.stages_q, cfg.stages_do]))
         _base.__init__(self, *args, **kwargs)
 
@@ -262,6 +262,7 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     first = one("d128 128x128 lists, mask_mod", tma, [1, 0])
     assert (first["tile"], first["threads"], first["subtiles"], first["mask_mod"]) == (
         [128, 64], 256, [1, 2], "prefix_lm"), first
+    assert first["ordered_tiles"] is True  # dense q: the tiles launch longest list first
     assert result["d128 128x128 lists, mask_mod"]["shapes"] == [[2, 517, 4, 128], [2, 4, 517]]
     split = result["the same with num_splits=4"]  # unsplit: the same compile key, so the same kernel
     assert split["error"] is None and split["new_keys"] == [0, 0] and not split["built"], split
@@ -270,9 +271,11 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     det = one("bwd deterministic", "FlashAttentionBackwardSm120BlockSparse", [0, 1])  # turns from the lists
     assert det["deterministic"] is True and det["fused_turns"] is True, det
     gqa = one("d64 GQA 4:1, 64x128 blocks shared by the heads", tma, [1, 0])
+    assert gqa["ordered_tiles"] is True  # packed rows: tile m reads sparse row m // (4 x subtiles)
     assert (gqa["tile"], gqa["threads"], gqa["subtiles"], gqa["pack_gqa"]) == ([64, 64], 128, [1, 2], True), gqa
     varlen = one("varlen lists", tma, [1, 0])  # upstream's varlen lists: one Q tile per sparse block
     assert (varlen["tile"], varlen["subtiles"], varlen["pack_gqa"]) == ([128, 64], [1, 2], False), varlen
+    assert varlen["ordered_tiles"] is False  # varlen q keeps its own scheduler
     odd = one("d96 GQA 3:1, shared lists: 128-row tiles cannot pack 3", tma, [1, 0])
     assert (odd["tile"], odd["pack_gqa"]) == ([128, 32], False), odd  # d96: the first entry, 4w 128x32
     for name, error in (("d192", "NotImplementedError: block sparsity on SM120 runs in the TMA family: head dims"),
@@ -341,7 +344,7 @@ def test_block_sparse_modules_are_lifted_without_package_parts():
     for text in (fwd_cfg, bwd_cfg):
         mp.check_no_package_refs(text, "configs")
     for there in ("SM120_BLOCK_SPARSE_CONFIGS: dict[int, tuple[Sm120FwdConfig, ...]]", "def sm120_sparse_block_size(",
-                  "def sm120_block_sparse_config(", "sm120_block_sparse_candidates(head_dim, head_dim_v, block_size)"):
+                  "def sm120_block_sparse_config(", "sm120_block_sparse_candidates(head_dim, head_dim_v, block_size, varlen_q=varlen_q)"):
         assert there in fwd_cfg, there
     assert "def sm120_check_block_sparse_bwd(" in bwd_cfg and "SM120_BWD_BLOCK_SPARSE_DEFAULT = Sm120BwdConfig(" in bwd_cfg
 

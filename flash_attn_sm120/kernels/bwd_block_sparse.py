@@ -167,8 +167,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
             params, scheduler = args[-3], args[-2]
             if scheduler is not SingleTileScheduler:
                 raise ValueError("a tile order needs the dense SingleTileScheduler grid (no cu_seqlens_k)")
-            ordered = WorkOrderedTileScheduler.Params(params.num_block, params.num_head, params.num_batch,
-                                                      self._tile_order)
+            ordered = WorkOrderedTileScheduler.params_with_order(params, self._tile_order)
             args = (*args[:-3], ordered, WorkOrderedTileScheduler, args[-1])
         return super().kernel(*args)
 

@@ -67,6 +67,8 @@ class WorkOrderedTileScheduler:
 
     @staticmethod
     def params_with_order(args: TileSchedulerArguments, tile_order: cute.Tensor) -> Params:
+        """Host side: `args` is a TileSchedulerArguments, or another scheduler's Params with the same
+        num_block / num_head / num_batch (the backward's, swapped in at launch)."""
         return WorkOrderedTileScheduler.Params(args.num_block, args.num_head, args.num_batch, tile_order)
 
     @staticmethod
@@ -83,6 +85,7 @@ class WorkOrderedTileScheduler:
 
     def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
         tile = Int32(self.params.tile_order[self._linear_idx])
+        # (two integer divisions once per CTA and role)
         m_block = tile % self.params.num_block
         head_batch = tile // self.params.num_block
         head_idx = head_batch % self.params.num_head

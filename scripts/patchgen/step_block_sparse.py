@@ -135,12 +135,19 @@ _BS_WHERE = "flash_attn_sm120/block_sparse.py"
 # the package's block-sparse config choice, lifted in this order with these names
 _FWD_LIFTED = (
     ("CONFIGS", "SM120_BLOCK_SPARSE_CONFIGS"),
+    ("VARLEN_Q_SPILLS", "SM120_BLOCK_SPARSE_VARLEN_Q_SPILLS"),
     ("_inferred", "_sm120_inferred_block"),
     ("is_varlen_form", "sm120_is_varlen_block_sparse"),
     ("sparse_block_size", "sm120_sparse_block_size"),
     ("divides", "sm120_tile_divides_block"),
     ("forward_candidates", "sm120_block_sparse_candidates"),
     ("no_config_error", "sm120_block_sparse_refusal"),
+    ("MASK_BLOCK_WEIGHT", "SM120_MASK_BLOCK_WEIGHT"),
+    ("FULL_BLOCK_WEIGHT", "SM120_FULL_BLOCK_WEIGHT"),
+    ("_ORDER_CACHE", "_sm120_order_cache"),
+    ("_ORDER_CACHE_SIZE", "_SM120_ORDER_CACHE_SIZE"),
+    ("longest_first_order", "sm120_block_sparse_tile_order"),
+    ("_count", "_sm120_count"),
 )
 _FWD_LIFT_EDITS = (
     ("(upstream's rule for Q; KV from a full-width index tensor)",
@@ -166,7 +173,7 @@ def sm120_block_sparse_config(
     from flash_attn.cute.flash_fwd_sm120_tma import fp16_register_error
 
     reasons = []
-    candidates = sm120_block_sparse_candidates(head_dim, head_dim_v, block_size)
+    candidates = sm120_block_sparse_candidates(head_dim, head_dim_v, block_size, varlen_q=varlen_q)
     if varlen_q and candidates and not any(cfg.tile_m == block_size[0] for cfg in candidates):
         rows = sorted({cfg.tile_m for cfg in candidates})
         raise ValueError(
@@ -200,7 +207,8 @@ def render_fwd_block_sparse_configs() -> str:
         text = substitute(text, old, new, where=_BS_WHERE)
     text = rename(text, "FwdConfig", "Sm120FwdConfig", where=_BS_WHERE)
     for old, new in _FWD_LIFTED:
-        pattern = rf"(?<![\w.]){re.escape(old)}(?=\()" if old[0].islower() or old[0] == "_" else rf"(?<![\w.]){old}\b"
+        constant = re.fullmatch(r"_?[A-Z][A-Z0-9_]*", old) is not None  # else a function, renamed where called
+        pattern = rf"(?<![\w.]){old}\b" if constant else rf"(?<![\w.]){re.escape(old)}(?=\()"
         if not re.search(pattern, text):
             raise AnchorError(f"{_BS_WHERE}: {old!r} not found")
         text = re.sub(pattern, new, text)
@@ -216,8 +224,22 @@ def render_fwd_block_sparse_configs() -> str:
 _FWD_CONFIGS_EDITS = (
     ("import of the block-sparse helpers",
      "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120, sm120_config_error, sm120_fwd_smem_bytes\n",
-     "from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch, ceildiv, get_sparse_q_block_size\n"
+     "from flash_attn.cute.block_sparsity import (\n"
+     "    BlockSparseTensorsTorch,\n"
+     "    NormalizedBlockSparseConfig,\n"
+     "    ceildiv,\n"
+     "    get_sparse_q_block_size,\n"
+     ")\n"
      "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120, sm120_config_error, sm120_fwd_smem_bytes\n"),
+    ("imports of the tile order",
+     "from dataclasses import asdict, dataclass, field\n",
+     "from collections import OrderedDict\n"
+     "from dataclasses import asdict, dataclass, field\n"),
+    ("torch, for the tile order",
+     "from typing import Any, Callable, Iterable, Optional, Tuple\n",
+     "from typing import Any, Callable, Iterable, Optional, Tuple\n"
+     "\n"
+     "import torch  # the block-sparse tile order\n"),
 )
 
 
@@ -321,7 +343,71 @@ _BS_INTERFACE_EDITS = (
         ")\n",
         "    sm120_tma_varlen_ok,\n"
         ")\n"
-        "from flash_attn.cute.flash_fwd_sm120_configs import sm120_block_sparse_config, sm120_sparse_block_size\n",
+        "from flash_attn.cute.flash_fwd_sm120_configs import (\n"
+        "    sm120_block_sparse_config,\n"
+        "    sm120_block_sparse_tile_order,\n"
+        "    sm120_sparse_block_size,\n"
+        ")\n",
+    ),
+    (
+        "import of the tile-order helper",
+        "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n",
+        "from flash_attn.cute.flash_fwd_sm120_tma import FlashAttentionForwardSm120Tma\n"
+        "from flash_attn.cute.flash_fwd_sm120_tma import with_tile_order as sm120_with_tile_order\n",
+    ),
+    (
+        "SM120 block-sparse tiles launch longest first",
+        "        q_subtile_factor = block_sparse_config.q_subtile_factor\n"
+        "        kv_subtile_factor = block_sparse_config.kv_subtile_factor\n"
+        "    if aux_tensors is not None:\n",
+        "        q_subtile_factor = block_sparse_config.q_subtile_factor\n"
+        "        kv_subtile_factor = block_sparse_config.kv_subtile_factor\n"
+        "    # SM120: the TMA family launches block-sparse tiles longest list first (WorkOrderedTileScheduler in\n"
+        "    # flash_fwd_sm120_tma.py: the lists give tiles unequal work); varlen q keeps its own scheduler\n"
+        "    sm120_tile_order = None\n"
+        "    if arch // 10 == 12 and block_sparse_tensors is not None and cu_seqlens_q is None and seqused_q is None:\n"
+        "        sm120_packed_rows = qhead_per_kvhead if pack_gqa else 1\n"
+        "        sm120_tile_order = sm120_block_sparse_tile_order(\n"
+        "            block_sparse_config,\n"
+        "            batch=batch_size,\n"
+        "            grid_heads=num_head // sm120_packed_rows,\n"
+        "            num_block=-(-seqlen_q * sm120_packed_rows // tile_m),\n"
+        "            tiles_per_sparse_row=sm120_packed_rows * q_subtile_factor,\n"
+        "        )\n"
+        "    if aux_tensors is not None:\n",
+    ),
+    (
+        "the tile order joins the compile key",
+        "        use_block_sparsity,\n"
+        "        block_sparse_broadcast_pattern,\n"
+        "        tensor_broadcast_patterns,\n",
+        "        use_block_sparsity,\n"
+        "        block_sparse_broadcast_pattern,\n"
+        "        sm120_tile_order is not None,\n"
+        "        tensor_broadcast_patterns,\n",
+    ),
+    (
+        "the tile order rides as the last aux tensor (compile)",
+        "                sparse_tensors,\n"
+        "                AuxData(cute_aux_tensors, aux_scalars),\n"
+        "            ])\n",
+        "                sparse_tensors,\n"
+        "                sm120_with_tile_order(\n"
+        "                    AuxData(cute_aux_tensors, aux_scalars),\n"
+        "                    None\n"
+        "                    if sm120_tile_order is None\n"
+        "                    else to_cute_tensor(sm120_tile_order, assumed_align=4, leading_dim=0),\n"
+        "                ),\n"
+        "            ])\n",
+    ),
+    (
+        "the tile order rides as the last aux tensor (launch)",
+        "                else None,\n"
+        "                AuxData(aux_tensors, aux_scalars),\n"
+        "            ])\n",
+        "                else None,\n"
+        "                sm120_with_tile_order(AuxData(aux_tensors, aux_scalars), sm120_tile_order),\n"
+        "            ])\n",
     ),
     (
         "import of the SM120 block-sparse backward",
@@ -433,8 +519,12 @@ _BS_INTERFACE_EDITS = (
         "                sm120_fwd_cls = FlashAttentionForwardSm120Tma\n"
         "            if use_block_sparsity:\n"
         "                # the TMA family walks the lists: a sparse block spans q_subtile_factor Q tiles and\n"
-        "                # kv_subtile_factor K/V tiles (sm120_sparse_cfg is a TMA config)\n"
-        "                sm120_split_kwargs = dict(q_subtile_factor=q_subtile_factor, kv_subtile_factor=kv_subtile_factor)\n",
+        "                # kv_subtile_factor K/V tiles (sm120_sparse_cfg is a TMA config); tiles longest first\n"
+        "                sm120_split_kwargs = dict(\n"
+        "                    q_subtile_factor=q_subtile_factor,\n"
+        "                    kv_subtile_factor=kv_subtile_factor,\n"
+        "                    ordered_tiles=sm120_tile_order is not None,\n"
+        "                )\n",
     ),
     (
         "SM120 backward takes block sparsity",
@@ -570,7 +660,11 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             "every head, and never with varlen q). Upstream's varlen lists (2-D, cu_total_m_blocks, "
             "cu_block_idx_offsets with varlen K, and block_size given) run on a tile whose tile_m is the "
             "sparse Q block, as normalize_block_sparse_config requires; the TMA class reads each "
-            "sequence's first Q block and index entry through SeqlenInfoQK. seqused_k without "
+            "sequence's first Q block and index entry through SeqlenInfoQK. With a dense q the tiles "
+            "launch longest list first (sm120_block_sparse_tile_order, a stable descending sort of each "
+            "tile's weighted list length, read by the TMA class's WorkOrderedTileScheduler and passed as "
+            "the last aux tensor): the hardware dispatches CTAs in launch order, so a window with global "
+            "tokens no longer leaves its long global rows to the last wave. seqused_k without "
             "cu_seqlens_k, paged KV, stride-0 q/k/v and other head dims are refused by name.",
             "flash_fwd_sm120_configs.py: SM120_BLOCK_SPARSE_CONFIGS (at d64/d96 4 MMA warps of 32 rows "
             "with one K/V stage, two CTAs per SM; then 8 MMA warps of 16 rows, then 4 warps on 64x64 "
