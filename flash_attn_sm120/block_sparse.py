@@ -16,6 +16,7 @@ work, and a window with global tokens, or random lists, make it very unequal acr
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -226,16 +227,19 @@ def _valid_or(idx: torch.Tensor, cnt: torch.Tensor, fill: int) -> torch.Tensor:
 # a tile's work in the launch order's sort key: a mask-list block (mask_mod applied) weighs more than a full one
 MASK_BLOCK_WEIGHT = 3
 FULL_BLOCK_WEIGHT = 2
-# the launch orders of the latest calls (longest_first_order)
-_ORDER_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+# the launch orders of the latest calls (longest_first_order): key -> (order, weak references to the count
+# tensors the key names, so that a key is only ever matched by the same live tensors)
+_ORDER_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _ORDER_CACHE_SIZE = 16
+# grid_order()'s switch: a stack, so that nested blocks restore the outer state
 _grid_order_forced = [False]
 
 
 @contextmanager
 def grid_order() -> Iterator[None]:
-    """Within the block, block-sparse forwards launch their tiles in the grid's own order (m fastest, then
-    heads, batch) instead of longest first: the A/B of scripts/bench_block_sparse.py --grid-order."""
+    """Within the block, block-sparse calls (the forward, and the backward's non-deterministic walk) launch
+    their tiles in the grid's own order instead of longest first: the A/B of scripts/bench_block_sparse.py
+    --grid-order."""
     _grid_order_forced.append(True)
     try:
         yield
@@ -263,22 +267,22 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     of the linear tile indices m + num_block * (head + grid_heads * batch), by descending work (the tile's
     list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT), ties in grid
     order; `grid`: the identity (the grid's own order). Tile m reads sparse row m // tiles_per_sparse_row
-    (packed GQA rows per position times the subtile factor). Cached per count tensors (pointer, version,
-    layout) and grid: a stale entry could only cost speed, since every permutation computes the same
-    result (fake tensors are not cached)."""
-    from torch._subclasses.fake_tensor import is_fake
-
+    (packed GQA rows per position times the subtile factor). Cached per count tensors (the same live tensor
+    objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
+    once; not cached: fake tensors, and calls under CUDA-graph capture (the sort is only recorded there)."""
     t = norm.tensors
     counts = [(c, w) for c, w in ((t.mask_block_cnt, MASK_BLOCK_WEIGHT), (t.full_block_cnt, FULL_BLOCK_WEIGHT))
               if c is not None]
+    owners = [c if c._base is None else c._base for c, _ in counts]  # the caller's tensors behind the views
     key = None
-    if not any(is_fake(c) for c, _ in counts):
-        key = tuple((c.data_ptr(), c._version, tuple(c.shape), c.stride(), str(c.device)) for c, _ in counts)
+    if _cacheable([c for c, _ in counts]):
+        key = tuple((id(o), o._version, c.data_ptr(), tuple(c.shape), c.stride(), str(c.device))
+                    for o, (c, _) in zip(owners, counts))
         key += (batch, grid_heads, num_block, tiles_per_sparse_row, grid)
         cached = _ORDER_CACHE.get(key)
-        if cached is not None:
+        if cached is not None and all(ref() is o for ref, o in zip(cached[1], owners)):
             _ORDER_CACHE.move_to_end(key)
-            return cached
+            return cached[0]
     work = sum(c.to(torch.int32) * w for c, w in counts)  # (batch or 1, heads or 1, sparse rows)
     if work.shape[1] != grid_heads:
         work = work.narrow(1, 0, 1)  # packed GQA: the lists are the same for every head
@@ -291,10 +295,20 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     else:
         order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
     if key is not None:
-        _ORDER_CACHE[key] = order
+        _ORDER_CACHE[key] = (order, tuple(weakref.ref(o) for o in owners))
+        _ORDER_CACHE.move_to_end(key)
         if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
             _ORDER_CACHE.popitem(last=False)
     return order
+
+
+def _cacheable(tensors: list) -> bool:
+    """Real tensors outside CUDA-graph capture (longest_first_order's cache)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(is_fake(c) for c in tensors):
+        return False
+    return not any(c.is_cuda for c in tensors) or not torch.cuda.is_current_stream_capturing()
 
 
 def _count(like: torch.Tensor, n: int) -> torch.Tensor:
@@ -319,19 +333,35 @@ def cut_lists_at(tensors: BlockSparseTensorsTorch, seqused_k: torch.Tensor, bloc
     return tensors._replace(**cut)
 
 
-def seqused_cache_as_packed(k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
-                            tensors: BlockSparseTensorsTorch, seqlen_q: int):
+def seqused_cache_as_packed(
+    k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor, tensors: BlockSparseTensorsTorch, seqlen_q: int,
+    packed_q: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, BlockSparseTensorsTorch]:
     """A block-sparse call with seqused_k on a (batch, seqlen_k, heads, d) K/V cache, as the TMA family runs
     it: the cache viewed as packed sequences of seqlen_k rows (cu_seqlens_k = 0, s, 2s, ...; a copy only if
-    the batch and seqlen dims cannot merge), so that its ragged descriptors stop each sequence at seqused_k
-    (the unused rows, which may hold NaN, are never read). Dense-form lists are cut at seqused_k
-    (`cut_lists_at`, block_size filled in); varlen-form lists (packed q) already have rows of
-    ceil(seqused_k / block) entries, upstream's layout. Returns (k, v, cu_seqlens_k, tensors)."""
+    the batch and seqlen dims cannot merge, e.g. a slice of a longer cache), so that its ragged descriptors
+    stop each sequence at seqused_k (the unused rows, which may hold NaN, are never read). seqused_k is
+    clamped to seqlen_k on the device (a larger value must not reach the next sequence's rows). Dense-form
+    lists are checked (upstream's layout rules, as ValueErrors) and cut at seqused_k (`cut_lists_at`,
+    block_size filled in); varlen-form lists (packed q) already have rows of ceil(seqused_k / block)
+    entries, upstream's layout. Returns (k, v, cu_seqlens_k, seqused_k, tensors).
+
+    A score_mod / mask_mod sees the packed form's seqlen_info (offset_k = b * seqlen_k): positions (q_idx,
+    kv_idx) are the same as in the (batch, seqlen_k) form."""
     batch, seqlen_k = k.shape[:2]
-    cu_seqlens_k = _count(k, batch + 1) * seqlen_k  # 0, s, 2s, ...
-    packed_k, packed_v = (t.reshape(batch * seqlen_k, *t.shape[2:]) for t in (k, v))
+    check_varlen_form(tensors, packed_q=packed_q, varlen_k=True)
+    for name in ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"):
+        t = getattr(tensors, name)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device != k.device or t.dtype != torch.int32):
+            raise ValueError(f"block_sparse_tensors.{name} must be an int32 tensor on {k.device}")
     if not is_varlen_form(tensors):
         block_size = tensors.block_size or sparse_block_size(tensors, seqlen_q, seqlen_k)
-        tensors = cut_lists_at(tensors._replace(block_size=tuple(int(b) for b in block_size)), seqused_k,
-                               int(block_size[1]))
-    return packed_k, packed_v, cu_seqlens_k, tensors
+        bk = int(block_size[1])
+        width, n_blocks = tensors.mask_block_idx.shape[-1], -(-seqlen_k // bk)
+        if tensors.mask_block_idx.ndim != 4 or width > n_blocks:
+            raise ValueError(f"block_sparse_tensors.mask_block_idx must be (batch, heads, q_blocks, <= {n_blocks}) "
+                             f"for seqlen_k {seqlen_k} and {bk}-key blocks, got {tuple(tensors.mask_block_idx.shape)}")
+        tensors = cut_lists_at(tensors._replace(block_size=tuple(int(b) for b in block_size)), seqused_k, bk)
+    cu_seqlens_k = _count(k, batch + 1) * seqlen_k  # 0, s, 2s, ...
+    packed_k, packed_v = (t.reshape(batch * seqlen_k, *t.shape[2:]) for t in (k, v))
+    return packed_k, packed_v, cu_seqlens_k, seqused_k.clamp(max=seqlen_k), tensors

@@ -174,7 +174,8 @@ def compile_fwd_cubin(
         broadcast=(), config=config, emulate_host_smem=emulate_host_smem,
         block_sparse=None if block_sparse is None else (
             (*block_sparse, None) + (("cu_seqlens_k" in varlen,) if "cu_seqlens_q" in varlen else ())),
-        ordered_tiles=block_sparse is not None and orders_tiles(
+        # (this package's kernel only: upstream's class or kernel_cls takes no order)
+        ordered_tiles=block_sparse is not None and not upstream_class and kernel_cls is None and orders_tiles(
             config, varlen_q="cu_seqlens_q" in varlen or "seqused_q" in varlen),
     )
     if upstream_class or kernel_cls is not None:

@@ -524,9 +524,10 @@ def forward(
     sparse = None  # upstream's NormalizedBlockSparseConfig
     if block_sparse_tensors is not None and seqused_k is not None and cu_seqlens_k is None:
         # the TMA family bounds K/V reads per sequence only with packed K/V: the cache as packed sequences
-        k, v, cu_seqlens_k, block_sparse_tensors = block_sparse.seqused_cache_as_packed(
-            k, v, seqused_k, block_sparse_tensors, q.shape[1] if cu_seqlens_q is None else 0)
-        build["cu_seqlens_k"] = cu_seqlens_k
+        k, v, cu_seqlens_k, seqused_k, block_sparse_tensors = block_sparse.seqused_cache_as_packed(
+            k, v, seqused_k, block_sparse_tensors, q.shape[1] if cu_seqlens_q is None else 0,
+            packed_q=cu_seqlens_q is not None)
+        build.update(cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     if block_sparse_tensors is not None:
         statics, sparse = choose_block_sparse(q, k, v, block_sparse_tensors, causal=causal, local=local,
                                               pack_gqa=pack_gqa, pack_gqa_chosen=pack_gqa_chosen, config=config,

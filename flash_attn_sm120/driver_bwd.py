@@ -54,7 +54,6 @@ from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
-from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import (
@@ -65,6 +64,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import (
     upstream_bwd_config,
 )
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
+from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 HDIM_MULTIPLE = 32  # accumulator head-dim padding of upstream's SM80/SM120 backward (no SM90 swap)

@@ -4,6 +4,7 @@ The GPU half (tests/test_block_sparse_gpu.py) checks results against an fp32 ref
 """
 
 import itertools
+import weakref
 
 import pytest
 
@@ -356,18 +357,31 @@ def test_seqused_cache_becomes_packed_sequences():
     kinds = torch.full((b, 2, 3, 4), testing_sparse.FULL, dtype=torch.int32)
     tensors = testing_sparse.lists_from_map(kinds, (128, 128))
     used = torch.tensor([512, 129], dtype=torch.int32)
-    pk, pv, cu, cut = block_sparse.seqused_cache_as_packed(k, v, used, tensors, seqlen_q=384)
+    pk, pv, cu, used_out, cut = block_sparse.seqused_cache_as_packed(k, v, used, tensors, seqlen_q=384)
+    assert torch.equal(used_out, used)
     assert pk.shape == (b * sk, hk, d) and pk.data_ptr() == k.data_ptr() and torch.equal(pv.view_as(v), v)
     assert cu.tolist() == [0, sk, 2 * sk] and cu.dtype == torch.int32
     assert cut.block_size == (128, 128)
     assert cut.full_block_cnt[0].unique().tolist() == [4] and cut.full_block_cnt[1].unique().tolist() == [2]
     strided = torch.randn(b, 2 * sk, hk, d)[:, :sk]  # a slice of a longer cache: copied to merge the dims
-    pk, _, _, _ = block_sparse.seqused_cache_as_packed(strided, strided, used, tensors, seqlen_q=384)
+    pk, _, _, _, _ = block_sparse.seqused_cache_as_packed(strided, strided, used, tensors, seqlen_q=384)
     assert torch.equal(pk.view(b, sk, hk, d), strided)
     z = lambda *shape: torch.zeros(*shape, dtype=torch.int32)  # noqa: E731
     varlen = BlockSparseTensorsTorch(z(2, 4), z(2, 10), cu_total_m_blocks=z(3), cu_block_idx_offsets=z(3),
                                      block_size=(128, 128))
-    assert block_sparse.seqused_cache_as_packed(k, v, used, varlen, seqlen_q=0)[3] is varlen
+    assert block_sparse.seqused_cache_as_packed(k, v, used, varlen, seqlen_q=0, packed_q=True)[4] is varlen
+    # seqused_k past the cache is clamped (the next sequence's rows are not this one's keys)
+    assert block_sparse.seqused_cache_as_packed(k, v, torch.tensor([600, 9], dtype=torch.int32), tensors,
+                                                seqlen_q=384)[3].tolist() == [512, 9]
+    # the lists' layout is checked first, as ValueErrors
+    with pytest.raises(ValueError, match="cu_total_m_blocks"):
+        block_sparse.seqused_cache_as_packed(k, v, used, varlen, seqlen_q=0)
+    with pytest.raises(ValueError, match="int32"):
+        block_sparse.seqused_cache_as_packed(k, v, used, tensors._replace(mask_block_cnt=tensors.mask_block_cnt.long()),
+                                             seqlen_q=384)
+    wide = tensors._replace(mask_block_idx=torch.zeros(b, 2, 3, 9, dtype=torch.int32))
+    with pytest.raises(ValueError, match="<= 4"):
+        block_sparse.seqused_cache_as_packed(k, v, used, wide, seqlen_q=384)
 
 
 def test_seqused_k_cache_lists_choose_a_tma_config():
@@ -384,7 +398,7 @@ def test_seqused_k_cache_lists_choose_a_tma_config():
         used = torch.zeros(b, dtype=torch.int32, device="cuda")
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
         lists = BlockSparseTensorsTorch(z(b, h, 3), z(b, h, 3, 8), z(b, h, 3), z(b, h, 3, 8), block_size=(128, 128))
-        pk, pv, cu_k, cut = block_sparse.seqused_cache_as_packed(k, k, used, lists, seqlen_q=sq)
+        pk, pv, cu_k, used, cut = block_sparse.seqused_cache_as_packed(k, k, used, lists, seqlen_q=sq)
         assert pk.shape == (b * sk, h, d) and cu_k.shape == (b + 1,)
         call = dict(causal=False, local=False, pack_gqa=False, pack_gqa_chosen=False, config=None, cu_seqlens_q=None,
                     cu_seqlens_k=cu_k, has_lse=True, seqused_q=None, seqused_k=used, window_size_left=None,
@@ -405,3 +419,17 @@ def test_seqused_k_cache_walk_compiles_spill_free_for_sm120a(d):
                                          varlen=("cu_seqlens_k", "seqused_k"))
     res, _, _ = codegen.inspect_cubin(cubin)
     assert res["stack"] == 0 and res["local"] == 0, res
+
+
+def test_tile_order_cache_matches_only_the_same_live_tensors():
+    """A cache entry holds weak references to the count tensors it was computed from: another tensor that
+    happens to get the same id and address (a freed mask's memory reused by the next one) does not match."""
+    cnt = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)
+    kw = dict(batch=1, grid_heads=1, num_block=3, tiles_per_sparse_row=1)
+    first = block_sparse.tile_order(_normalized(cnt), **kw)
+    assert block_sparse.tile_order(_normalized(cnt), **kw) is first  # a new view of the same tensor: cached
+    key = next(k for k, (order, _) in block_sparse._ORDER_CACHE.items() if order is first)
+    other = torch.zeros(1)
+    block_sparse._ORDER_CACHE[key] = (first, (weakref.ref(other),))  # as if `cnt` had died and its id been reused
+    again = block_sparse.tile_order(_normalized(cnt), **kw)
+    assert again is not first and again.tolist() == first.tolist()

@@ -127,6 +127,30 @@ def test_seqused_k_cache_with_lists(d, pack, with_full):
     assert torch.all(out[2] == 0) and torch.all(torch.isinf(lse[2]))
 
 
+def test_kernel_takes_its_tiles_from_the_order(monkeypatch):
+    """Not a permutation on purpose: every CTA given tile 0 (m_block 0, head 0, batch 0) writes only that
+    tile, so every other row of out stays NaN-poisoned; shows the kernel reads its tile from the order."""
+    from flash_attn_sm120 import block_sparse
+
+    b, h, sq, sk, d = 1, 2, 512, 512, 128
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=61)
+    kinds = torch.full((b, h, 4, 4), testing_sparse.FULL, dtype=torch.int32, device="cuda")
+    sparse = testing_sparse.lists_from_map(kinds, (128, 128))
+    tiles = []
+
+    def all_tile_zero(*args, **kwargs):
+        tiles.append(kwargs["num_block"])
+        return torch.zeros(kwargs["batch"] * kwargs["grid_heads"] * kwargs["num_block"], dtype=torch.int32,
+                           device="cuda")
+
+    monkeypatch.setattr(block_sparse, "tile_order", all_tile_zero)
+    with testing.poisoned_outputs():
+        out = flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=sparse)[0]
+    rows = sq // tiles[0]  # the tile's rows
+    assert torch.isfinite(out[0, :rows, 0]).all()
+    assert torch.isnan(out[0, rows:, 0]).all() and torch.isnan(out[0, :, 1]).all()
+
+
 @pytest.mark.parametrize("block", [(64, 128), (256, 128), (128, 256), (128, 64)])
 def test_block_sizes(block):
     """Q and KV subtiles: 64-row blocks (the 4-warp tile), 256-row blocks (two Q tiles each), 256-key

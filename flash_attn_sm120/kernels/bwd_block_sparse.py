@@ -110,8 +110,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         if self.deterministic and not self.fused_turns:
             raise ValueError("the deterministic block-sparse backward orders dQ with fused_turns (the modifier step)")
         if self.dq_descending or self.dq_rotated or self.reverse_n_blocks or self.dq_groups > 1 or self.lpt:
-            raise ValueError("the block-sparse walk takes its dQ turns from its lists: ascending, one accumulator, "
-                             "the grid's launch order")
+            raise ValueError("the block-sparse walk takes its dQ turns from its lists (ascending, one accumulator) "
+                             "and its launch order from them (ordered_tiles), not from these options")
         self.q_subtile_factor = q_subtile_factor
         self.kv_subtile_factor = kv_subtile_factor
         self.has_full = has_full

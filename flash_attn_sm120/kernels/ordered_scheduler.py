@@ -30,7 +30,7 @@ from flash_attn.cute.utils import AuxData
 from quack.cute_dsl_utils import ParamsBase
 
 
-def with_tile_order(aux_data: AuxData, tile_order) -> AuxData:
+def with_tile_order(aux_data: AuxData, tile_order: Optional[object]) -> AuxData:
     """Plain Python: aux_data with the order tensor appended (unchanged without one)."""
     if tile_order is None:
         return aux_data
@@ -80,7 +80,7 @@ class WorkOrderedTileScheduler:
         return WorkOrderedTileScheduler(params, x + grid_x * (y + grid_y * z), loc=loc, ip=ip)
 
     @staticmethod
-    def get_grid_shape(params: Params, *, loc=None, ip=None):
+    def get_grid_shape(params: Params, *, loc=None, ip=None) -> tuple:
         return (params.num_block * params.num_head * params.num_batch, Int32(1), Int32(1))
 
     def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:

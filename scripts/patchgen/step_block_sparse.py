@@ -148,6 +148,7 @@ _FWD_LIFTED = (
     ("_ORDER_CACHE_SIZE", "_SM120_ORDER_CACHE_SIZE"),
     ("longest_first_order", "sm120_block_sparse_tile_order"),
     ("_count", "_sm120_count"),
+    ("_cacheable", "_sm120_order_cacheable"),
 )
 _FWD_LIFT_EDITS = (
     ("(upstream's rule for Q; KV from a full-width index tensor)",
@@ -233,6 +234,7 @@ _FWD_CONFIGS_EDITS = (
      "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120, sm120_config_error, sm120_fwd_smem_bytes\n"),
     ("imports of the tile order",
      "from dataclasses import asdict, dataclass, field\n",
+     "import weakref\n"
      "from collections import OrderedDict\n"
      "from dataclasses import asdict, dataclass, field\n"),
     ("torch, for the tile order",
