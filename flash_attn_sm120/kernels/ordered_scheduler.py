@@ -20,30 +20,19 @@ The TMA forward launches a 1-D grid; the block-sparse backward keeps its (n_bloc
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from flash_attn.cute.tile_scheduler import TileSchedulerArguments, WorkTileInfo
-from flash_attn.cute.utils import AuxData
 from quack.cute_dsl_utils import ParamsBase
 
-
-def with_tile_order(aux_data: AuxData, tile_order: Optional[object]) -> AuxData:
-    """Plain Python: aux_data with the order tensor appended (unchanged without one)."""
-    if tile_order is None:
-        return aux_data
-    return AuxData(list(aux_data.tensors or []) + [tile_order], aux_data.scalars)
+from flash_attn_sm120.kernels import sink_fold
 
 
-def split_tile_order(aux_data: AuxData, ordered: bool) -> tuple[AuxData, Optional[object]]:
-    """Plain Python (trace time): (the caller's aux_data, the order tensor) from `with_tile_order`'s result."""
-    if not ordered:
-        return aux_data, None
-    tensors = list(aux_data.tensors)
-    tile_order = tensors.pop()
-    return AuxData(tensors or None, aux_data.scalars), tile_order
+# The order rides as the last aux tensor the way the sink does: the same append (host) and pop (`__call__`).
+with_tile_order = sink_fold.with_sink
+split_tile_order = sink_fold.split_sink
 
 
 class WorkOrderedTileScheduler:
