@@ -12,6 +12,7 @@ and the problem's static properties.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
@@ -69,6 +70,17 @@ def config_from_row(raw: dict) -> BwdConfig:
         raise KeyError(", ".join(missing))
     return BwdConfig(**{f.name: bool(raw[f.name]) if isinstance(f.default, bool) else int(raw[f.name])
                         for f in fields(BwdConfig)})
+
+
+def bwd_config_from_name(name: str) -> BwdConfig:
+    """The BwdConfig that BwdConfig.name printed (benchmarks and the command line name configs this way)."""
+    m = re.fullmatch(r"bwd-w(\d+)-(\d+)x(\d+)-q(\d)do(\d)-a(\d)(\d)(\d)(?:-swap([skq]+))?(-vreg)?", name)
+    if m is None:
+        raise ValueError(f"not a backward config name: {name!r} (e.g. bwd-w8-64x64-q2do1-a242[-swapsk][-vreg])")
+    warps, mb, nb, sq, sdo, a1, a2, a3, swaps, vreg = m.groups()
+    swaps = swaps or ""
+    return BwdConfig(int(warps) * 32, int(mb), int(nb), int(sq), int(sdo), "s" in swaps, "k" in swaps, "q" in swaps,
+                     int(a1), int(a2), int(a3), vreg is not None)
 
 
 def parse_bwd_table(data: dict) -> list[BwdTableEntry]:

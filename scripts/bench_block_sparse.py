@@ -87,18 +87,27 @@ def main(argv=None) -> int:
                     help="forward: also time the sparse call with each of these configs forced (comma list of "
                          "FwdConfig names, e.g. tma-w4-64x64-s2-pers), side by side; a config the problem's head dim "
                          "refuses is skipped")
+    ap.add_argument("--bwd-configs", default="",
+                    help="--bwd: also time the sparse backward with each of these configs forced (comma list of "
+                         "BwdConfig names, e.g. bwd-w8-64x64-q2do1-a242), side by side; one the head dim refuses "
+                         "is skipped")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
     args = ap.parse_args(argv)
     if args.deterministic and not args.bwd:
         raise SystemExit("--deterministic times a backward: add --bwd")
-    from flash_attn_sm120 import block_sparse, driver
+    from flash_attn_sm120 import block_sparse, driver, driver_bwd
     from flash_attn_sm120.config import config_from_name
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
 
     forced = [config_from_name(n) for n in args.sparse_configs.split(",") if n]
     if forced and args.bwd:
-        raise SystemExit("--sparse-configs times forward configs: drop --bwd")
+        raise SystemExit("--sparse-configs times forward configs: drop --bwd (--bwd-configs names backward ones)")
+    if args.bwd_configs and not args.bwd:
+        raise SystemExit("--bwd-configs times backward configs: add --bwd")
+    forced += [bwd_config_from_name(n) for n in args.bwd_configs.split(",") if n]
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
                 ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
             forced_rows = {}
             for cfg in [None] + forced:
-                if cfg is not None and cfg.error(d, d) is not None:
+                if cfg is not None and (bwd_config_error(d, d, cfg) if args.bwd else cfg.error(d, d)) is not None:
                     continue
                 for grid in (False, True) if args.grid_order else (False,):
                     if cfg is None and not grid:
@@ -138,7 +147,7 @@ def main(argv=None) -> int:
                     label = (cfg.name if cfg is not None else "default config") + (" grid order" if grid else "")
                     with contextlib.ExitStack() as stack:
                         if cfg is not None:
-                            stack.enter_context(driver.force_config(cfg))
+                            stack.enter_context((driver_bwd if args.bwd else driver).force_config(cfg))
                         if grid:
                             stack.enter_context(block_sparse.grid_order())
                         try:

@@ -15,7 +15,8 @@ Implementations: `table` (the shipped config table, what flash_attn_func runs), 
 SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
 for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1), `sparse:<density>` (the
 public API with random block-sparse lists: that share of the 128 x 128 blocks, all full). Backward: `bwd:table`,
-`bwd:deterministic` (the same with deterministic=True) or `bwd:upstream` (the main backward kernel).
+`bwd:deterministic` (the same with deterministic=True), `bwd:upstream` (the main backward kernel) or
+`bwd:sparse:<density>` (autograd.grad of the block-sparse call, with the lists' Q-direction twins).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/ncu_compare.py --problem b4s2048h32d64 [--causal]
   python scripts/ncu_compare.py --problem b2s4096h16d96 --candidate table --reference config:upstream-config
@@ -46,6 +47,7 @@ METRICS = (
     ("occupancy limit: smem (CTAs)", "launch__occupancy_limit_shared_mem"),
     ("occupancy limit: registers (CTAs)", "launch__occupancy_limit_registers"),
     ("issue slots busy (%)", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
+    ("warp instructions executed", "smsp__inst_executed.sum"),
     ("tensor pipe busy (%)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
     ("smem bank conflicts, loads", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"),
     ("smem bank conflicts, stores", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"),
@@ -208,6 +210,8 @@ def _backward_call(impl: str, p, x, info):
     from flash_attn_sm120.kernels.bwd_sm120 import upstream_bwd_config
 
     kind = impl.split(":", 1)[1]
+    if kind.startswith("sparse:"):
+        return _sparse_backward_call(float(kind.split(":", 1)[1]), p, x)
     if kind not in ("table", "deterministic", "upstream"):
         raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream)")
     out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
@@ -220,6 +224,29 @@ def _backward_call(impl: str, p, x, info):
         return driver_bwd.backward(x["q"], x["k"], x["v"], out, dout, lse, softmax_scale=None, causal=p.causal,
                                    window_size_left=None, window_size_right=None, emulate_host_smem=info.emulate_host_smem, config=config,
                                    deterministic=kind == "deterministic")
+
+    return call
+
+
+def _sparse_backward_call(density: float, p, x):
+    """autograd.grad of the public API's block-sparse forward (kept): random lists as `sparse:<density>`,
+    with their Q-direction twins for the backward (`bwd:sparse:<density>`; 0 gives empty lists)."""
+    import torch
+
+    import flash_attn_sm120
+    from flash_attn_sm120 import testing_sparse
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kinds = testing_sparse.random_block_map(p.batch, p.nheads, -(-p.seqlen_q // 128), -(-p.seqlen_k // 128),
+                                            density=density, full_share=1.0, generator=g)
+    lists = [testing_sparse.lists_from_map(m, (128, 128)) for m in (kinds, kinds.transpose(2, 3).contiguous())]
+    leaves = [x[n].detach().requires_grad_() for n in ("q", "k", "v")]
+    out = flash_attn_sm120.flash_attn_func(*leaves, causal=p.causal, block_sparse_tensors=lists[0],
+                                           block_sparse_tensors_bwd=lists[1])[0]
+    dout = torch.randn_like(out)
+
+    def call():
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     return call
 

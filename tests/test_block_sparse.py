@@ -148,6 +148,20 @@ def test_block_sparse_backward_walk_with_windows_and_turns_compiles_for_sm120a(d
     assert kernel.deterministic == det and kernel.fused_turns == det
 
 
+@pytest.mark.parametrize("name,d,gqa", [("bwd-w8-64x64-q2do1-a242", 128, 1), ("bwd-w8-64x128-q2do2-a244", 64, 2),
+                                         ("bwd-w4-32x64-q2do2-a222", 96, 1)])
+def test_block_sparse_backward_walk_with_two_stages_compiles_for_sm120a(name, d, gqa):
+    """The walk with two Q (and dO) stages, as a given config runs it (tests/test_block_sparse_gpu.py's
+    test_backward_walk_stages): spill-free on sm_120a with full lists and Q subtiles."""
+    from flash_attn_sm120 import codegen
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+
+    cfg = bwd_config_from_name(name)
+    res, _, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
+        cfg, d, qhead_per_kvhead=gqa, block_sparse=(128 // cfg.m_block, 128 // cfg.n_block, True))[0])
+    assert res["stack"] == 0 and res["local"] == 0, res
+
+
 def _turns_by_definition(cnt, idx, fcnt, fidx, num_q):
     """For each list entry (n, i) naming Q block m: the KV blocks n' < n whose lists name m, counted."""
     b, h, n, w = idx.shape
@@ -206,9 +220,33 @@ def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
     from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
 
     cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False, modifiers=True)  # the walk's entry
-    with pytest.raises(ValueError, match="stages_q = stages_do = 1"):
+    with pytest.raises(ValueError, match="deterministic block-sparse backward takes one Q and one dO stage"):
         FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, cfg.__class__(**{**cfg.to_dict(),
-                                                                                            "stages_q": 2}))
+                                                                                            "stages_q": 2}),
+                                               deterministic=True, fused_turns=True)
+
+
+def test_block_sparse_backward_plan_stages():
+    """The walk runs a table entry with one Q and one dO stage (faster at 10% density, measured); a given
+    config keeps up to two, except deterministic (one each). Fake CUDA tensors: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, select_bwd_config
+
+    table_cfg = select_bwd_config(load_bwd_table(), 64, 64, False, False, modifiers=True)
+    assert (table_cfg.stages_q, table_cfg.stages_do) == (2, 2)  # the d64 entry has two of each
+    given = bwd_config_from_name("bwd-w8-64x128-q2do2-a244")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
+        q = torch.zeros(1, 512, 2, 64, dtype=torch.bfloat16, device="cuda")
+        lists = BlockSparseTensorsTorch(z(1, 2, 4), z(1, 2, 4, 4), None, None, block_size=(128, 128))
+        plan = lambda cfg, given, det: driver_bwd._block_sparse_plan(  # noqa: E731
+            lists, q, q, cfg, head_dim_v=64, causal=False, local=False, deterministic=det, varlen=False,
+            config_given=given)[0]
+        assert (plan(table_cfg, False, False).stages_q, plan(table_cfg, False, False).stages_do) == (1, 1)
+        assert (plan(given, True, False).stages_q, plan(given, True, False).stages_do) == (2, 2)
+        assert (plan(given, True, True).stages_q, plan(given, True, True).stages_do) == (1, 1)
 
 
 def test_varlen_lists_choose_a_tma_tile_of_one_sparse_q_block():

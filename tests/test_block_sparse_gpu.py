@@ -337,6 +337,30 @@ def test_backward_launch_order(monkeypatch, heads):
             torch.testing.assert_close(a, ref, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("d,cfg", [
+    (128, "bwd-w8-64x64-q1do1-a242"), (128, "bwd-w8-64x64-q2do1-a242"),
+    (64, "bwd-w4-64x64-q2do2-a444"), (64, "bwd-w8-64x128-q2do2-a244"), (96, "bwd-w4-32x64-q2do2-a222"),
+])
+def test_backward_walk_stages(d, cfg):
+    """The list walk with one or two Q / dO stages: each step loads the listed tile one (Q) or as many
+    positions ahead as its stages (dO), and position 0 loads the first ones in upstream's commit groups.
+    Lists of 0 to 5 sparse blocks (1 to 4 tiles each) cover every prefetch across a list's end, with mask
+    and full lists mixed, and short rows (seqlen_q 517: the last sparse block is cut)."""
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+
+    b, h, sq, sk = 2, 3, 517, 700
+    q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=d + 7)
+    kinds = _map_case(b, h, sq, sk, (128, 128), seed=d + 11, density=0.5)
+    kinds[0, 0, :, 0] = testing_sparse.SKIP  # a K/V tile that no Q tile sees
+    kinds[0, 1, :, 1] = testing_sparse.FULL  # one that every Q tile sees
+    prefix = testing_mods.spec("prefix")
+    fwd, bwd = _both_lists(kinds, (128, 128))
+    keep = testing_sparse.keep_from_map(kinds, (128, 128), sq, sk, lambda bi, hi, qi, ki: prefix.keep_twin(bi, hi, qi, ki, None))
+    with driver_bwd.force_config(bwd_config_from_name(cfg)):
+        check_bwd(q, k, v, keep, dict(mask_mod=prefix.mask_mod, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd))
+
+
 @pytest.mark.parametrize("heads", [1, 8])
 def test_backward_gqa(heads):
     """GQA 8:2: query heads of a group add into one dK/dV; lists shared (1 head) or per query head."""

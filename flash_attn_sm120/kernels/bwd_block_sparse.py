@@ -8,9 +8,9 @@ the kernel; each list's indices ascend.
 
 How the walk is made without a new mainloop. Upstream's SM80/SM120 backward kernel loops
 `m_tile` over every Q tile of the sequence (non-causal: 0 .. ceil(seqlen_q / m_block) - 1) and
-calls `compute_one_m_block(m_tile, ...)` once per tile, with one Q and one dO stage (this class
-requires stages_q = stages_do = 1, so the shared-memory slots do not move with the counter).
-Here `m_tile` is read as a position in the CTA's list instead of a tile index:
+calls `compute_one_m_block(m_tile, ...)` once per tile, advancing its shared-memory slots once per
+call. Here `m_tile` is read as a position in the CTA's list instead of a tile index (the listed
+positions come first, so the slots advance with them as with tiles; up to two Q and two dO stages):
   * positions < count (the listed Q tiles, mask list then full list, ascending, the last sparse
     block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,
     with the mask_mod on mask-list tiles only;
@@ -18,8 +18,9 @@ Here `m_tile` is read as a position in the CTA's list instead of a tile index:
     whose shared memory the epilogue reuses for dK/dV. Every position still reads the CTA's list counts
     (and, with Q subtiles, its last index) again, since upstream's loop carries no state of ours: for
     seqlen_q / m_block positions per CTA, a cost the speed measurements include;
-  * the step's "load the next tile" hooks load the next listed tile, and the prologue's loads of
-    tile 0 are deferred to position 0, which loads its own listed tile (the loads go through the
+  * the step's "load the next tile" hooks load the listed tile as many positions ahead as upstream's
+    step loads tiles ahead (its stages), and the prologue's loads are deferred to position 0, which
+    loads its own listed tiles in upstream's commit groups (the loads go through the
     kernel's own load_Q_LSE / load_dO_dPsum; `_prologue` marks the prologue's calls at trace time).
 The lists travel as the last aux tensors (kernel arguments), like the forward's sinks.
 
@@ -103,8 +104,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         # the mainloop without the window (its m range covers every list position); the step applies it
         super().__init__(*args, is_causal=False, is_local=False, **kwargs)
         self.mask_causal, self.mask_local = is_causal, is_local
-        if self.num_stages_Q != 1 or self.num_stages_dO != 1:
-            raise ValueError("the block-sparse backward needs stages_q = stages_do = 1")
+        if self.deterministic and (self.num_stages_Q != 1 or self.num_stages_dO != 1):
+            raise ValueError("the deterministic block-sparse backward takes one Q and one dO stage")
         if self.V_in_regs:
             raise ValueError("the block-sparse backward takes no V in registers")
         if self.deterministic and not self.fused_turns:
@@ -171,6 +172,13 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
             args = (*args[:-3], ordered, WorkOrderedTileScheduler, args[-1])
         return super().kernel(*args)
 
+    def load_K(self, *args, **kwargs):
+        # The prologue's K load is the last call of ours in the region that holds upstream's loop, outside
+        # any branch: the walk's state (its lists' tile counts) gets its registers here, so that positions
+        # past the lists read no memory (each read of the counts is a dependent pair of global loads)
+        self._walk_state = cute.make_rmem_tensor(2, Int32)
+        return super().load_K(*args, **kwargs)
+
     def load_Q_LSE(self, *args, **kwargs):
         if self._prologue:
             return None  # position 0 of the walk loads its own tile
@@ -218,17 +226,17 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         kw = mask_fn.keywords
         batch_idx, head_idx = kw["batch_idx"], kw["head_idx"]
         kv_sparse = kw["n_block"] // self.kv_subtile_factor
-        num_m_tiles = cute.ceil_div(mask_fn.func.__self__.seqlen_info.seqlen_q, self.m_block_size)
-        mask_cnt = lists[0][batch_idx, head_idx, kv_sparse]
         mask_idx = lists[1][batch_idx, head_idx, kv_sparse, None]
-        mask_tiles = _tiles_in_list(mask_cnt, mask_idx, F, num_m_tiles)
-        full_tiles = Int32(0)
-        full_idx = None
-        if const_expr(self.has_full):
-            full_cnt = lists[3][batch_idx, head_idx, kv_sparse]
-            full_idx = lists[4][batch_idx, head_idx, kv_sparse, None]
-            full_tiles = _tiles_in_list(full_cnt, full_idx, F, num_m_tiles)
-        count = mask_tiles + full_tiles
+        full_idx = lists[4][batch_idx, head_idx, kv_sparse, None] if const_expr(self.has_full) else None
+        state = self._walk_state  # (mask-list tiles, full-list tiles), read from memory at position 0 only
+        if position == 0:
+            num_m_tiles = cute.ceil_div(mask_fn.func.__self__.seqlen_info.seqlen_q, self.m_block_size)
+            state[0] = _tiles_in_list(lists[0][batch_idx, head_idx, kv_sparse], mask_idx, F, num_m_tiles)
+            state[1] = Int32(0)
+            if const_expr(self.has_full):
+                state[1] = _tiles_in_list(lists[3][batch_idx, head_idx, kv_sparse], full_idx, F, num_m_tiles)
+        mask_tiles = state[0]
+        count = mask_tiles + state[1]
 
         if position == 0:
             if count == 0:
@@ -238,28 +246,39 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 cute.arch.barrier()
         if position < count:
             m_block = _nth_listed(position, mask_idx, mask_tiles, full_idx, F)
-            if position == 0:  # the prologue's loads, for the listed tile
+            # upstream's step loads Q `q_ahead` and dO `do_ahead` tiles ahead (its stages): here listed tiles
+            q_ahead = max(self.num_stages_Q - 1, 1)
+            do_ahead = self.num_stages_dO
+            if position == 0:  # the prologue's loads (upstream's groups: Q, dO[, second dO]), for listed tiles
                 load_Q_LSE(m_block, 0)
                 cute.arch.cp_async_commit_group()
                 load_dO_dPsum(m_block, 0)
                 cute.arch.cp_async_commit_group()
-            has_next = position + 1 < count
-            m_next = _nth_listed(cutlass.min(position + 1, count - 1), mask_idx, mask_tiles, full_idx, F)
+                if const_expr(self.num_stages_dO > 1):
+                    if count > 1:
+                        load_dO_dPsum(_nth_listed(Int32(1), mask_idx, mask_tiles, full_idx, F), 1)
+                    cute.arch.cp_async_commit_group()
+            q_next = _nth_listed(cutlass.min(position + q_ahead, count - 1), mask_idx, mask_tiles, full_idx, F)
+            do_next = q_next
+            if const_expr(do_ahead != q_ahead):
+                do_next = _nth_listed(cutlass.min(position + do_ahead, count - 1), mask_idx, mask_tiles, full_idx, F)
+            has_q_next = position + q_ahead < count
+            has_do_next = position + do_ahead < count
 
             def load_Q_next_listed(m, slot):
-                if has_next:
-                    load_Q_LSE(m_next, slot)
+                if has_q_next:
+                    load_Q_LSE(q_next, slot)
 
             def load_dO_next_listed(m, slot):
-                if has_next:
-                    load_dO_dPsum(m_next, slot)
+                if has_do_next:
+                    load_dO_dPsum(do_next, slot)
 
             step = dict(
                 smem_pipe_read_q=smem_pipe_read_q, smem_pipe_read_do=smem_pipe_read_do,
                 smem_pipe_write_q=smem_pipe_write_q, smem_pipe_write_do=smem_pipe_write_do, mma_params=mma_params,
                 smem_copy_params=smem_copy_params, gmem_copy_params=gmem_copy_params,
                 load_Q_LSE=load_Q_next_listed, load_dO_dPsum=load_dO_next_listed,
-                m_block_max=m_block + 2,  # the step's own "next tile in range" test always passes
+                m_block_max=m_block + 3,  # the step's own "next tile in range" test always passes
                 softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
             )
             if const_expr(self.deterministic):

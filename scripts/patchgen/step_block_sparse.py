@@ -258,7 +258,9 @@ _PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sp
     "check_block_sparse(deterministic, varlen, turns_from_lists=True)",
     "if tensors.block_size is None:",
     "candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]",
-    "c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)",
+    # a table entry runs with one Q / dO stage (a given config may keep two: no such path in the patch)
+    "stages = 2 if config_given and not deterministic else 1",
+    "c = replace(c, stages_q=min(c.stages_q, stages), stages_do=min(c.stages_do, stages), v_in_regs=False)",
     "if bq % c.m_block or bk % c.n_block or bwd_config_error(",
 )
 
@@ -296,9 +298,9 @@ def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
     turns = substitute(turns, "(kernels/bwd_block_sparse.py)", "(flash_bwd_sm120_block_sparse.py)", where=_BS_WHERE)
     check = check.rstrip("\n") + "\n\n\n" + turns.rstrip("\n") + "\n\n"
     text = (
-        "\n\n# Block sparsity (flash_bwd_sm120_block_sparse.py): the walk reads its loop counter as a list position,\n"
-        "# so it needs one Q and one dO stage (and V in shared memory) on a tile that divides the sparse block:\n"
-        "# the table's, else SM120's earlier default tile with one stage\n"
+        "\n\n# Block sparsity (flash_bwd_sm120_block_sparse.py): the walk reads its loop counter as a list position;\n"
+        "# it runs one Q and one dO stage (the faster at 10% density) and V in shared memory, on a tile that\n"
+        "# divides the sparse block: the table's, else SM120's earlier default tile with one stage\n"
         f"SM120_BWD_BLOCK_SPARSE_DEFAULT = {_wrapped_literal(bwd_default_config())}\n"
         "\n\n" + check + '''
 
