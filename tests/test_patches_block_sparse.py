@@ -247,7 +247,7 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     selected: block-sparse forwards build the TMA class with the package's config for the sparse block and
     upstream's subtile factors (num_splits stays a hint, packed GQA only where the tile holds whole head
     groups), block-sparse backwards the block-sparse class with one Q/dO stage on a tile dividing the
-    block; what neither takes is refused by name."""
+    block, its K/V tiles longest first unless deterministic; what neither takes is refused by name."""
     _cpu_sm120(monkeypatch)
     result = {r["name"]: r for r in _probe(_patched_site(tmp_path, sorted(PATCH_DIR.glob("*.patch"))),
                                            script=_BS_FAKE_PROBE)}
@@ -270,6 +270,7 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     assert one("bwd causal", "FlashAttentionBackwardSm120BlockSparse", [0, 1])["causal"] is True  # inside listed tiles
     det = one("bwd deterministic", "FlashAttentionBackwardSm120BlockSparse", [0, 1])  # turns from the lists
     assert det["deterministic"] is True and det["fused_turns"] is True, det
+    assert det["ordered_tiles"] is False  # the deterministic walk keeps the grid order (no deadlock)
     gqa = one("d64 GQA 4:1, 64x128 blocks shared by the heads", tma, [1, 0])
     assert gqa["ordered_tiles"] is True  # packed rows: tile m reads sparse row m // (4 x subtiles)
     assert (gqa["tile"], gqa["threads"], gqa["subtiles"], gqa["pack_gqa"]) == ([64, 64], 128, [1, 2], True), gqa
@@ -301,10 +302,12 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
     mha = one("bwd d128 128x128 lists, mask_mod", bs, [0, 1])
     assert (mha["bwd"], mha["subtiles"], mha["has_full"], mha["mask_mod"]) == (
         [256, 64, 64, 1, 1], [2, 2], True, "prefix_lm"), mha
+    assert mha["ordered_tiles"] is True  # the K/V tiles launch longest list first
     assert result["bwd d128 128x128 lists, mask_mod"]["shapes"] == [[2, 517, 4, 128], [2, 700, 4, 128], [2, 700, 4, 128]]
     gqa_bwd = one("bwd d64 GQA 4:1, 128x64 blocks, mask lists only", bs, [0, 1])
     assert (gqa_bwd["bwd"], gqa_bwd["subtiles"], gqa_bwd["has_full"], gqa_bwd["mask_mod"]) == (
         [128, 64, 64, 1, 1], [2, 1], False, None), gqa_bwd
+    assert gqa_bwd["ordered_tiles"] is True
     assert result["bwd d64 GQA 4:1, 128x64 blocks, mask lists only"]["shapes"] == [
         [2, 300, 8, 64], [2, 520, 2, 64], [2, 520, 2, 64]]
 

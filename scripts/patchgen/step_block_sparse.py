@@ -585,6 +585,19 @@ _BS_INTERFACE_EDITS = (
         "            normalized_block_sparse_tensors = normalized_block_sparse_tensors._replace(\n"
         "                dq_write_order=None, dq_write_order_full=None\n"
         "            )\n"
+        "            # its K/V tiles launch longest list first (WorkOrderedTileScheduler, flash_fwd_sm120_tma.py):\n"
+        "            # a K/V block of global tokens is named by every Q block and, in grid order, ran last; the\n"
+        "            # deterministic walk keeps the grid order (a tile waits only for tiles launched before it)\n"
+        "            sm120_bwd_tile_order = sm120_block_sparse_tile_order(\n"
+        "                NormalizedBlockSparseConfig(\n"
+        "                    normalized_block_sparse_tensors, block_sparse_broadcast_pattern, q_subtile_factor,\n"
+        "                    kv_subtile_factor,\n"
+        "                ),\n"
+        "                batch=batch_size,\n"
+        "                grid_heads=num_head,\n"
+        "                num_block=-(-seqlen_k // n_block_size),\n"
+        "                tiles_per_sparse_row=kv_subtile_factor,\n"
+        "            )\n"
         "        if deterministic:\n"
         "            if normalized_block_sparse_tensors.dq_write_order is None:\n",
     ),
@@ -596,7 +609,8 @@ _BS_INTERFACE_EDITS = (
         "            use_block_sparsity,\n"
         "            q_subtile_factor,\n"
         "            kv_subtile_factor,\n"
-        "            block_sparse_broadcast_pattern,\n",
+        "            block_sparse_broadcast_pattern,\n"
+        "            sm120_bwd_tile_order is not None,\n",
     ),
     (
         "SM120 builds the block-sparse class",
@@ -612,7 +626,49 @@ _BS_INTERFACE_EDITS = (
         "                    mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None,\n"
         "                    q_subtile_factor=q_subtile_factor, kv_subtile_factor=kv_subtile_factor,\n"
         "                    has_full=normalized_block_sparse_tensors.full_block_cnt is not None,\n"
+        "                    ordered_tiles=sm120_bwd_tile_order is not None,\n"
         "                )\n",
+    ),
+    (
+        "the backward's tile order starts unset",
+        "    sm120_det_plan = {}  # SM120's deterministic ordering: FlashAttentionBackwardSm120Tuned's keywords\n",
+        "    sm120_det_plan = {}  # SM120's deterministic ordering: FlashAttentionBackwardSm120Tuned's keywords\n"
+        "    sm120_bwd_tile_order = None  # SM120 block sparsity: the K/V tiles' launch order (below)\n",
+    ),
+    (
+        "import of the normalized lists' wrapper",
+        "    normalize_block_sparse_config_bwd,\n"
+        ")\n",
+        "    normalize_block_sparse_config_bwd,\n"
+        "    NormalizedBlockSparseConfig,\n"
+        ")\n",
+    ),
+    (
+        "the backward's tile order rides as the last aux tensor (compile)",
+        "            dV_semaphore_tensor,\n"
+        "            AuxData(cute_aux_tensors, aux_scalars),\n"
+        "            sparse_tensors_compile,\n"
+        "        ]\n",
+        "            dV_semaphore_tensor,\n"
+        "            sm120_with_tile_order(\n"
+        "                AuxData(cute_aux_tensors, aux_scalars),\n"
+        "                None\n"
+        "                if sm120_bwd_tile_order is None\n"
+        "                else to_cute_tensor(sm120_bwd_tile_order, assumed_align=4, leading_dim=0),\n"
+        "            ),\n"
+        "            sparse_tensors_compile,\n"
+        "        ]\n",
+    ),
+    (
+        "the backward's tile order rides as the last aux tensor (launch)",
+        "            dV_semaphore,\n"
+        "            AuxData(aux_tensors, aux_scalars),\n"
+        "            (\n"
+        "                normalized_block_sparse_tensors.mask_block_cnt,\n",
+        "            dV_semaphore,\n"
+        "            sm120_with_tile_order(AuxData(aux_tensors, aux_scalars), sm120_bwd_tile_order),\n"
+        "            (\n"
+        "                normalized_block_sparse_tensors.mask_block_cnt,\n",
     ),
 )
 
@@ -682,15 +738,19 @@ def step_sm120_block_sparse(ctx: Context, record_path: Path = DEFAULT_SESSION_RE
             "in the CTA's list (mask list, then full list, ascending; the last sparse block's tiles "
             "past seqlen_q dropped): a listed position runs the modifier step on the listed Q tile, "
             "with the mask_mod on mask-list tiles only, and its next-tile loads fetch the next listed "
-            "tile; positions past the list do nothing. One Q and one dO stage. The lists travel as "
-            "the last aux tensors.",
+            "tile; positions past the list do nothing (the list counts are read once, into registers "
+            "allocated before the loop: re-reading them at every position cost the walk a third of its "
+            "time at 10% density). Up to two Q and two dO stages. The lists travel as the last aux "
+            "tensors.",
             "interface.py, backward: on SM120 block_sparse_tensors (the Q-direction lists) build that "
             "class instead of the assertion \"Block sparsity backward not supported on SM 12.0\", on "
             "the table's tile with one Q/dO stage, else SM120's earlier 4-warp 64x64 tile, whichever "
             "divides the sparse block (flash_bwd_sm120_configs.sm120_bwd_block_sparse_config; the "
             "lists must give block_size). A causal mask or local window applies inside every listed "
             "tile (the class builds its mainloop without it, so that the walk covers every list "
-            "position). deterministic=True takes each list entry's dQ turn from the lists "
+            "position). Without deterministic=True its K/V tiles launch longest list first "
+            "(sm120_block_sparse_tile_order on the Q-direction lists, the last aux tensor). "
+            "deterministic=True takes each list entry's dQ turn from the lists "
             "(sm120_bwd_block_sparse_dq_turns: ascending K/V blocks, in the dq_write_order fields; a "
             "given dq_write_order or spt is not needed) and the fused_turns ordering; varlen is "
             "refused with NotImplementedError. The K/V subtile factor joins the compile key. Other "
