@@ -7,6 +7,9 @@ no mask) and block-sparse (128 x 128 blocks) with:
   * random10:      a random 10% of the blocks, all full (no mask_mod): the cost of the sparse loop;
   * window+global: a sliding window of 512 keys each side plus 128 global tokens, lists from
                    PyTorch's create_block_mask, a mask_mod on the partial blocks.
+--masks all adds the other masks the issue names, built the same way: causal, window (512 each side),
+document (packed documents of 128-1280 tokens, the ids an aux tensor) and prefix-lm (1024 prefix keys
+plus causal); their visited share is not 10%, each is compared with dense at its own share.
 Computed FLOPs are 4 * b * h * d * (visited blocks * 128 * 128). Times are CUDA-event medians
 (bench.time_cuda), the dense and sparse calls timed A B B A so that clock drift cancels. --bwd times
 the backward instead (autograd.grad of a kept forward; the sparse call with the Q-direction lists,
@@ -33,6 +36,8 @@ from flash_attn_sm120 import bench, harness, occupancy, testing_sparse  # noqa: 
 PROBLEMS = ((1, 8192, 16, 128), (2, 8192, 16, 64), (2, 8192, 16, 96))  # (batch, seqlen, heads, head_dim)
 BLOCK = (128, 128)
 WINDOW, GLOBAL = 512, 128
+PREFIX = 1024  # prefix-LM: keys before it are seen by every query
+DOC_LENGTHS = (512, 1024, 256, 768, 384, 1280, 640, 128)  # packed documents, cycled to fill each row
 
 
 def _window_global_mod():
@@ -50,25 +55,92 @@ def _window_global_mod():
     return window_global, twin
 
 
-def _masks(b, s, h):
-    """[(name, BlockSparseTensorsTorch, its Q-direction twin, mask_mod, visited fraction)]."""
+def _issue_mods():
+    """{name: (cute mask_mod, PyTorch twin (b, h, qi, ki) -> keep, needs the document ids)}: the masks issue 17
+    names besides window + global tokens (causal, a sliding window, documents over packed sequences,
+    prefix-LM), as FlexAttention mask_mods with their create_block_mask twins."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils as fa_utils
+
+    @cute.jit
+    def causal(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return kv_idx <= q_idx
+
+    @cute.jit
+    def window(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        w = cute.full_like(q_idx, WINDOW)
+        return (q_idx - kv_idx <= w) & (kv_idx - q_idx <= w)
+
+    @cute.jit
+    def document(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        doc = aux_tensors[0]
+        return (fa_utils.scalar_to_ssa(doc[b[0], q_idx[0]], cutlass.Int32)
+                == fa_utils.scalar_to_ssa(doc[b[0], kv_idx[0]], cutlass.Int32))
+
+    @cute.jit
+    def prefix_lm(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return (kv_idx <= q_idx) | (kv_idx < cute.full_like(kv_idx, PREFIX))
+
+    return {
+        "causal": (causal, lambda b, h, qi, ki: ki <= qi, False),
+        "window": (window, lambda b, h, qi, ki: (qi - ki).abs() <= WINDOW, False),
+        "document": (document, None, True),  # the twin reads the ids (_masks)
+        "prefix-lm": (prefix_lm, lambda b, h, qi, ki: (ki <= qi) | (ki < PREFIX), False),
+    }
+
+
+def _document_ids(b: int, s: int):
+    """(b, s) int32 document ids: packed documents of DOC_LENGTHS (cycled), the row's last one cut at s."""
+    import torch
+
+    ids, start, doc = torch.empty(b, s, dtype=torch.int32), 0, 0
+    while start < s:
+        n = DOC_LENGTHS[doc % len(DOC_LENGTHS)]
+        ids[:, start:start + n] = doc
+        start, doc = start + n, doc + 1
+    ids = ids.cuda().contiguous()
+    ids.__leading_dim__ = 1  # upstream's to_cute_aux_tensor: the contiguous mode
+    return ids
+
+
+def _masks(b, s, h, names=("random10", "window+global")):
+    """[(name, BlockSparseTensorsTorch, its Q-direction twin, mask_mod, aux tensors, visited fraction)]."""
     import torch
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = s // BLOCK[0]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kinds = testing_sparse.random_block_map(b, h, n, n, density=0.1, full_share=1.0, generator=g)
-    out = [("random10", testing_sparse.lists_from_map(kinds, BLOCK),
-            testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), BLOCK), None,
-            testing_sparse.computed_fraction(kinds))]
-    mod, twin = _window_global_mod()
-    bm = create_block_mask(twin, b, h, s, s, device="cuda", BLOCK_SIZE=BLOCK)
-    _, _, kv_cnt, kv_idx, full_cnt, full_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = bm.as_tuple()
-    visited = float((kv_cnt + full_cnt).sum()) / (b * h * n * n)
-    out.append(("window+global", BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK),
-                BlockSparseTensorsTorch(q_cnt, q_idx, fq_cnt, fq_idx, block_size=BLOCK), mod, visited))
+    out = []
+    mods = _issue_mods()
+    for name in names:
+        if name == "random10":
+            g = torch.Generator(device="cuda").manual_seed(0)
+            kinds = testing_sparse.random_block_map(b, h, n, n, density=0.1, full_share=1.0, generator=g)
+            out.append((name, testing_sparse.lists_from_map(kinds, BLOCK),
+                        testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), BLOCK), None, None,
+                        testing_sparse.computed_fraction(kinds)))
+            continue
+        aux = None
+        if name == "window+global":
+            mod, twin = _window_global_mod()
+        elif name in mods:
+            mod, twin, needs_ids = mods[name]
+            if needs_ids:
+                aux = [_document_ids(b, s)]
+                ids = aux[0]
+                twin = lambda bi, hi, qi, ki, ids=ids: ids[bi, qi] == ids[bi, ki]  # noqa: E731
+        else:
+            raise SystemExit(f"unknown mask {name!r}; known: random10, window+global, {', '.join(mods)}")
+        bm = create_block_mask(twin, b, h, s, s, device="cuda", BLOCK_SIZE=BLOCK)
+        _, _, kv_cnt, kv_idx, full_cnt, full_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = bm.as_tuple()
+        visited = float((kv_cnt + full_cnt).sum()) / (b * h * n * n)
+        out.append((name, BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK),
+                    BlockSparseTensorsTorch(q_cnt, q_idx, fq_cnt, fq_idx, block_size=BLOCK), mod, aux, visited))
     return out
+
+
+ALL_MASKS = ("random10", "window+global", "causal", "window", "document", "prefix-lm")
 
 
 def main(argv=None) -> int:
@@ -91,6 +163,9 @@ def main(argv=None) -> int:
                     help="--bwd: also time the sparse backward with each of these configs forced (comma list of "
                          "BwdConfig names, e.g. bwd-w8-64x64-q2do1-a242), side by side; one the head dim refuses "
                          "is skipped")
+    ap.add_argument("--masks", default="random10,window+global",
+                    help="comma list of masks, or 'all' (" + ", ".join(ALL_MASKS) + "); the default pair is the "
+                         "issue's ~10%% gate set")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
@@ -116,13 +191,16 @@ def main(argv=None) -> int:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
         dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-        for name, sparse, sparse_bwd, mod, visited in _masks(b, s, h):
+        names = ALL_MASKS if args.masks == "all" else tuple(m for m in args.masks.split(",") if m)
+        for name, sparse, sparse_bwd, mod, aux, visited in _masks(b, s, h, names):
             kept = {}  # the backward's forward, once per (input set, dense or sparse)
 
-            def call(i, use_sparse, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, kept=kept, dout=dout):
+            def call(i, use_sparse, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, aux=aux, kept=kept, dout=dout):
                 # use_sparse: False (dense), True (sparse) or "det" (sparse, deterministic=True)
                 kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd, mask_mod=mod) \
                     if use_sparse else {}
+                if use_sparse and aux is not None:
+                    kw["aux_tensors"] = aux
                 if use_sparse == "det":
                     kw["deterministic"] = True
                 if not args.bwd:
