@@ -278,8 +278,9 @@ def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool
 def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal: bool, local: bool,
                        deterministic: bool, varlen: bool, config_given: bool):
     """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
-    one Q and one dO stage (a given config: at most two unless deterministic; kernels/bwd_block_sparse.py), else upstream's SM120 default tile when the chosen
-    one does not divide the sparse block. NotImplementedError names what the walk does not cover."""
+    one Q and one dO stage (a given config: at most two unless deterministic; kernels/bwd_block_sparse.py),
+    else upstream's SM120 default tile when the chosen one does not divide the sparse block.
+    NotImplementedError names what the walk does not cover."""
     from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
 
     check_block_sparse(deterministic, varlen, turns_from_lists=True)
@@ -289,8 +290,8 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
     candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]
     for c in candidates:
         # the walk takes no V in registers and up to two Q / dO stages (one when deterministic); a table
-        # entry runs with one of each: the list walks were faster so at 10% density (d64: 0.649 vs 0.628 of
-        # dense, d128: 0.581 vs 0.533; 2026-12-03_block_sparse_bwd_walk_emulated.json); a given config keeps its
+        # entry runs with one of each, the faster at 10% density (d64: 0.649 vs 0.628 of dense, d128: 0.581
+        # vs 0.533; 2026-12-03_block_sparse_bwd_walk_emulated.json); a given config keeps up to two
         stages = 2 if config_given and not deterministic else 1
         c = replace(c, stages_q=min(c.stages_q, stages), stages_do=min(c.stages_do, stages), v_in_regs=False)
         if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], head_dim_v, c) is not None:

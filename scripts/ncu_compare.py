@@ -213,7 +213,8 @@ def _backward_call(impl: str, p, x, info):
     if kind.startswith("sparse:"):
         return _sparse_backward_call(float(kind.split(":", 1)[1]), p, x)
     if kind not in ("table", "deterministic", "upstream"):
-        raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream)")
+        raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream, "
+                         "bwd:sparse:<density>)")
     out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
                               window_size_right=None, softcap=None, pack_gqa=None, need_lse=True,
                               emulate_host_smem=info.emulate_host_smem)

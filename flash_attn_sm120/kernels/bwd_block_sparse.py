@@ -15,9 +15,11 @@ positions come first, so the slots advance with them as with tiles; up to two Q 
     block's tiles past seqlen_q dropped) run the modifier step (bwd_mods.py) on the listed tile,
     with the mask_mod on mask-list tiles only;
   * positions >= count run no step; with count == 0, position 0 waits for the prologue's K/V loads,
-    whose shared memory the epilogue reuses for dK/dV. Every position still reads the CTA's list counts
-    (and, with Q subtiles, its last index) again, since upstream's loop carries no state of ours: for
-    seqlen_q / m_block positions per CTA, a cost the speed measurements include;
+    whose shared memory the epilogue reuses for dK/dV. Position 0 reads the CTA's list counts (and,
+    with Q subtiles, each list's last index) into registers allocated in the prologue (`load_K`), and
+    the other positions read those: a position past the lists costs a compare and a branch, where
+    re-reading the counts (dependent global loads) had cost ~0.3 us per position, a third of a
+    10%-dense walk;
   * the step's "load the next tile" hooks load the listed tile as many positions ahead as upstream's
     step loads tiles ahead (its stages), and the prologue's loads are deferred to position 0, which
     loads its own listed tiles in upstream's commit groups (the loads go through the
@@ -173,9 +175,10 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         return super().kernel(*args)
 
     def load_K(self, *args, **kwargs):
-        # The prologue's K load is the last call of ours in the region that holds upstream's loop, outside
-        # any branch: the walk's state (its lists' tile counts) gets its registers here, so that positions
-        # past the lists read no memory (each read of the counts is a dependent pair of global loads)
+        # The kernel calls this once, in the prologue, inside the same branches as its m-block loop and
+        # outside any other: the walk's state (its lists' tile counts) gets its registers here, before the
+        # loop, so that positions past the lists read no memory (a read of the counts is a dependent pair
+        # of global loads)
         self._walk_state = cute.make_rmem_tensor(2, Int32)
         return super().load_K(*args, **kwargs)
 
@@ -278,7 +281,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 smem_pipe_write_q=smem_pipe_write_q, smem_pipe_write_do=smem_pipe_write_do, mma_params=mma_params,
                 smem_copy_params=smem_copy_params, gmem_copy_params=gmem_copy_params,
                 load_Q_LSE=load_Q_next_listed, load_dO_dPsum=load_dO_next_listed,
-                m_block_max=m_block + 3,  # the step's own "next tile in range" test always passes
+                # the step's own "next tile in range" tests (m_block + its stages) always pass
+                m_block_max=m_block + self.num_stages_Q + self.num_stages_dO + 1,
                 softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
             )
             if const_expr(self.deterministic):
