@@ -323,6 +323,23 @@ def time_cuda(fn: Callable[[int], object], rotations: int = 3, warmup: int = 3, 
     return summarize_times(event_times(lambda i: fn(i % rotations), reps))
 
 
+def host_us_per_call(fn: Callable[[int], object], rotations: int = 1, calls: int = 20) -> float:
+    """CPU time to issue one call of fn(i) (launches are asynchronous, so this is the host work per call).
+    When it exceeds the GPU time, calls queued back to back leave the GPU idle and the events of
+    `time_cuda` measure host time: compare the two."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i % rotations)
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def event_times(run: Callable[[int], object], reps: int) -> list[float]:
     """Milliseconds of run(i) for i < reps: CUDA events around each, queued back to back, one sync."""
     import torch

@@ -59,9 +59,9 @@ def _issue_mods():
     """{name: (cute mask_mod, PyTorch twin (b, h, qi, ki) -> keep, needs the document ids)}: the masks issue 17
     names besides window + global tokens (causal, a sliding window, documents over packed sequences,
     prefix-LM), as FlexAttention mask_mods with their create_block_mask twins."""
-    import cutlass
     import cutlass.cute as cute
-    from flash_attn.cute import utils as fa_utils
+
+    from flash_attn_sm120.testing_mods import same_document  # document ids as aux_tensors[0], (batch, length)
 
     @cute.jit
     def causal(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -73,19 +73,13 @@ def _issue_mods():
         return (q_idx - kv_idx <= w) & (kv_idx - q_idx <= w)
 
     @cute.jit
-    def document(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
-        doc = aux_tensors[0]
-        return (fa_utils.scalar_to_ssa(doc[b[0], q_idx[0]], cutlass.Int32)
-                == fa_utils.scalar_to_ssa(doc[b[0], kv_idx[0]], cutlass.Int32))
-
-    @cute.jit
     def prefix_lm(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         return (kv_idx <= q_idx) | (kv_idx < cute.full_like(kv_idx, PREFIX))
 
     return {
         "causal": (causal, lambda b, h, qi, ki: ki <= qi, False),
         "window": (window, lambda b, h, qi, ki: (qi - ki).abs() <= WINDOW, False),
-        "document": (document, None, True),  # the twin reads the ids (_masks)
+        "document": (same_document, None, True),  # the twin reads the ids (_masks)
         "prefix-lm": (prefix_lm, lambda b, h, qi, ki: (ki <= qi) | (ki < PREFIX), False),
     }
 

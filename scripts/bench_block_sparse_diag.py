@@ -44,22 +44,6 @@ def _kernel_table(fn) -> str:
     return "\n".join(f"      {t:9.1f} us {100 * t / total:5.1f}%  x{n}  {name}" for t, n, name in rows[:8])
 
 
-def _host_us(fn, calls: int = 20) -> float:
-    """Host time per call: `calls` calls launched back to back (no sync between them), microseconds."""
-    import time
-
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
 def _host_profile(fn, rows: int = 18) -> str:
     import cProfile
     import io
@@ -116,7 +100,7 @@ def main(argv=None) -> int:
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
         t = bench.time_cuda(lambda i: call(i), rotations=2, reps=args.reps).median_ms
-        host = f"  host {_host_us(lambda: call(0)):7.1f} us/call" if args.host else ""
+        host = f"  host {bench.host_us_per_call(lambda i: call(0)):7.1f} us/call" if args.host else ""
         print(f"b{b}s{s}h{h}d{d} {'bwd' if args.bwd else 'fwd'} dense shipped  {t:7.3f} ms {flops / t / 1e9:6.1f} TF"
               f"{host}", flush=True)
         if args.kernels:
@@ -135,7 +119,7 @@ def main(argv=None) -> int:
             t = bench.time_cuda(lambda i: call(i, **kw), rotations=2, reps=args.reps).median_ms
             points.append((frac, t))
             tf = flops * frac / t / 1e9 if frac else 0.0
-            host = f"  host {_host_us(lambda: call(0, **kw)):7.1f} us/call" if args.host else ""
+            host = f"  host {bench.host_us_per_call(lambda i: call(0, **kw)):7.1f} us/call" if args.host else ""
             print(f"  sparse density {frac:5.3f} {t:7.3f} ms {tf:6.1f} TF{host}", flush=True)
             if args.host and abs(density - 0.1) < 1e-9:
                 print(_host_profile(lambda: call(0, **kw)), flush=True)

@@ -82,19 +82,6 @@ def timed(fn, rotations: int) -> bench.Timing:
     return bench.time_cuda(fn, rotations=rotations, warmup=3, reps=30)
 
 
-def host_us_per_call(fn, rotations: int, calls: int = 20) -> float:
-    """CPU time to issue one call (launches are asynchronous, so this is the host work per call).
-    When it exceeds the GPU time, calls queued back to back leave the GPU idle and the events of
-    `timed` measure host time: compare the two columns."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(calls):
-        fn(i % rotations)
-    host = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     """Bytes read + written per second of a large device-to-device copy."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -180,7 +167,7 @@ def run_decode(label, emulate, copy_bw, page_size, candidates: bool, splits_swee
         gpu_times, eager_times = {}, {}
         for name, fn in variants.items():
             t = timed(fn, rot)
-            host_us = None if candidates else host_us_per_call(fn, rot)
+            host_us = None if candidates else bench.host_us_per_call(fn, rot)
             g = _graph_or_none(fn, rot)
             eager_times[name] = t.median_ms
             gpu_ms = g.median_ms if g else None

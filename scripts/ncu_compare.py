@@ -181,19 +181,24 @@ def _forward_call(impl: str, p, x, info):
     return call
 
 
+def _random_kinds(density: float, p):
+    """A random `density` of the problem's 128 x 128 blocks, all full (seeded: the same map every run)."""
+    import torch
+
+    from flash_attn_sm120 import testing_sparse
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return testing_sparse.random_block_map(p.batch, p.nheads, -(-p.seqlen_q // 128), -(-p.seqlen_k // 128),
+                                           density=density, full_share=1.0, generator=g)
+
+
 def _sparse_call(density: float, p, x):
     """The public API with block-sparse lists: a random `density` of the 128 x 128 blocks, all full (no
     mask_mod), the dispatcher's sparse config (scripts/bench_block_sparse.py's random10 at 0.1)."""
-    import torch
-
     import flash_attn_sm120
     from flash_attn_sm120 import testing_sparse
 
-    block = (128, 128)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kinds = testing_sparse.random_block_map(p.batch, p.nheads, -(-p.seqlen_q // 128), -(-p.seqlen_k // 128),
-                                            density=density, full_share=1.0, generator=g)
-    lists = testing_sparse.lists_from_map(kinds, block)
+    lists = testing_sparse.lists_from_map(_random_kinds(density, p), (128, 128))
 
     def call():
         return flash_attn_sm120.flash_attn_func(x["q"], x["k"], x["v"], causal=p.causal, block_sparse_tensors=lists)
@@ -237,9 +242,7 @@ def _sparse_backward_call(density: float, p, x):
     import flash_attn_sm120
     from flash_attn_sm120 import testing_sparse
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kinds = testing_sparse.random_block_map(p.batch, p.nheads, -(-p.seqlen_q // 128), -(-p.seqlen_k // 128),
-                                            density=density, full_share=1.0, generator=g)
+    kinds = _random_kinds(density, p)
     lists = [testing_sparse.lists_from_map(m, (128, 128)) for m in (kinds, kinds.transpose(2, 3).contiguous())]
     leaves = [x[n].detach().requires_grad_() for n in ("q", "k", "v")]
     out = flash_attn_sm120.flash_attn_func(*leaves, causal=p.causal, block_sparse_tensors=lists[0],
