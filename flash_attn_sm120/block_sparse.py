@@ -231,6 +231,8 @@ FULL_BLOCK_WEIGHT = 2
 # tensors the key names, so that a key is only ever matched by the same live tensors)
 _ORDER_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _ORDER_CACHE_SIZE = 16
+# orders a CUDA graph captured from the cache, held until their count tensors die (`_pin`)
+_PINNED: dict = {}
 # grid_order()'s switch: a stack, so that nested blocks restore the outer state
 _grid_order_forced = [False]
 
@@ -269,12 +271,16 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     order; `grid`: the identity (the grid's own order). Tile m reads sparse row m // tiles_per_sparse_row
     (packed GQA rows per position times the subtile factor). Cached per count tensors (the same live tensor
     objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
-    once; not cached: fake tensors, and calls under CUDA-graph capture (the sort is only recorded there)."""
+    once; not cached: fake tensors. Under CUDA-graph capture a cached order is reused (the graph then holds
+    no sort: its replays run the attention kernel alone) and kept alive as long as the count tensors the
+    graph also reads (`_pin`); an order first computed during capture is only recorded in the graph, not
+    cached (its values exist only at replay)."""
     t = norm.tensors
     counts = [(c, w) for c, w in ((t.mask_block_cnt, MASK_BLOCK_WEIGHT), (t.full_block_cnt, FULL_BLOCK_WEIGHT))
               if c is not None]
     owners = [c if c._base is None else c._base for c, _ in counts]  # the caller's tensors behind the views
     key = None
+    capturing = _capturing([c for c, _ in counts])
     if _cacheable([c for c, _ in counts]):
         key = tuple((id(o), o._version, c.data_ptr(), tuple(c.shape), c.stride(), str(c.device))
                     for o, (c, _) in zip(owners, counts))
@@ -282,6 +288,8 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
         cached = _ORDER_CACHE.get(key)
         if cached is not None and all(ref() is o for ref, o in zip(cached[1], owners)):
             _ORDER_CACHE.move_to_end(key)
+            if capturing:
+                _pin(key, cached[0], owners)
             return cached[0]
     work = sum(c.to(torch.int32) * w for c, w in counts)  # (batch or 1, heads or 1, sparse rows)
     if work.shape[1] != grid_heads:
@@ -294,7 +302,7 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
         order = _count(work, work.numel())
     else:
         order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
-    if key is not None:
+    if key is not None and not capturing:
         _ORDER_CACHE[key] = (order, tuple(weakref.ref(o) for o in owners))
         _ORDER_CACHE.move_to_end(key)
         if len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
@@ -303,12 +311,23 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
 
 
 def _cacheable(tensors: list) -> bool:
-    """Real tensors outside CUDA-graph capture (longest_first_order's cache)."""
+    """Real tensors (longest_first_order's cache)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if any(is_fake(c) for c in tensors):
-        return False
-    return not any(c.is_cuda for c in tensors) or not torch.cuda.is_current_stream_capturing()
+    return not any(is_fake(c) for c in tensors)
+
+
+def _capturing(tensors: list) -> bool:
+    """Whether a call on these tensors is being captured into a CUDA graph."""
+    return any(c.is_cuda for c in tensors) and torch.cuda.is_current_stream_capturing()
+
+
+def _pin(key: tuple, order: torch.Tensor, owners: list) -> None:
+    """Keep a cached order that a CUDA graph captured alive while the count tensors live: the cache may
+    drop it, and the graph's replays read it as they read the counts."""
+    if key not in _PINNED:
+        _PINNED[key] = order
+        weakref.finalize(owners[0], _PINNED.pop, key, None)
 
 
 def _count(like: torch.Tensor, n: int) -> torch.Tensor:

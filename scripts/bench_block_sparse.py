@@ -16,6 +16,13 @@ the backward instead (autograd.grad of a kept forward; the sparse call with the 
 block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them. --bwd --deterministic
 also times the sparse backward with deterministic=True (dQ in list order) next to it, for what the order costs.
 --grid-order also times each sparse call with its tiles in grid order instead of longest first.
+--graph (forward only) times every call captured in a CUDA graph instead (bench.time_cuda_graph: the
+kernels' own time, the host removed): a ~0.2 ms sparse forward is close to its host path's time, so
+eagerly timed calls queued back to back can leave the GPU idle and measure the host (seen on 2026-12-04:
+the same random 10% d64 call at 0.18, 0.21 and 0.28 ms in three processes). The graph reuses the launch
+order cached by the warm-up calls. Each row also reports the sparse call's host time per call
+(bench.host_us_per_call). The backward is not timed this way: its forward runs eagerly, outside the
+capture, and autograd runs the backward on the forward's stream.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -160,10 +167,14 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", default="random10,window+global",
                     help="comma list of masks, or 'all' (" + ", ".join(ALL_MASKS) + "); the default pair is the "
                          "issue's ~10%% gate set")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each call captured in a CUDA graph (the kernels' time, no host path), not eagerly")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
     args = ap.parse_args(argv)
+    if args.graph and args.bwd:
+        raise SystemExit("--graph times the forward: the backward's kept forward runs outside the capture")
     if args.deterministic and not args.bwd:
         raise SystemExit("--deterministic times a backward: add --bwd")
     from flash_attn_sm120 import block_sparse, driver, driver_bwd
@@ -180,6 +191,11 @@ def main(argv=None) -> int:
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
+    def timed(fn) -> float:
+        if args.graph:
+            return bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
+        return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
+
     rows = []
     for b, s, h, d in PROBLEMS:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
@@ -208,7 +224,8 @@ def main(argv=None) -> int:
             ms = {False: [], True: [], "det": []}
             order = (False, True, "det", "det", True, False) if args.deterministic else (False, True, True, False)
             for use in order:
-                ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
+                ms[use].append(timed(lambda i, u=use: call(i, u)))
+            host_us = bench.host_us_per_call(lambda i: call(i, True), rotations=2)
             forced_rows = {}
             for cfg in [None] + forced:
                 if cfg is not None and (bwd_config_error(d, d, cfg) if args.bwd else cfg.error(d, d)) is not None:
@@ -223,8 +240,7 @@ def main(argv=None) -> int:
                         if grid:
                             stack.enter_context(block_sparse.grid_order())
                         try:
-                            forced_rows[label] = bench.time_cuda(lambda i: call(i, True), rotations=2,
-                                                                 reps=args.reps).median_ms
+                            forced_rows[label] = timed(lambda i: call(i, True))
                         except (ValueError, NotImplementedError) as e:
                             print(f"  {label}: {e}", flush=True)
             dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
@@ -235,14 +251,15 @@ def main(argv=None) -> int:
             direction = "bwd" if args.bwd else "fwd"
             rows.append(dict(problem=problem, direction=direction, mask=name, visited=visited, dense_ms=dense_ms,
                              sparse_ms=sparse_ms, dense_tflops=dense_tf, sparse_tflops_on_computed=sparse_tf,
-                             ratio=sparse_tf / dense_tf))
+                             ratio=sparse_tf / dense_tf, sparse_host_us_per_call=host_us,
+                             timer="cuda graph" if args.graph else "eager"))
             det = ""
             if det_ms is not None:
                 rows[-1].update(deterministic_ms=det_ms, deterministic_vs_sparse=sparse_ms / det_ms)
                 det = f"  deterministic {det_ms:7.3f} ms ({sparse_ms / det_ms:.3f}x the sparse speed)"
             print(f"[{info.mode}] {direction} {problem:18s} {name:14s} visited {100 * visited:5.1f}%  dense "
                   f"{dense_ms:7.3f} ms {dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  "
-                  f"ratio {sparse_tf / dense_tf:.3f}{det}",
+                  f"ratio {sparse_tf / dense_tf:.3f}  host {host_us:5.0f} us/call{det}",
                   flush=True)
             for cname, fms in forced_rows.items():
                 rows[-1].setdefault("forced", {})[cname] = dict(

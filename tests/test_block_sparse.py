@@ -471,3 +471,25 @@ def test_tile_order_cache_matches_only_the_same_live_tensors():
     block_sparse._ORDER_CACHE[key] = (first, (weakref.ref(other),))  # as if `cnt` had died and its id been reused
     again = block_sparse.tile_order(_normalized(cnt), **kw)
     assert again is not first and again.tolist() == first.tolist()
+
+
+def test_tile_order_under_graph_capture_reuses_and_pins_the_cached_order(monkeypatch):
+    """Under CUDA-graph capture (simulated: block_sparse._capturing) a cached order is returned, so the graph
+    holds no sort, and pinned while its count tensors live, even after the cache drops it; an order first
+    computed during capture is not cached (its values exist only at replay). The pin goes with the counts."""
+    import gc
+
+    cnt = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)
+    kw = dict(batch=1, grid_heads=1, num_block=3, tiles_per_sparse_row=1)
+    eager = block_sparse.tile_order(_normalized(cnt), **kw)
+    monkeypatch.setattr(block_sparse, "_capturing", lambda tensors: True)
+    captured = block_sparse.tile_order(_normalized(cnt), **kw)
+    assert captured is eager
+    block_sparse._ORDER_CACHE.clear()
+    assert any(order is eager for order in block_sparse._PINNED.values())
+    cold = torch.tensor([[[3, 1, 2]]], dtype=torch.int32)
+    in_capture = block_sparse.tile_order(_normalized(cold), **kw)
+    assert in_capture.tolist() == [0, 2, 1] and not block_sparse._ORDER_CACHE
+    del cnt, eager, captured
+    gc.collect()
+    assert not block_sparse._PINNED
