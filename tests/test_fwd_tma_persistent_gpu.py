@@ -73,13 +73,14 @@ def test_small_wave_walks_many_tiles_per_cta(sms, monkeypatch):
            True, (None, None), seed=7)
 
 
-def test_small_wave_block_sparse_handoffs(monkeypatch):
-    """One CTA walks every Q tile of a block-sparse call: tiles whose first visited tile comes from the mask
-    list, from the full list (mask list empty) and tiles with nothing listed, one after another."""
+@pytest.mark.parametrize("sms", ["1", "3"])
+def test_small_wave_block_sparse_handoffs(sms, monkeypatch):
+    """One CTA (or three) walks every Q tile of a block-sparse call: tiles whose first visited tile comes from
+    the mask list, from the full list (mask list empty) and tiles with nothing listed, one after another."""
     from flash_attn_sm120 import driver
     from test_block_sparse_gpu import _inputs, _map_case, check
 
-    monkeypatch.setenv(driver.PERSISTENT_SMS_ENV, "1")
+    monkeypatch.setenv(driver.PERSISTENT_SMS_ENV, sms)
     b, h, sq, sk, d = 2, 3, 900, 1000, 128
     q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=17)
     block = (128, 128)

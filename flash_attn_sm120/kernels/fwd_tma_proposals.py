@@ -51,10 +51,13 @@ PERSISTENT_CONFIGS: tuple = (
     (64, (256, 256, 64, 2, False), ("none", "causal"), False),
     (64, (256, 128, 128, 2, True), ("none", "causal"), False),
     (64, (256, 128, 64, 3, True), ("none", "causal"), False),
+    # 4 warps R=2, two CTAs per SM (35 KB): the d64 short-causal and block-sparse entries' tile
+    (64, (128, 128, 64, 1, False), ("none", "causal"), True),
     (96, (256, 256, 64, 2, False), ("none", "causal"), False),  # the d96 causal table entry
     (96, (256, 256, 32, 2, False), ("none", "causal"), False),
     (96, (128, 64, 64, 2, False), (), True),
     (128, (256, 256, 32, 2, False), ("none",), False),
     (128, (128, 128, 32, 2, False), ("none", "causal"), False),
     (128, (128, 64, 64, 2, False), (), True),
+    (128, (128, 64, 128, 1, False), (), True),
 )
