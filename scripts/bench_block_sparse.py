@@ -16,13 +16,14 @@ the backward instead (autograd.grad of a kept forward; the sparse call with the 
 block_sparse_tensors_bwd): FLOPs 2.5x the forward's, as upstream counts them. --bwd --deterministic
 also times the sparse backward with deterministic=True (dQ in list order) next to it, for what the order costs.
 --grid-order also times each sparse call with its tiles in grid order instead of longest first.
---graph (forward only) times every call captured in a CUDA graph instead (bench.time_cuda_graph: the
-kernels' own time, the host removed): a ~0.2 ms sparse forward is close to its host path's time, so
-eagerly timed calls queued back to back can leave the GPU idle and measure the host (seen on 2026-12-04:
-the same random 10% d64 call at 0.18, 0.21 and 0.28 ms in three processes). The graph reuses the launch
-order cached by the warm-up calls. Each row also reports the sparse call's host time per call
-(bench.host_us_per_call). The backward is not timed this way: its forward runs eagerly, outside the
-capture, and autograd runs the backward on the forward's stream.
+--graph times every call captured in a CUDA graph instead (bench.time_cuda_graph: the kernels' own time,
+the host removed): a ~0.2 ms sparse forward is close to its host path's time, so eagerly timed calls
+queued back to back can leave the GPU idle and measure the host (seen on 2026-12-04: the same random
+10% d64 call at 0.18, 0.21 and 0.28 ms in three processes). The graph reuses the launch order cached by
+the warm-up calls. With --bwd the forward and the backward are captured together (autograd runs the
+backward on its forward's stream, so a forward kept from outside the capture cannot be used) and the
+backward's time is that graph's minus the forward's own graph (written 2026-12-04, not yet run on a GPU).
+Each row also reports the sparse call's host time per call (bench.host_us_per_call).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -173,8 +174,6 @@ def main(argv=None) -> int:
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
     args = ap.parse_args(argv)
-    if args.graph and args.bwd:
-        raise SystemExit("--graph times the forward: the backward's kept forward runs outside the capture")
     if args.deterministic and not args.bwd:
         raise SystemExit("--deterministic times a backward: add --bwd")
     from flash_attn_sm120 import block_sparse, driver, driver_bwd
@@ -191,22 +190,27 @@ def main(argv=None) -> int:
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
-    def timed(fn) -> float:
-        if args.graph:
-            return bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
-        return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
+    def timed(fn, fwd) -> float:
+        """fn's time; a graph-timed backward (fn: forward + backward) less its forward's (fwd)."""
+        if not args.graph:
+            return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
+        ms = bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
+        return ms - bench.time_cuda_graph(fwd, rotations=2, reps=args.reps).median_ms if args.bwd else ms
 
     rows = []
     for b, s, h, d in PROBLEMS:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
         dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        leaves = [[t.detach().requires_grad_() for t in x[i]] for i in range(2)]  # --graph --bwd: captured inputs
         names = ALL_MASKS if args.masks == "all" else tuple(m for m in args.masks.split(",") if m)
         for name, sparse, sparse_bwd, mod, aux, visited in _masks(b, s, h, names):
             kept = {}  # the backward's forward, once per (input set, dense or sparse)
 
-            def call(i, use_sparse, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, aux=aux, kept=kept, dout=dout):
-                # use_sparse: False (dense), True (sparse) or "det" (sparse, deterministic=True)
+            def call(i, use_sparse, fwd_only=False, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, aux=aux,
+                     kept=kept, dout=dout, leaves=leaves):
+                # use_sparse: False (dense), True (sparse) or "det" (sparse, deterministic=True); fwd_only: the
+                # forward of a graph-timed backward
                 kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd, mask_mod=mod) \
                     if use_sparse else {}
                 if use_sparse and aux is not None:
@@ -215,6 +219,9 @@ def main(argv=None) -> int:
                     kw["deterministic"] = True
                 if not args.bwd:
                     return flash_attn_func(*x[i], **kw)
+                if args.graph:  # forward and backward in the same capture
+                    out = flash_attn_func(*leaves[i], **kw)[0]
+                    return out if fwd_only else torch.autograd.grad(out, leaves[i], dout)
                 if (i, use_sparse) not in kept:
                     leaves = [t.detach().requires_grad_() for t in x[i]]
                     kept[i, use_sparse] = (leaves, flash_attn_func(*leaves, **kw)[0])
@@ -224,7 +231,7 @@ def main(argv=None) -> int:
             ms = {False: [], True: [], "det": []}
             order = (False, True, "det", "det", True, False) if args.deterministic else (False, True, True, False)
             for use in order:
-                ms[use].append(timed(lambda i, u=use: call(i, u)))
+                ms[use].append(timed(lambda i, u=use: call(i, u), lambda i, u=use: call(i, u, True)))
             host_us = bench.host_us_per_call(lambda i: call(i, True), rotations=2)
             forced_rows = {}
             for cfg in [None] + forced:
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
                         if grid:
                             stack.enter_context(block_sparse.grid_order())
                         try:
-                            forced_rows[label] = timed(lambda i: call(i, True))
+                            forced_rows[label] = timed(lambda i: call(i, True), lambda i: call(i, True, True))
                         except (ValueError, NotImplementedError) as e:
                             print(f"  {label}: {e}", flush=True)
             dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
