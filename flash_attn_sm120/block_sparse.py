@@ -231,7 +231,7 @@ FULL_BLOCK_WEIGHT = 2
 # tensors the key names, so that a key is only ever matched by the same live tensors)
 _ORDER_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _ORDER_CACHE_SIZE = 16
-# orders a CUDA graph captured from the cache, held until their count tensors die (`_pin`)
+# orders a CUDA graph captured from the cache, held until their count tensors die
 _PINNED: dict = {}
 # grid_order()'s switch: a stack, so that nested blocks restore the outer state
 _grid_order_forced = [False]
@@ -273,7 +273,7 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
     once; not cached: fake tensors. Under CUDA-graph capture a cached order is reused (the graph then holds
     no sort: its replays run the attention kernel alone) and kept alive as long as the count tensors the
-    graph also reads (`_pin`); replays after an in-place change of the counts keep that order (any order
+    graph also reads; replays after an in-place change of the counts keep that order (any order
     computes the same result). An order first computed during capture is only recorded in the graph, not
     cached (its values exist only at replay)."""
     t = norm.tensors
@@ -281,8 +281,9 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
               if c is not None]
     owners = [c if c._base is None else c._base for c, _ in counts]  # the caller's tensors behind the views
     key = None
-    capturing = _capturing([c for c, _ in counts])
-    if _cacheable([c for c, _ in counts]):
+    cacheable = _cacheable([c for c, _ in counts])
+    capturing = cacheable and _capturing([c for c, _ in counts])  # (fake tensors never ask the CUDA runtime)
+    if cacheable:
         key = tuple((id(o), o._version, c.data_ptr(), tuple(c.shape), c.stride(), str(c.device))
                     for o, (c, _) in zip(owners, counts))
         key += (batch, grid_heads, num_block, tiles_per_sparse_row, grid)

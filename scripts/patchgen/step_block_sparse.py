@@ -146,9 +146,12 @@ _FWD_LIFTED = (
     ("FULL_BLOCK_WEIGHT", "SM120_FULL_BLOCK_WEIGHT"),
     ("_ORDER_CACHE", "_sm120_order_cache"),
     ("_ORDER_CACHE_SIZE", "_SM120_ORDER_CACHE_SIZE"),
+    ("_PINNED", "_SM120_PINNED_ORDERS"),
     ("longest_first_order", "sm120_block_sparse_tile_order"),
     ("_count", "_sm120_count"),
     ("_cacheable", "_sm120_order_cacheable"),
+    ("_capturing", "_sm120_capturing"),
+    ("_pin", "_sm120_pin_order"),
 )
 _FWD_LIFT_EDITS = (
     ("(upstream's rule for Q; KV from a full-width index tensor)",
