@@ -525,14 +525,7 @@ def test_forward_captures_in_cuda_graph():
     sparse = testing_sparse.lists_from_map(kinds, (128, 128))
     call = lambda: flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, block_sparse_tensors=sparse)  # noqa: E731
     call()  # compile and cache the order outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
+    graph, (out, lse) = testing.capture_in_graph(call)
     block_sparse._ORDER_CACHE.clear()  # the graph's order must not depend on the cache
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
