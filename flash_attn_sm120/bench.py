@@ -353,6 +353,24 @@ def event_times(run: Callable[[int], object], reps: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
+def capture_graph(capture: Callable[[], object], warm: Optional[Callable[[], object]] = None):
+    """PyTorch's capture recipe for work already compiled eagerly: `warm` (default: `capture`) once on a
+    side stream, which warms the allocator, then `capture` recorded into a CUDA graph. Returns (graph,
+    capture's outputs: the tensors each replay rewrites)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warm or capture)()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = capture()
+    return graph, outputs
+
+
 def time_cuda_graph(
     fn: Callable[[int], object], rotations: int = 3, calls: int = 0, warmup: int = 3, reps: int = 20
 ) -> Timing:
@@ -369,17 +387,8 @@ def time_cuda_graph(
     calls = calls or max(8, rotations)
     for i in range(warmup):  # compile and load outside the capture
         fn(i % rotations)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # PyTorch's recipe: warm the allocator on a side stream first
-        for i in range(rotations):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % rotations)
+    graph, _ = capture_graph(lambda: [fn(i % rotations) for i in range(calls)],
+                             warm=lambda: [fn(i) for i in range(rotations)])
     graph.replay()
     torch.cuda.synchronize()
     times = event_times(lambda i, g=graph: g.replay(), reps)

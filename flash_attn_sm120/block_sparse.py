@@ -281,8 +281,9 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
               if c is not None]
     owners = [c if c._base is None else c._base for c, _ in counts]  # the caller's tensors behind the views
     key = None
-    cacheable = _cacheable([c for c, _ in counts])
-    capturing = cacheable and _capturing([c for c, _ in counts])  # (fake tensors never ask the CUDA runtime)
+    count_tensors = [c for c, _ in counts]
+    cacheable = _cacheable(count_tensors)
+    capturing = cacheable and _capturing(count_tensors)  # (fake tensors never ask the CUDA runtime)
     if cacheable:
         key = tuple((id(o), o._version, c.data_ptr(), tuple(c.shape), c.stride(), str(c.device))
                     for o, (c, _) in zip(owners, counts))

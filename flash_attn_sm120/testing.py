@@ -357,21 +357,6 @@ def forward_via_driver(inputs: Inputs, case: AttnCase, problem: AttnProblem, con
 OUTPUT_ALLOCATORS = ("flash_attn_sm120.driver", "flash_attn_sm120.driver_splitkv")
 
 
-def capture_in_graph(call: Callable[[], object]) -> tuple["torch.cuda.CUDAGraph", object]:
-    """PyTorch's capture recipe for a call already compiled eagerly: one warm-up on a side stream, then
-    the call captured into a CUDA graph. Returns (graph, the captured call's outputs: the tensors a replay
-    rewrites)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = call()
-    return graph, outputs
-
-
 @contextlib.contextmanager
 def poisoned_outputs():
     """Within: every out/lse that a driver's forward allocates itself, and every dq/dk/dv of the

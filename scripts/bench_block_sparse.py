@@ -202,13 +202,13 @@ def main(argv=None) -> int:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
         dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-        leaves = [[t.detach().requires_grad_() for t in x[i]] for i in range(2)]  # --graph --bwd: captured inputs
+        graph_leaves = [[t.detach().requires_grad_() for t in x[i]] for i in range(2)]  # --graph --bwd's inputs
         names = ALL_MASKS if args.masks == "all" else tuple(m for m in args.masks.split(",") if m)
         for name, sparse, sparse_bwd, mod, aux, visited in _masks(b, s, h, names):
             kept = {}  # the backward's forward, once per (input set, dense or sparse)
 
             def call(i, use_sparse, fwd_only=False, x=x, sparse=sparse, sparse_bwd=sparse_bwd, mod=mod, aux=aux,
-                     kept=kept, dout=dout, leaves=leaves):
+                     kept=kept, dout=dout, graph_leaves=graph_leaves):
                 # use_sparse: False (dense), True (sparse) or "det" (sparse, deterministic=True); fwd_only: the
                 # forward of a graph-timed backward
                 kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd, mask_mod=mod) \
@@ -220,8 +220,8 @@ def main(argv=None) -> int:
                 if not args.bwd:
                     return flash_attn_func(*x[i], **kw)
                 if args.graph:  # forward and backward in the same capture
-                    out = flash_attn_func(*leaves[i], **kw)[0]
-                    return out if fwd_only else torch.autograd.grad(out, leaves[i], dout)
+                    out = flash_attn_func(*graph_leaves[i], **kw)[0]
+                    return out if fwd_only else torch.autograd.grad(out, graph_leaves[i], dout)
                 if (i, use_sparse) not in kept:
                     leaves = [t.detach().requires_grad_() for t in x[i]]
                     kept[i, use_sparse] = (leaves, flash_attn_func(*leaves, **kw)[0])

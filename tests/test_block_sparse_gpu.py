@@ -517,7 +517,7 @@ def test_forward_captures_in_cuda_graph():
     """A block-sparse forward captured in a CUDA graph after an eager call (the usual warm-up) reuses the
     cached launch order, so the graph holds the attention kernel and no sort; the order stays alive when
     the cache drops it, and a replay over new q/k/v written into the captured inputs matches the reference."""
-    from flash_attn_sm120 import block_sparse
+    from flash_attn_sm120 import bench, block_sparse
 
     b, h, sq, sk, d = 2, 4, 600, 900, 64
     q, k, v, _ = _inputs(b, sq, sk, h, h, d, seed=23)
@@ -525,7 +525,7 @@ def test_forward_captures_in_cuda_graph():
     sparse = testing_sparse.lists_from_map(kinds, (128, 128))
     call = lambda: flash_attn_sm120.flash_attn_func(q, k, v, return_lse=True, block_sparse_tensors=sparse)  # noqa: E731
     call()  # compile and cache the order outside the capture
-    graph, (out, lse) = testing.capture_in_graph(call)
+    graph, (out, lse) = bench.capture_graph(call)
     block_sparse._ORDER_CACHE.clear()  # the graph's order must not depend on the cache
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flash_attn_sm120
-from flash_attn_sm120 import driver_splitkv, splitkv, testing
+from flash_attn_sm120 import driver_splitkv, splitkv
+from flash_attn_sm120 import bench
 from flash_attn_sm120.bench import reference_attention, write_pages
 from flash_attn_sm120.device import device_info
 
@@ -335,7 +336,7 @@ def test_decode_step_captures_in_cuda_graph(paged):
     else:
         call = lambda: flash_attn_sm120.flash_attn_func(q, k, v, **kwargs)
     eager_out, _ = call()  # compile outside the capture
-    graph, (out, lse) = testing.capture_in_graph(call)
+    graph, (out, lse) = bench.capture_graph(call)
     assert driver_splitkv.plan(
         head_dim=d, head_dim_v=d, causal=False, local=False, window_size_left=None, window_size_right=None,
         batch=b, max_seqlen_q=1, max_seqlen_k=sk, num_heads=h, num_heads_kv=hk, pack_gqa=True, num_splits=0,
