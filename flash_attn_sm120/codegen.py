@@ -223,10 +223,12 @@ def compile_fwd_cubin(
             sparse = BlockSparseTensors(*lists)
     # the block-sparse launch order rides as the last aux tensor (kernels/ordered_scheduler.py)
     order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1) if statics.ordered_tiles else None
+    # a dynamic persistent config's tile counter rides after it (kernels/persistent_scheduler.py)
+    counter = make_fake_tensor(cutlass.Int32, (1,), divisibility=1) if config.dynamic and config.persistent else None
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
             kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window,
-            with_tile_order(AuxData(None, None), order),
+            with_tile_order(with_tile_order(AuxData(None, None), order), counter),
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", learnable_sink=sink, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)

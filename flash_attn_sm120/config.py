@@ -23,8 +23,12 @@ else:  # pragma: no cover
 from flash_attn_sm120.kernels import FAMILIES
 from flash_attn_sm120.kernels.fwd_tma import (
     fp16_register_error,
+    dynamic_error,
     persistent_error,
     pingpong_error,
+    q_stages_error,
+    smem_bytes as tma_smem_bytes,
+    tma_config_error,
     varlen_register_error,
 )
 
@@ -55,6 +59,12 @@ class FwdConfig:
     # TMA family: one wave of CTAs walks every tile, its K/V and Q loads for the next tile under the
     # current tile's epilogue (kernels/persistent_scheduler.py); varlen q keeps one CTA per tile
     persistent: bool = False
+    # TMA family, persistent: Q slots. 2 = the producer loads the next tile's Q under this tile's main loop
+    # (the epilogue's sO takes the retiring slot), at one more Q tile of shared memory
+    q_stages: int = 1
+    # TMA family, persistent: each CTA's next tile from a global counter (kernels/persistent_scheduler.py), so
+    # that CTAs finishing early take more tiles, instead of a fixed stride
+    dynamic: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -66,7 +76,10 @@ class FwdConfig:
         pp = "-pp" if self.pingpong else ""
         lpt = "" if self.lpt is None else "-lpt" if self.lpt else "-nolpt"
         pers = "-pers" if self.persistent else ""
-        return f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}{q}{pp}{lpt}{pers}"
+        q2 = f"-q{self.q_stages}" if self.q_stages != 1 else ""
+        dyn = "-dyn" if self.dynamic else ""
+        return (f"{self.family}-w{self.num_warps}-{self.tile_m}x{self.tile_n}-s{self.num_stages}"
+                f"{q}{pp}{lpt}{pers}{q2}{dyn}")
 
     def error(self, head_dim: int, head_dim_v: int) -> Optional[str]:
         if self.family not in FAMILIES:
@@ -85,6 +98,20 @@ class FwdConfig:
             err = pingpong_error(self.num_threads)
             if err is not None:
                 return err
+        if self.dynamic:
+            if self.family != "tma":
+                return f"dynamic is a TMA-family option, not one of family {self.family!r}"
+            err = dynamic_error(self.dynamic, self.persistent)
+            if err is not None:
+                return err
+        if self.q_stages != 1:
+            if self.family != "tma":
+                return f"q_stages is a TMA-family option, not one of family {self.family!r}"
+            err = q_stages_error(self.q_stages, self.persistent)
+            if err is not None:
+                return err
+            return tma_config_error(head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages,
+                                    self.num_threads, self.q_in_regs, q_stages=self.q_stages)
         return FAMILIES[self.family].config_error(
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.num_threads, self.q_in_regs
         )
@@ -103,6 +130,9 @@ class FwdConfig:
         return None
 
     def smem_bytes(self, head_dim: int, head_dim_v: int) -> int:
+        if self.q_stages != 1:
+            return tma_smem_bytes(head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs,
+                                  q_stages=self.q_stages)
         return FAMILIES[self.family].smem_bytes(
             head_dim, head_dim_v, self.tile_m, self.tile_n, self.num_stages, self.q_in_regs
         )
@@ -123,11 +153,14 @@ class FwdConfig:
             pingpong=bool(raw.get("pingpong", False)),
             lpt=None if raw.get("lpt") is None else bool(raw["lpt"]),
             persistent=bool(raw.get("persistent", False)),
+            q_stages=int(raw.get("q_stages", 1)),
+            dynamic=bool(raw.get("dynamic", False)),
         )
 
 
 _NAME_FLAGS = {"qreg": ("q_in_regs", True), "pp": ("pingpong", True), "lpt": ("lpt", True),
-               "nolpt": ("lpt", False), "pers": ("persistent", True)}
+               "nolpt": ("lpt", False), "pers": ("persistent", True),
+               "q2": ("q_stages", 2), "dyn": ("dynamic", True)}
 
 
 def config_from_name(name: str) -> FwdConfig:
@@ -141,7 +174,7 @@ def config_from_name(name: str) -> FwdConfig:
         kw = dict(num_threads=32 * int(warps[1:]), tile_m=tile_m, tile_n=tile_n, num_stages=int(stages[1:]),
                   family=family)
     except ValueError:
-        raise ValueError(f"config name {name!r} is not FAMILY-wW-MxN-sS[-qreg][-pp][-lpt|-nolpt][-pers]") from None
+        raise ValueError(f"config name {name!r} is not FAMILY-wW-MxN-sS[-qreg][-pp][-lpt|-nolpt][-pers][-q2][-dyn]") from None
     for flag in parts[4:]:
         if flag not in _NAME_FLAGS:
             raise ValueError(f"config name {name!r}: unknown flag {flag!r} (known: {', '.join(_NAME_FLAGS)})")

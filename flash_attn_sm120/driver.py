@@ -112,6 +112,10 @@ def make_kernel(statics: FwdStatics, score_mod=None, mask_mod=None, has_aux_tens
         extra = dict(extra, lpt=cfg.lpt)
     if cfg.persistent:
         extra = dict(extra, persistent=True, num_sms=statics.num_sms)
+    if cfg.q_stages != 1:
+        extra = dict(extra, q_stages=cfg.q_stages)
+    if cfg.dynamic:
+        extra = dict(extra, dynamic=True)
     if statics.ordered_tiles:
         extra = dict(extra, ordered_tiles=True)
     return cls(
@@ -538,19 +542,28 @@ def forward(
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
     key = (statics, tuple(type(s) for s in aux_scalars) if aux_scalars else None)
     order = _tile_order(statics, sparse, q) if statics.ordered_tiles else None
+    counter = tile_counter(statics, q.device)
     if key not in _verified_keys:
         _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                         learnable_sink, sparse, order)
+                         learnable_sink, sparse, order, counter)
     _compile_cache[key](
         q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale,
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         None, window_size_left, window_size_right, learnable_sink,
         None if sparse is None else block_sparse.launch_tuple(sparse),
-        with_tile_order(AuxData(aux_tensors, aux_scalars), order),
+        with_tile_order(with_tile_order(AuxData(aux_tensors, aux_scalars), order), counter),
         None, None,
     )
     return out, lse
+
+
+def tile_counter(statics: FwdStatics, device: torch.device) -> Optional[torch.Tensor]:
+    """A dynamic persistent config's tile counter (kernels/persistent_scheduler.py): a zeroed int32 for each
+    call, from the caching allocator (a stream's calls never share one), appended after the tile order."""
+    if not (statics.config.dynamic and statics.config.persistent):
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _tile_order(statics: FwdStatics, sparse, q: torch.Tensor) -> torch.Tensor:
@@ -565,7 +578,7 @@ def _tile_order(statics: FwdStatics, sparse, q: torch.Tensor) -> torch.Tensor:
 
 def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      window_size_left, window_size_right, score_mod, mask_mod, aux_tensors, aux_scalars,
-                     learnable_sink=None, sparse=None, order=None) -> None:
+                     learnable_sink=None, sparse=None, order=None, counter=None) -> None:
     """Compile and occupancy-check the kernel of `key`, once per process.
 
     A kernel from FLASH_ATTN_SM120_CACHE_DIR is used as loaded on a real SM120 (the check there only
@@ -583,8 +596,10 @@ def _compile_checked(key, statics, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                                      aux_tensors is not None),
             lambda kernel, options: compile_kernel(
                 kernel, *tensors, cute_lse, *index, window_size_left, window_size_right,
-                with_tile_order(AuxData(cute_aux, aux_scalars),
-                                None if order is None else to_cute_tensor(order, assumed_align=4, leading_dim=0)),
+                with_tile_order(
+                    with_tile_order(AuxData(cute_aux, aux_scalars),
+                                    None if order is None else to_cute_tensor(order, assumed_align=4, leading_dim=0)),
+                    None if counter is None else to_cute_tensor(counter, assumed_align=4, leading_dim=0)),
                 options=options, learnable_sink=cute_sink,
                 blocksparse=None if sparse is None else block_sparse.cute_tensors(sparse),
             ),

@@ -170,6 +170,9 @@ def main(argv=None) -> int:
                          "issue's ~10%% gate set")
     ap.add_argument("--graph", action="store_true",
                     help="time each call captured in a CUDA graph (the kernels' time, no host path), not eagerly")
+    ap.add_argument("--head-dims", default="",
+                    help="comma list: only the problems of these head dims (default: all of " +
+                         ", ".join(str(p[3]) for p in PROBLEMS) + ")")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
@@ -198,7 +201,10 @@ def main(argv=None) -> int:
         return ms - bench.time_cuda_graph(fwd, rotations=2, reps=args.reps).median_ms if args.bwd else ms
 
     rows = []
-    for b, s, h, d in PROBLEMS:
+    head_dims = {int(x) for x in args.head_dims.split(",") if x}
+    if head_dims - {p[3] for p in PROBLEMS}:
+        raise SystemExit(f"--head-dims {args.head_dims}: the problems have head dims {sorted({p[3] for p in PROBLEMS})}")
+    for b, s, h, d in [p for p in PROBLEMS if not head_dims or p[3] in head_dims]:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
         dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)

@@ -2,7 +2,8 @@
 
 FwdConfig.persistent launches one wave of CTAs that walk all tiles (kernels/persistent_scheduler.py):
 the producer loads a tile's first K/V block under the previous tile's epilogue, and no CTA pays a
-launch, mbarrier inits and a cold pipeline per tile. Each group times, on the seed problems of its
+launch, mbarrier inits and a cold pipeline per tile. Q_RING_CONFIGS add a second Q slot (q_stages=2),
+each timed next to the same tile with one slot and with one CTA per tile. Each group times, on the seed problems of its
 (head dim, mask), the table's entries and the spill-free persistent configs (PERSISTENT_CONFIGS),
 each next to the same config without persistence, in one prepare.py run (occupancy verified at every
 compile, every candidate gated against fp32):
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_configs import group_candidates, run_seed_groups  # noqa: E402
 
 from flash_attn_sm120.config import FwdConfig  # noqa: E402
-from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS  # noqa: E402
+from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS, Q_RING_CONFIGS  # noqa: E402
 
 
 def groups() -> dict:
@@ -36,6 +37,11 @@ def groups() -> dict:
         for mask in masks:
             cfg = FwdConfig(*c, family="tma")
             out.setdefault((d, mask), []).extend([cfg, replace(cfg, persistent=True)])
+    for d, c, masks, _ in Q_RING_CONFIGS:  # two Q slots, next to one slot and to one CTA per tile
+        for mask in masks:
+            cfg = FwdConfig(*c, family="tma")
+            out.setdefault((d, mask), []).extend(
+                [cfg, replace(cfg, persistent=True), replace(cfg, persistent=True, q_stages=2)])
     return out
 
 

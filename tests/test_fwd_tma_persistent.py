@@ -12,16 +12,18 @@ from flash_attn_sm120 import driver
 from flash_attn_sm120.codegen import compile_fwd_cubin, inspect_cubin
 from flash_attn_sm120.config import FwdConfig
 from flash_attn_sm120.kernels.fwd_tma import FlashAttentionForwardSm120Tma
-from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS
+from flash_attn_sm120.kernels.fwd_tma_proposals import DYNAMIC_CONFIGS, PERSISTENT_CONFIGS, Q_RING_CONFIGS
 
 import cutlass
 
-CASES = [
-    (d, FwdConfig(*c, family="tma", persistent=True), mask, None)
-    for d, c, masks, _ in PERSISTENT_CONFIGS for mask in masks
+LISTED = [(d, FwdConfig(*c, family="tma", persistent=True), masks, ok) for d, c, masks, ok in PERSISTENT_CONFIGS] + [
+    (d, FwdConfig(*c, family="tma", persistent=True, q_stages=2), masks, ok) for d, c, masks, ok in Q_RING_CONFIGS
 ] + [
-    (d, FwdConfig(*c, family="tma", persistent=True), "none", (1, 128 // c[2], True))
-    for d, c, _, sparse_ok in PERSISTENT_CONFIGS if sparse_ok
+    (d, FwdConfig(*c, family="tma", persistent=True, q_stages=qs, dynamic=True), masks, ok)
+    for d, c, masks, ok, qs in DYNAMIC_CONFIGS
+]
+CASES = [(d, cfg, mask, None) for d, cfg, masks, _ in LISTED for mask in masks] + [
+    (d, cfg, "none", (1, 128 // cfg.tile_n, True)) for d, cfg, _, sparse_ok in LISTED if sparse_ok
 ]
 
 
@@ -40,6 +42,83 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="persistent and pingpong"):
         FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, tile_m=128, tile_n=64, num_stages=2, num_threads=256,
                                       pingpong=True, persistent=True)
+
+
+def test_q_ring_flag_name_smem_and_refusals():
+    """Two Q slots: one more Q tile of shared memory and two more mbarriers; persistent TMA configs only."""
+    from flash_attn_sm120.config import config_from_name
+    from flash_attn_sm120.kernels.fwd_tma import num_mbarriers, smem_bytes
+
+    cfg = FwdConfig(256, 128, 64, 1, False, "tma", persistent=True, q_stages=2)
+    assert cfg.name == "tma-w8-128x64-s1-pers-q2" and config_from_name(cfg.name) == cfg
+    assert FwdConfig.from_row(dict(num_threads=256, tile_m=128, tile_n=64, family="tma", persistent=True,
+                                   q_stages=2)) == cfg
+    assert num_mbarriers(1, 2) == num_mbarriers(1) + 2
+    one = FwdConfig(256, 128, 64, 1, False, "tma", persistent=True)
+    assert cfg.smem_bytes(128, 128) - one.smem_bytes(128, 128) == 128 * 128 * 2  # one more 32 KB Q tile
+    assert cfg.smem_bytes(128, 128) == smem_bytes(128, 128, 128, 64, 1, q_stages=2) == 99328
+    assert cfg.error(128, 128) is None
+    assert "needs persistent=True" in FwdConfig(256, 128, 64, 1, False, "tma", q_stages=2).error(128, 128)
+    assert "TMA-family option" in FwdConfig(128, 128, 64, 1, q_stages=2).error(64, 64)
+    assert "1 or 2 slots" in FwdConfig(256, 128, 64, 1, False, "tma", persistent=True, q_stages=3).error(64, 64)
+    too_big = FwdConfig(256, 128, 64, 2, False, "tma", persistent=True, q_stages=2).error(128, 128)
+    assert "with 2 Q slots" in too_big and "101376" in too_big
+    with pytest.raises(ValueError, match="needs persistent=True"):
+        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, tile_m=128, tile_n=64, num_stages=1, num_threads=256,
+                                      q_stages=2)
+
+
+def test_q_ring_keeps_two_ctas_per_sm_where_listed():
+    """The d64 4-warp 128x48 entry is listed for staying at two CTAs per SM with its second Q slot."""
+    from flash_attn_sm120.kernels.fwd_tma import register_split
+    from flash_attn_sm120 import hardware
+
+    cfg = FwdConfig(128, 128, 48, 1, False, "tma", persistent=True, q_stages=2)
+    assert register_split(cfg.smem_bytes(64, 64) + hardware.DSL_STATIC_SMEM, 128).ctas_per_sm == 2
+    wider = FwdConfig(128, 128, 64, 1, False, "tma", persistent=True, q_stages=2)
+    assert register_split(wider.smem_bytes(64, 64) + hardware.DSL_STATIC_SMEM, 128).ctas_per_sm == 1
+
+
+def test_dynamic_flag_name_and_refusals():
+    from flash_attn_sm120.config import config_from_name
+
+    cfg = FwdConfig(256, 128, 64, 1, False, "tma", persistent=True, q_stages=2, dynamic=True)
+    assert cfg.name == "tma-w8-128x64-s1-pers-q2-dyn" and config_from_name(cfg.name) == cfg
+    assert FwdConfig.from_row(dict(num_threads=256, tile_m=128, tile_n=64, family="tma", persistent=True,
+                                   q_stages=2, dynamic=True)) == cfg
+    assert cfg.error(128, 128) is None
+    assert cfg.smem_bytes(128, 128) == FwdConfig(256, 128, 64, 1, False, "tma", persistent=True,
+                                                  q_stages=2).smem_bytes(128, 128)
+    assert "needs persistent=True" in FwdConfig(256, 128, 64, 1, False, "tma", dynamic=True).error(128, 128)
+    assert "TMA-family option" in FwdConfig(128, 128, 64, 1, dynamic=True).error(64, 64)
+    with pytest.raises(ValueError, match="dynamic needs persistent"):
+        FlashAttentionForwardSm120Tma(cutlass.BFloat16, 128, tile_m=128, tile_n=64, num_stages=1, num_threads=256,
+                                      dynamic=True)
+
+
+def test_dynamic_counter_is_fresh_and_zero_per_call():
+    """The host's counter: a new zeroed int32 for each call of a dynamic config, none otherwise."""
+    import torch
+
+    q = torch.empty(1, 128, 4, 64, dtype=torch.bfloat16)
+    common = dict(causal=True, local=False, pack_gqa=False, has_lse=True, cu_seqlens_q=None, cu_seqlens_k=None,
+                  seqused_q=None, seqused_k=None, window_size_left=None, window_size_right=None, score_mod=None,
+                  mask_mod=None, aux_tensors=None, emulate_host_smem=None)
+    dyn = driver.build_statics(q, q, q, config=FwdConfig(256, 256, 64, 2, False, "tma", persistent=True,
+                                                         dynamic=True), **common)
+    a, b = driver.tile_counter(dyn, q.device), driver.tile_counter(dyn, q.device)
+    assert a.dtype == torch.int32 and a.shape == (1,) and int(a) == 0 and a.data_ptr() != b.data_ptr()
+    plain = driver.build_statics(q, q, q, config=FwdConfig(256, 256, 64, 2, False, "tma", persistent=True), **common)
+    assert driver.tile_counter(plain, q.device) is None
+
+
+def test_dynamic_kernel_takes_its_tiles_with_one_atomic():
+    """One atomicAdd (lane 0 of the producer warp) per fetched tile; the fixed stride has none."""
+    cfg = FwdConfig(256, 256, 64, 2, False, "tma", persistent=True, dynamic=True)
+    _, hist, _ = inspect_cubin(compile_fwd_cubin(cfg, 64, causal=True)[0])
+    _, static_hist, _ = inspect_cubin(compile_fwd_cubin(FwdConfig(256, 256, 64, 2, False, "tma", persistent=True),
+                                                        64, causal=True)[0])
+    assert hist.get("ATOMG") == 1 and not static_hist.get("ATOMG")
 
 
 def test_driver_keys_persistent_configs_by_sm_count():
@@ -65,6 +144,7 @@ def test_persistent_config_spill_free_same_math(d, cfg, mask, sparse):
     res, hist, sass = inspect_cubin(compile_fwd_cubin(cfg, d, **kw)[0])
     assert res["stack"] == 0 and res["local"] == 0, (cfg.name, d, mask, res)
     plain = FwdConfig(cfg.num_threads, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.q_in_regs, "tma")
+    assert cfg.error(d, d) is None, cfg.error(d, d)
     _, plain_hist, plain_sass = inspect_cubin(compile_fwd_cubin(plain, d, **kw)[0])
     assert hist.get("HMMA") == plain_hist.get("HMMA") and sass.count("MUFU.EX2") == plain_sass.count("MUFU.EX2") > 0
 
@@ -76,7 +156,15 @@ def test_configs_left_out_do_spill():
     assert res["stack"] > 0
 
 
-@pytest.mark.parametrize("name", ["tma-w8-256x64-s3-qreg-pers", "cpasync-w4-128x80-s1", "tma-w8-128x64-s2-pp-nolpt"])
+def test_q_ring_entries_left_out_of_block_sparse_do_spill():
+    """The 8-warp d128 two-slot entry's block-sparse walk spills (64 B): why block_sparse_ok is False there."""
+    cfg = FwdConfig(256, 128, 64, 1, False, "tma", persistent=True, q_stages=2)
+    res, _, _ = inspect_cubin(compile_fwd_cubin(cfg, 128, block_sparse=(1, 2, True))[0])
+    assert res["stack"] > 0
+
+
+@pytest.mark.parametrize("name", ["tma-w8-256x64-s3-qreg-pers", "cpasync-w4-128x80-s1", "tma-w8-128x64-s2-pp-nolpt",
+                                  "tma-w4-128x48-s1-pers-q2", "tma-w8-128x64-s1-pers-q2-dyn"])
 def test_config_from_name_round_trips(name):
     from flash_attn_sm120.config import config_from_name
 

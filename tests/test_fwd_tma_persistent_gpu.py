@@ -12,12 +12,18 @@ import pytest
 from test_fwd_tma_gpu import MASKS, _check
 from flash_attn_sm120 import bench, testing_sparse
 from flash_attn_sm120.config import FwdConfig
-from flash_attn_sm120.kernels.fwd_tma_proposals import PERSISTENT_CONFIGS
+from flash_attn_sm120.kernels.fwd_tma_proposals import DYNAMIC_CONFIGS, PERSISTENT_CONFIGS, Q_RING_CONFIGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hang_watchdog")]
 
-DENSE = [(d, FwdConfig(*c, family="tma", persistent=True), masks) for d, c, masks, _ in PERSISTENT_CONFIGS if masks]
-SPARSE = [(d, FwdConfig(*c, family="tma", persistent=True)) for d, c, _, ok in PERSISTENT_CONFIGS if ok]
+LISTED = [(d, FwdConfig(*c, family="tma", persistent=True), masks, ok) for d, c, masks, ok in PERSISTENT_CONFIGS] + [
+    (d, FwdConfig(*c, family="tma", persistent=True, q_stages=2), masks, ok) for d, c, masks, ok in Q_RING_CONFIGS
+] + [
+    (d, FwdConfig(*c, family="tma", persistent=True, q_stages=qs, dynamic=True), masks, ok)
+    for d, c, masks, ok, qs in DYNAMIC_CONFIGS
+]
+DENSE = [(d, cfg, masks) for d, cfg, masks, _ in LISTED if masks]
+SPARSE = [(d, cfg) for d, cfg, _, ok in LISTED if ok]
 # (batch, seqlen_q, seqlen_k, heads, kv heads): many tiles per CTA, few tiles, ragged ends, sq != sk
 SHAPES = [(4, 1500, 1500, 8, 8), (2, 17, 17, 4, 2), (3, 1000, 333, 8, 4), (2, 333, 1000, 8, 8), (1, 1, 1, 1, 1)]
 
@@ -71,6 +77,19 @@ def test_small_wave_walks_many_tiles_per_cta(sms, monkeypatch):
         _check(cfg, bench.Problem(3, 700, 300, 4, 2, 64), causal, window, seed=int(sms))
     _check(FwdConfig(128, 64, 64, 2, False, "tma", persistent=True), bench.Problem(2, 333, 1000, 4, 4, 128),
            True, (None, None), seed=7)
+    # two Q slots: each tile's Q lands in the slot the tile before last released (empty tiles included)
+    for mask in ("none", "causal", "local"):
+        causal, window = MASKS[mask]
+        _check(FwdConfig(256, 128, 64, 1, False, "tma", persistent=True, q_stages=2),
+               bench.Problem(3, 700, 300, 4, 2, 128), causal, window, seed=11 + int(sms))
+    _check(FwdConfig(128, 128, 48, 1, False, "tma", persistent=True, q_stages=2), bench.Problem(2, 333, 1000, 4, 4, 64),
+           True, (None, None), seed=13)
+    # the dynamic order: every tile taken once from the counter, one or two Q slots, empty tiles included
+    for cfg in (FwdConfig(256, 256, 64, 3, True, "tma", persistent=True, dynamic=True),
+                FwdConfig(256, 256, 64, 2, False, "tma", persistent=True, q_stages=2, dynamic=True)):
+        for mask in ("none", "causal", "local"):
+            causal, window = MASKS[mask]
+            _check(cfg, bench.Problem(3, 700, 300, 4, 2, 64), causal, window, seed=17 + int(sms))
 
 
 @pytest.mark.parametrize("sms", ["1", "3"])
@@ -91,5 +110,38 @@ def test_small_wave_block_sparse_handoffs(sms, monkeypatch):
     kinds[1, 2, 0] = testing_sparse.SKIP
     kinds[1, 2, 0, 0] = testing_sparse.PARTIAL  # the mask list only
     keep = testing_sparse.keep_from_map(kinds, block, sq, sk)
-    with driver.force_config(FwdConfig(128, 64, 64, 2, False, "tma", persistent=True)):
-        check(q, k, v, keep, dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, block)))
+    for cfg in (FwdConfig(128, 64, 64, 2, False, "tma", persistent=True),
+                FwdConfig(128, 64, 64, 2, False, "tma", persistent=True, q_stages=2),
+                FwdConfig(128, 64, 64, 2, False, "tma", persistent=True, q_stages=2, dynamic=True)):
+        with driver.force_config(cfg):
+            check(q, k, v, keep, dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, block)))
+
+
+def test_dynamic_order_replays_in_a_cuda_graph():
+    """The dynamic order's counter is allocated and zeroed inside the call, so a captured call zeroes it on
+    every replay: two replays over new q/k/v (outputs NaN-poisoned before each) both match the reference."""
+    import torch
+
+    from flash_attn_sm120 import driver, flash_attn_func
+
+    cfg = FwdConfig(256, 256, 64, 2, False, "tma", persistent=True, q_stages=2, dynamic=True)
+    p = bench.Problem(2, 1500, 1500, 8, 8, 64)
+    x = bench.make_inputs(p, seed=29)
+    with driver.force_config(cfg):
+        call = lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=True, return_lse=True)  # noqa: E731
+        call()  # compile outside the capture
+        graph, (out, lse) = bench.capture_graph(call)
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for name in ("q", "k", "v"):
+            x[name].copy_(torch.randn(x[name].shape, generator=gen, device="cuda", dtype=x[name].dtype))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = bench.reference_attention(x["q"], x["k"], x["v"], causal=True, window=(None, None))
+        low, _ = bench.reference_attention(x["q"], x["k"], x["v"], causal=True, window=(None, None), upcast=False)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        from test_fwd_tma_gpu import ATOL
+        assert bench.error_vs_reference(out, ref) <= 2 * bench.error_vs_reference(low, ref) + ATOL
+        assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)

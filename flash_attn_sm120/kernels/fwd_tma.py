@@ -139,6 +139,7 @@ from flash_attn_sm120.kernels.persistent_scheduler import PersistentTileSchedule
 from flash_attn_sm120.kernels.fwd_tma_proposals import ALL_MASKS, PROPOSED_CONFIGS
 from flash_attn_sm120.kernels.fwd_tma_rules import (
     MAX_MMA_REGS,
+    PERSISTENT_PRODUCER_REGS,
     PRODUCER_REGS,
     PRODUCER_THREADS,
     SUPPORTED_HEAD_DIMS,
@@ -150,7 +151,10 @@ from flash_attn_sm120.kernels.fwd_tma_rules import (
     num_mbarriers,
     pack_gqa_error,
     persistent_error,
+    dynamic_error,
     pingpong_error,
+    producer_regs,
+    q_stages_error,
     register_split,
     rows_per_warp,
     smem_bytes,
@@ -166,6 +170,7 @@ from flash_attn_sm120.kernels.mma_sync_utils import gemm_rs_by_ldmatrix, gemm_ss
 __all__ = [
     "ALL_MASKS",
     "MAX_MMA_REGS",
+    "PERSISTENT_PRODUCER_REGS",
     "PRODUCER_REGS",
     "PRODUCER_THREADS",
     "PROPOSED_CONFIGS",
@@ -180,7 +185,10 @@ __all__ = [
     "num_mbarriers",
     "pack_gqa_error",
     "persistent_error",
+    "dynamic_error",
     "pingpong_error",
+    "producer_regs",
+    "q_stages_error",
     "register_split",
     "rows_per_warp",
     "smem_bytes",
@@ -234,6 +242,8 @@ class FlashAttentionForwardSm120Tma(
         persistent: bool = False,
         num_sms: Optional[int] = None,
         ordered_tiles: bool = False,
+        q_stages: int = 1,
+        dynamic: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -243,6 +253,13 @@ class FlashAttentionForwardSm120Tma(
             error = pingpong_error(num_threads)
         if error is None and persistent:
             error = persistent_error(pingpong)
+        if error is None:
+            error = q_stages_error(q_stages, persistent)
+        if error is None:
+            error = dynamic_error(dynamic, persistent)
+        if error is None and q_stages > 1:
+            error = tma_config_error(head_dim, head_dim_v, tile_m, tile_n, num_stages, num_threads, Q_in_regs,
+                                     q_stages=q_stages)
         if error is not None:
             raise ValueError(f"SM120 TMA forward config not implementable: {error}")
         pack_gqa = pack_gqa and qhead_per_kvhead > 1
@@ -272,8 +289,14 @@ class FlashAttentionForwardSm120Tma(
         self.num_mma_warps = num_threads // 32
         self.producer_warp_idx = self.num_mma_warps  # first warp of the producer warpgroup
         self.num_threads_total = num_threads + PRODUCER_THREADS
-        smem_total = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages) + hardware.DSL_STATIC_SMEM
-        self.registers = register_split(smem_total, num_threads)
+        # Q slots: 2 lets a persistent CTA load the next tile's Q under this tile's loop (the producer's `load`)
+        self.q_stages = q_stages
+        # persistent tiles from a global counter instead of a fixed stride (persistent_scheduler.py); the
+        # counter arrives as the last aux tensor
+        self.dynamic = dynamic
+        smem_total = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages, q_stages=q_stages) \
+            + hardware.DSL_STATIC_SMEM
+        self.registers = register_split(smem_total, num_threads, producer_regs(persistent, num_threads))
         # issue the next block's QK^T next to the previous block's PV (see mma_one_n_block)
         if intra_warp_overlap is None:
             intra_warp_overlap = use_intra_warp_overlap(tile_m, num_threads)
@@ -340,15 +363,24 @@ class FlashAttentionForwardSm120Tma(
         self.sK_layout = make(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_n, self.tile_hdim), self.num_stages)
         self.sV_layout = make(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_n, self.tile_hdimv), self.num_stages)
         self.sO_layout = make(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_hdimv))
+        # the Q ring: (tile_m, head_dim, q_stages); the epilogue's sO takes the slot being retired, so sO's view
+        # of the buffer has the same stage mode (head_dim == head_dim_v in this family: same slot size)
+        self.sQ_ring_layout, self.sO_ring_layout = self.sQ_layout, self.sO_layout
+        if const_expr(self.q_stages > 1):
+            self.sQ_ring_layout = make(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_hdim), self.q_stages)
+            self.sO_ring_layout = make(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_hdimv), self.q_stages)
 
     def _get_shared_storage_cls(self):
         sQ_struct, sK_struct, sV_struct = [
             cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
             for layout in (self.sQO_layout_for_size(), self.sK_layout, self.sV_layout)
         ]
-        mbar_q = cute.struct.MemRange[cutlass.Int64, 2]
+        mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
         mbar_k = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
         mbar_v = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+        # dynamic: each Q slot's tile index, from the producer to the MMA warps (inside the mbarriers' 1 KB
+        # round-up, so smem_bytes is unchanged)
+        tile_slots_struct = cute.struct.MemRange[Int32, self.q_stages if self.dynamic else 1]
 
         @cute.struct
         class SharedStorageTma:
@@ -358,12 +390,14 @@ class FlashAttentionForwardSm120Tma(
             mbar_Q: mbar_q
             mbar_K: mbar_k
             mbar_V: mbar_v
+            tile_slots: tile_slots_struct
 
         return emulation_storage(self, SharedStorageTma, self.num_threads_total)
 
     def sQO_layout_for_size(self):
-        """sQ doubles as sO: the buffer must hold the larger of the two."""
-        return self.sQ_layout if cute.cosize(self.sQ_layout) >= cute.cosize(self.sO_layout) else self.sO_layout
+        """sQ doubles as sO: the buffer must hold the larger of the two (all Q slots)."""
+        q, o = self.sQ_ring_layout, self.sO_ring_layout
+        return q if cute.cosize(q) >= cute.cosize(o) else o
 
     @cute.jit
     def __call__(
@@ -402,6 +436,9 @@ class FlashAttentionForwardSm120Tma(
         self.varlen_q = mCuSeqlensQ is not None or mSeqUsedQ is not None
         if const_expr(self.ordered_tiles and (self.varlen_q or self.persistent)):
             raise ValueError("SM120 TMA forward: a tile order is for one CTA per tile of a fixed-length grid")
+        if const_expr(self.dynamic and not self.persistent):
+            raise ValueError("SM120 TMA forward: a dynamic tile order is for persistent CTAs")
+        aux_data, tile_counter = split_tile_order(aux_data, self.dynamic)  # the host appends it last
         aux_data, tile_order = split_tile_order(aux_data, self.ordered_tiles)
         self.has_sink = learnable_sink is not None
         self._check_type(
@@ -471,6 +508,7 @@ class FlashAttentionForwardSm120Tma(
             # the varlen order depends on each sequence: one CTA per tile (this kernel object compiles one
             # key, and varlen is part of it, so the flag holds for the whole trace)
             self.persistent = False
+            self.dynamic = False  # (its counter, appended by the host, is left unused)
         elif const_expr(self.persistent):
             TileScheduler = PersistentTileScheduler
         elif const_expr(self.ordered_tiles):
@@ -527,10 +565,10 @@ class FlashAttentionForwardSm120Tma(
             softmax_scale,
             window_size_left,
             window_size_right,
-            self.sQ_layout,
+            self.sQ_ring_layout,
             self.sK_layout,
             self.sV_layout,
-            self.sO_layout,
+            self.sO_ring_layout,
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
@@ -543,6 +581,7 @@ class FlashAttentionForwardSm120Tma(
             mCuSeqlensK,
             mSeqUsedQ,
             mSeqUsedK,
+            tile_counter,
         ).launch(
             grid=grid_dim,
             block=[self.num_threads_total, 1, 1],

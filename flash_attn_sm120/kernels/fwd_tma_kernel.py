@@ -4,8 +4,9 @@ Every warp of the CTA runs `kernel` from the top:
 
   1. the producer warp prefetches the four TMA descriptors (Q, K, V loads and the O store);
   2. shared memory is carved as the SharedStorage struct (fwd_tma.py: sQ/sO, sK, sV, mbarriers);
-  3. three mbarrier pipelines are made (`make_tma_pipeline`, cutlass' PipelineTmaAsync): Q with one
-     slot, K and V with `num_stages` slots each. A full barrier expects one producer arrive plus
+  3. three mbarrier pipelines are made (`make_tma_pipeline`, cutlass' PipelineTmaAsync): Q with
+     `q_stages` slots (1, or 2 for a persistent CTA that loads the next tile's Q early), K and V with
+     `num_stages` slots each. A full barrier expects one producer arrive plus
      the operand's TMA transaction bytes; an empty barrier expects one arrive per MMA warp (lane 0
      after the warp converges). The inits are deferred and made visible once for all three
      (pipeline_init_arrive / pipeline_init_wait: one CTA sync);
@@ -20,8 +21,12 @@ Every warp of the CTA runs `kernel` from the top:
      (fwd_tma_mainloop.py), which ends in `epilogue` (fwd_tma_epilogue.py);
   6. persistent (FwdConfig.persistent, persistent_scheduler.py): steps 5's tile setup, `load` and `mma`
      repeat for each tile the scheduler hands this CTA, the pipeline states carried from one tile to the
-     next (the MMA warps release the Q slot after the epilogue's store has read sO). Otherwise each CTA
-     runs one tile, and the same code runs once.
+     next (the MMA warps release the Q slot after the epilogue's store has read sO, which is the tile's
+     own Q slot). With two Q slots the producer loads tile i+1's Q into the other slot while tile i
+     runs. Dynamic (FwdConfig.dynamic): the producer takes each next tile from the call's counter and
+     hands its decoded coordinates to the MMA warps beside the tile's Q slot (`sTile`: m_block, head,
+     batch, valid), so the MMA warps keep no scheduler state across tiles. Otherwise each CTA runs one
+     tile, and the same code runs once.
 
 A mixin of FlashAttentionForwardSm120Tma: it reads the attributes that the class's constructor and
 host side set (tile sizes, `registers`, `tma_copy_bytes`, `num_mma_warps`).
@@ -40,9 +45,11 @@ from cutlass.cute.nvgpu import cpasync
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.block_sparsity import BlockSparseTensors
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
+from flash_attn.cute.tile_scheduler import WorkTileInfo
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120.kernels import fwd_block_sparse
+from flash_attn_sm120.kernels.persistent_scheduler import fetch_next_tile
 
 
 class TmaKernelMixin:
@@ -93,6 +100,7 @@ class TmaKernelMixin:
         mCuSeqlensK: Optional[cute.Tensor] = None,
         mSeqUsedQ: Optional[cute.Tensor] = None,
         mSeqUsedK: Optional[cute.Tensor] = None,
+        mTileCounter: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp_idx:
@@ -105,17 +113,21 @@ class TmaKernelMixin:
         # full barriers: one TMA arrive + transaction bytes; empty barriers: one arrive per MMA warp
         producer = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, 1)
         consumers = cpipeline.CooperativeGroup(cpipeline.Agent.Thread, self.num_mma_warps)
-        pipeline_q = self.make_tma_pipeline(storage.mbar_Q, 1, "Q", producer, consumers)
+        pipeline_q = self.make_tma_pipeline(storage.mbar_Q, self.q_stages, "Q", producer, consumers)
         pipeline_k = self.make_tma_pipeline(storage.mbar_K, self.num_stages, "K", producer, consumers)
         pipeline_v = self.make_tma_pipeline(storage.mbar_V, self.num_stages, "V", producer, consumers)
         # make the mbarrier inits visible to the async proxy, then sync the CTA once
         cpipeline.pipeline_init_arrive()
         cpipeline.pipeline_init_wait()
 
+        # with two Q slots, sQ and sO have a stage mode: each role takes the tile's slot (`q_slot`)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        # dynamic: (m_block, head, batch, valid) of the tile in each Q slot
+        sTile = storage.tile_slots.get_tensor(cute.make_layout((4, self.q_stages if const_expr(self.dynamic) else 1)))
+        dynamic = const_expr(self.persistent and self.dynamic)
 
         # each role asks the scheduler for its tile and makes the tile's sequence info after its setmaxnreg:
         # values live across the register reallocation are spilled around it (varlen lengths and the varlen
@@ -131,14 +143,28 @@ class TmaKernelMixin:
                 cute.arch.setmaxregister_decrease(self.registers.producer_regs)
             if warp_idx == self.producer_warp_idx:
                 # persistent: the rings' states run on across tiles
-                q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, 1)
+                q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.q_stages)
                 kv_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, self.num_stages)
                 load = partial(
                     self.load, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                     pipeline_q, pipeline_k, pipeline_v,
                 )
                 work_tile = tile_scheduler.initial_work_tile_info()
-                if const_expr(self.persistent):
+                if const_expr(dynamic):
+                    grid_size = cute.arch.grid_dim()[0]
+                    while work_tile.is_valid_tile:
+                        m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                        seqlen, _, n_block_min, n_block_max, lists, _ = setup(
+                            m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
+                        q_state, kv_state = load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
+                                                 seqlen, q_state, kv_state,
+                                                 tile_slot=(sTile, work_tile))
+                        # the next tile as soon as this one's loads are issued (persistent_scheduler.py)
+                        tile_scheduler._tile_idx = fetch_next_tile(mTileCounter, grid_size)
+                        work_tile = tile_scheduler.get_current_work()
+                    # past the last tile: an invalid index and an arrive without a load end the MMA warps' loop
+                    self.signal_last_tile(pipeline_q, q_state, sTile)
+                elif const_expr(self.persistent):
                     while work_tile.is_valid_tile:
                         m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                         seqlen, _, n_block_min, n_block_max, lists, _ = setup(
@@ -155,7 +181,7 @@ class TmaKernelMixin:
             if const_expr(self.registers.mma_regs is not None):
                 cute.arch.setmaxregister_increase(self.registers.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, 1)
+            q_state = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.q_stages)
             kv_k = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
             kv_v = cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, self.num_stages)
             mma = partial(
@@ -164,6 +190,8 @@ class TmaKernelMixin:
             )
             work_tile = tile_scheduler.initial_work_tile_info()
             if const_expr(self.persistent):
+                if const_expr(dynamic):  # the tile whose Q lands next, as the producer wrote it
+                    work_tile = self.next_tile_from_slot(pipeline_q, q_state, sTile)
                 while work_tile.is_valid_tile:
                     m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                     seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
@@ -173,7 +201,10 @@ class TmaKernelMixin:
                         m_block, head_idx, batch_idx, n_block_min, n_block_max,
                         aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
                     )
-                    work_tile = tile_scheduler.advance_to_next_work()
+                    if const_expr(dynamic):
+                        work_tile = self.next_tile_from_slot(pipeline_q, q_state, sTile)
+                    else:
+                        work_tile = tile_scheduler.advance_to_next_work()
             elif work_tile.is_valid_tile:
                 m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                 seqlen, block_info, n_block_min, n_block_max, lists, tile_fastdiv_mods = setup(
@@ -183,6 +214,20 @@ class TmaKernelMixin:
                     m_block, head_idx, batch_idx, n_block_min, n_block_max,
                     aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
                 )
+
+    @cute.jit
+    def next_tile_from_slot(self, pipeline_q, q_state: cpipeline.PipelineState, s_tile: cute.Tensor) -> WorkTileInfo:
+        """MMA warps, dynamic order: wait for the next Q slot, then read the tile the producer wrote beside it."""
+        pipeline_q.consumer_wait(q_state)
+        i = q_state.index
+        return WorkTileInfo((s_tile[0, i], s_tile[1, i], s_tile[2, i], Int32(0)), s_tile[3, i] != 0)
+
+    def q_slot(self, s: cute.Tensor, q_state: cpipeline.PipelineState) -> cute.Tensor:
+        """The tile's Q slot of sQ (or sO) when the Q ring has two slots; the buffer itself with one.
+        Trace-time (a slice by the state's dynamic index)."""
+        if const_expr(self.q_stages > 1):
+            return s[None, None, q_state.index]
+        return s
 
     def _tile_setup(
         self,

@@ -93,6 +93,7 @@ class TmaMainloopMixin:
         """MMA warps: the FA2 loop over n_blocks (or the block-sparse tiles), then the epilogue.
         Returns the advanced (q_state, kv_k, kv_v): the persistent kernel's next tile goes on from them."""
         aux_data, sink = sink_fold.split_sink(aux_data, self.has_sink)
+        sQ, sO = self.q_slot(sQ, q_state), self.q_slot(sO, q_state)  # this tile's slot of the Q ring
         sVt = layout_utils.transpose_view(sV)  # (head_dim_v, tile_n, stage) for the PV B operand
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -205,7 +206,7 @@ class TmaMainloopMixin:
             seqlen, m_block, head_idx, batch_idx,
         )
         if const_expr(self.persistent):
-            # sO (= sQ) is free for the next tile's Q: warp 0 has waited for the TMA store's reads
+            # sO (= this tile's Q slot) is free for a later tile's Q: warp 0 has waited for the TMA store's reads
             self._release(pipeline_q, q_state)
         q_state.advance()
         return q_state, kv_k, kv_v

@@ -61,3 +61,35 @@ PERSISTENT_CONFIGS: tuple = (
     (128, (128, 64, 64, 2, False), (), True),
     (128, (128, 64, 128, 1, False), (), True),
 )
+
+
+# Persistent with two Q slots (FwdConfig.q_stages=2): the producer loads the next tile's Q under the current
+# tile's main loop, and the epilogue's sO takes the slot being retired, so a tile no longer starts by waiting
+# for its Q. Same entry format as PERSISTENT_CONFIGS; the extra Q tile must fit 99 KB with the rings, and each
+# entry compiles spill-free on sm_120a in the masks it lists (tests/test_fwd_tma_persistent.py).
+Q_RING_CONFIGS: tuple = (
+    (64, (256, 256, 64, 2, False), ("none", "causal"), False),  # 256 rows: no 128-row sparse block
+    (64, (256, 128, 64, 3, False), ("none", "causal"), True),
+    (64, (128, 128, 48, 1, False), ("none", "causal"), False),  # 45 KB: still two CTAs per SM; 48 keys
+    (96, (256, 128, 64, 2, False), ("none", "causal"), False),  # its block-sparse walk spills 64 B
+    (96, (128, 64, 64, 2, False), (), True),
+    (128, (256, 128, 64, 1, False), ("none", "causal"), False),  # its block-sparse walk spills 64 B
+    (128, (128, 64, 64, 2, False), (), True),
+    (128, (128, 64, 128, 1, False), (), True),
+)
+
+
+# The dynamic tile order (FwdConfig.dynamic: persistent CTAs take tiles from a global counter) on tiles that
+# stay spill-free with it on sm_120a (the d96 causal table entry's tile, 8w 256x64 s2, spills 8-64 B with it):
+# (head_dim, (num_threads, tile_m, tile_n, num_stages, q_in_regs), masks, block_sparse_ok, q_stages).
+DYNAMIC_CONFIGS: tuple = (
+    (64, (256, 256, 64, 3, True), ("none", "causal"), False, 1),  # the d64 causal table entry's tile
+    (64, (256, 256, 64, 2, False), ("none", "causal"), False, 2),
+    (64, (128, 128, 64, 1, False), ("none", "causal"), False, 1),  # two CTAs per SM; its sparse walk spills 88 B
+    (64, (256, 128, 64, 3, False), ("causal",), True, 2),
+    (96, (256, 128, 64, 2, False), ("causal",), False, 2),
+    (96, (128, 64, 64, 2, False), (), True, 2),
+    (128, (256, 128, 64, 1, False), ("none", "causal"), True, 2),  # the block-sparse d128 tile, 8 warps
+    (128, (128, 128, 32, 2, False), ("causal",), False, 1),
+    (128, (128, 64, 64, 2, False), (), True, 2),
+)

@@ -6,8 +6,9 @@ without building a kernel; the kernel class (fwd_tma.py) applies the same functi
   * `tma_config_error`: why a (head dims, tile, stages, MMA threads) config cannot run, or None;
     `fp16_register_error`, `pack_gqa_error`, `pingpong_error` and `persistent_error` refuse a dtype,
     a GQA packing, the ping-pong schedule or the persistent order on a tile that could otherwise run.
-  * `smem_bytes`: the CTA's dynamic shared memory: sQ (reused as sO), sK[num_stages] and
-    sV[num_stages], each 1 KB aligned, then the full/empty mbarriers of the Q slot and both rings.
+  * `smem_bytes`: the CTA's dynamic shared memory: sQ[q_stages] (the retiring slot reused as sO),
+    sK[num_stages] and sV[num_stages], each 1 KB aligned, then the full/empty mbarriers of the Q
+    slots and both rings. `q_stages_error` says when a second Q slot is allowed.
   * `register_split`: the setmaxnreg budget. ptxas gives every thread the same registers at launch;
     the producer warpgroup then drops to PRODUCER_REGS and the MMA warps take what it released
     (up to MAX_MMA_REGS), within the CTA's launch allocation.
@@ -28,6 +29,11 @@ SUPPORTED_NUM_THREADS = (128, 256)  # MMA warps: 4 or 8
 # idle warps cost no registers that a single producer warp would not.
 PRODUCER_THREADS = 128
 PRODUCER_REGS = 24  # after setmaxnreg.dec; the producer only computes coordinates
+# A persistent producer keeps its tile loop's state too (pipeline states, the scheduler, a block-sparse
+# walk's lists): at 24 registers the 8-warp d128 block-sparse tile spilled 32 B in the producer (sm_120a).
+# `producer_regs` gives 8-warp persistent kernels 32 (their MMA warps keep 232); 4-warp ones keep 24 (at two
+# CTAs per SM their MMA warps would drop to 224, where the d64 128x64 block-sparse walk spills 8 B).
+PERSISTENT_PRODUCER_REGS = 32
 MAX_MMA_REGS = 240
 WARPGROUP_THREADS = 128
 _SMEM_ALIGN = 1024
@@ -38,9 +44,9 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def num_mbarriers(num_stages: int) -> int:
-    """full+empty for Q (1 slot) and for each of the K and V rings."""
-    return 2 * (1 + 2 * num_stages)
+def num_mbarriers(num_stages: int, q_stages: int = 1) -> int:
+    """full+empty for each Q slot and for each of the K and V rings."""
+    return 2 * (q_stages + 2 * num_stages)
 
 
 def smem_bytes(
@@ -51,17 +57,18 @@ def smem_bytes(
     num_stages: int,
     q_in_regs: bool = False,
     elem_bytes: int = 2,
+    q_stages: int = 1,
 ) -> int:
     """Dynamic shared memory of one CTA (unpadded), as `_get_shared_storage_cls` lays it out.
 
-    sQ (also sO), sK, sV, each 1 KB aligned, then the mbarriers; the struct is 1 KB aligned so
-    its size rounds up to a multiple of 1 KB.
+    sQ[q_stages] (one slot also sO), sK, sV, each 1 KB aligned, then the mbarriers; the struct is
+    1 KB aligned so its size rounds up to a multiple of 1 KB.
     """
     hd, hdv = _round_up(head_dim, 16), _round_up(head_dim_v, 16)
-    q = _round_up(tile_m * max(hd, hdv) * elem_bytes, _SMEM_ALIGN)
+    q = _round_up(tile_m * max(hd, hdv) * elem_bytes * q_stages, _SMEM_ALIGN)
     k = _round_up(tile_n * hd * num_stages * elem_bytes, _SMEM_ALIGN)
     v = _round_up(tile_n * hdv * num_stages * elem_bytes, _SMEM_ALIGN)
-    return _round_up(q + k + v + num_mbarriers(num_stages) * _MBARRIER_BYTES, _SMEM_ALIGN)
+    return _round_up(q + k + v + num_mbarriers(num_stages, q_stages) * _MBARRIER_BYTES, _SMEM_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class RegisterSplit:
     mma_regs: Optional[int]  # after setmaxnreg.inc, None without rebalancing
 
 
-def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
+def register_split(smem_total: int, num_mma_threads: int, producer_regs: int = PRODUCER_REGS) -> RegisterSplit:
     """setmaxnreg budget: give the MMA warps what the producer warpgroup does not need.
 
     ptxas caps a thread at 64K / (CTAs per SM * threads rounded up to 128), rounded down to a
@@ -86,10 +93,15 @@ def register_split(smem_total: int, num_mma_threads: int) -> RegisterSplit:
     ctas = max(1, hardware.sm120_occupancy(smem_total, threads).ctas_per_sm)
     per_cta = hardware.REGS_PER_SM // ctas
     launch = min(hardware.MAX_REGS_PER_THREAD, per_cta // _round_up(threads, 128) // 8 * 8)
-    mma = min(MAX_MMA_REGS, (launch * threads - PRODUCER_THREADS * PRODUCER_REGS) // num_mma_threads // 8 * 8)
+    mma = min(MAX_MMA_REGS, (launch * threads - PRODUCER_THREADS * producer_regs) // num_mma_threads // 8 * 8)
     if mma <= launch:
         return RegisterSplit(ctas, launch, None, None)
-    return RegisterSplit(ctas, launch, PRODUCER_REGS, mma)
+    return RegisterSplit(ctas, launch, producer_regs, mma)
+
+
+def producer_regs(persistent: bool, num_mma_threads: int) -> int:
+    """The producer warpgroup's setmaxnreg.dec target (PERSISTENT_PRODUCER_REGS's comment says why)."""
+    return PERSISTENT_PRODUCER_REGS if persistent and num_mma_threads == 2 * WARPGROUP_THREADS else PRODUCER_REGS
 
 
 def rows_per_warp(tile_m: int, num_threads: int) -> int:
@@ -112,6 +124,7 @@ def tma_config_error(
     num_stages: int,
     num_threads: int,
     q_in_regs: bool = False,
+    q_stages: int = 1,
 ) -> Optional[str]:
     """Why a TMA-family config cannot run on SM120, or None if it can."""
     if num_threads not in SUPPORTED_NUM_THREADS:
@@ -132,9 +145,10 @@ def tma_config_error(
         return f"tile_n={tile_n} must be a multiple of 16 in [16, 256]"
     if not 1 <= num_stages <= 4:
         return f"num_stages={num_stages}: the K and V rings take 1 to 4 stages"
-    smem = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages) + hardware.DSL_STATIC_SMEM
+    smem = smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages, q_stages=q_stages) + hardware.DSL_STATIC_SMEM
     if smem > hardware.SMEM_PER_BLOCK_MAX:
-        return f"needs {smem} B of shared memory, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
+        q_slots = f" with {q_stages} Q slots" if q_stages > 1 else ""
+        return f"needs {smem} B of shared memory{q_slots}, SM120 allows {hardware.SMEM_PER_BLOCK_MAX} B per block"
     return None
 
 
@@ -189,6 +203,24 @@ def persistent_error(pingpong: bool) -> Optional[str]:
     return None
 
 
+def dynamic_error(dynamic: bool, persistent: bool) -> Optional[str]:
+    """Why the dynamic tile order cannot run, or None: it is an order for persistent CTAs."""
+    if dynamic and not persistent:
+        return "dynamic needs persistent=True (one CTA per tile has no tile loop to feed)"
+    return None
+
+
+def q_stages_error(q_stages: int, persistent: bool) -> Optional[str]:
+    """Why this many Q slots cannot run, or None. A second slot lets a persistent CTA's producer load the
+    next tile's Q under the current tile's main loop (the epilogue's sO takes the retiring slot); one
+    CTA per tile loads Q once, so the slot would sit unused."""
+    if q_stages not in (1, 2):
+        return f"q_stages={q_stages}: the Q ring takes 1 or 2 slots"
+    if q_stages == 2 and not persistent:
+        return "q_stages=2 needs persistent=True (one CTA per tile loads a single Q)"
+    return None
+
+
 def pack_gqa_error(tile_m: int, qhead_per_kvhead: int) -> Optional[str]:
     """Why this family cannot pack `qhead_per_kvhead` query heads into a tile_m tile, or None."""
     if qhead_per_kvhead > 1 and tile_m % qhead_per_kvhead:
@@ -217,7 +249,8 @@ def unsupported_reason(statics) -> Optional[str]:
     """
     cfg = statics.config
     err = tma_config_error(
-        statics.head_dim, statics.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.num_threads, cfg.q_in_regs
+        statics.head_dim, statics.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.num_threads, cfg.q_in_regs,
+        q_stages=cfg.q_stages,
     )
     if err is not None:
         return err

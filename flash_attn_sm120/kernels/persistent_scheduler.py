@@ -16,6 +16,16 @@ the Q buffer (sO reuses it).
 Only the tile index and the stride differ from SingleTileLPTScheduler (a subclass: `create` starts at
 the CTA's own index, `advance_to_next_work` adds the grid size instead of ending the work).
 Varlen q keeps SingleTileVarlenScheduler (one CTA per tile), whose order depends on each sequence.
+
+Dynamic (FwdConfig.dynamic): a fixed stride cannot balance unequal tiles (causal, block-sparse lists) the way
+the hardware's launch of one CTA per tile does. With a dynamic order CTA c still starts at tile c, and each
+later tile comes from a global counter: the producer warp takes `fetch_next_tile` (one relaxed atomicAdd)
+as soon as it has issued the current tile's loads, so a CTA that finishes early takes more tiles, in the
+same LPT order. The producer hands the index to the MMA warps in shared memory next to the tile's Q slot,
+written before its arrive on the slot's full barrier (the producer's `_load_q_slot`); past the last tile it
+writes an invalid index and arrives without a load, which ends the MMA warps' loop. The counter is a
+zeroed int32 the host allocates for each call (driver.py): the fetches of one launch return 0, 1, ... and
+the index they give is grid + value, valid below the tile count.
 """
 
 import cutlass
@@ -36,6 +46,15 @@ class PersistentTileScheduler(SingleTileLPTScheduler):
     def advance_to_next_work(self, *, loc=None, ip=None) -> WorkTileInfo:
         self._tile_idx += cute.arch.grid_dim()[0]
         return self.get_current_work()
+
+
+@cute.jit
+def fetch_next_tile(counter: cute.Tensor, grid_size: Int32) -> Int32:
+    """Producer warp: the next tile index from the call's counter (lane 0's atomicAdd, broadcast to the warp)."""
+    taken = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        taken = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+    return grid_size + cute.arch.shuffle_sync(taken, 0)
 
 
 def persistent_grid(total_tiles, num_sms: int, ctas_per_sm: int):
