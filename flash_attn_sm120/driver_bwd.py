@@ -50,7 +50,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     force_launch_plan,
     launch_plan,
 )
-from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
@@ -275,11 +275,33 @@ def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool
             raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
 
 
+# The block-sparse walk's own config where the table's would serve it at this head dim, for a dense-layout,
+# non-deterministic call without a causal/local mask, a score_mod (softcap's included) or aux tensors (what
+# was measured; a mask_mod is fine): d128 32x128 with 8 warps along N for dK/dV, spill-free in the walk
+# with or without a mask_mod (tests/test_block_sparse.py); 1.05x / 1.06x the table's 64x64 on 10% random and
+# window + global lists, kernel time (2026-12-04_block_sparse_bwd_graph_emulated.json; session 22's eager
+# run: 1.06x on window + global). d64: 0.71-0.73x, not taken.
+SPARSE_BWD_CONFIGS: dict[int, BwdConfig] = {128: bwd_config_from_name("bwd-w8-32x128-q1do1-a282")}
+
+
+def sparse_preferred_config(
+    head_dim: int, head_dim_v: int, causal: bool, local: bool, score_mod_or_aux: bool, deterministic: bool,
+    varlen: bool,
+) -> Optional[BwdConfig]:
+    """The entry of SPARSE_BWD_CONFIGS for a block-sparse backward, or None (the table's serves).
+    score_mod_or_aux: the call has a score_mod (or softcap) or aux tensors."""
+    if causal or local or score_mod_or_aux or deterministic or varlen or head_dim != head_dim_v:
+        return None
+    return SPARSE_BWD_CONFIGS.get(head_dim)
+
+
 def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal: bool, local: bool,
-                       deterministic: bool, varlen: bool, config_given: bool):
+                       deterministic: bool, varlen: bool, config_given: bool,
+                       preferred: Optional[BwdConfig] = None):
     """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
     one Q and one dO stage (a given config: at most two unless deterministic; kernels/bwd_block_sparse.py),
-    else upstream's SM120 default tile when the chosen one does not divide the sparse block.
+    else upstream's SM120 default tile when the chosen one does not divide the sparse block. `preferred`
+    (sparse_preferred_config), when no config is given, goes before the chosen one.
     NotImplementedError names what the walk does not cover."""
     from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
 
@@ -287,7 +309,8 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
     if tensors.block_size is None:
         raise ValueError("block_sparse_tensors_bwd needs block_size (the BlockMask's BLOCK_SIZE)")
     bq, bk = (int(x) for x in tensors.block_size)
-    candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]
+    candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [
+        cfg, upstream_bwd_config(q.shape[-1])]
     for c in candidates:
         # the walk takes no V in registers and up to two Q / dO stages (one when deterministic); a table
         # entry runs with one of each, the faster at 10% density (d64: 0.649 vs 0.628 of dense, d128: 0.581
@@ -379,7 +402,11 @@ def backward(
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
         cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
                                          local=local, deterministic=deterministic, varlen=varlen,
-                                         config_given=config is not None or bool(_forced_config))
+                                         config_given=config is not None or bool(_forced_config),
+                                         preferred=sparse_preferred_config(
+                                             head_dim, head_dim_v, causal, local,
+                                             mods.score_mod is not None or mods.aux_tensors is not None,
+                                             bool(deterministic), varlen))
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
     seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]

@@ -249,6 +249,52 @@ def test_block_sparse_backward_plan_stages():
         assert (plan(given, True, True).stages_q, plan(given, True, True).stages_do) == (1, 1)
 
 
+def test_block_sparse_backward_prefers_its_own_d128_config():
+    """Without a given config, a d128 walk with no causal/local mask, no score_mod or aux tensors, dense layout
+    and deterministic=False takes SPARSE_BWD_CONFIGS' 32x128 (a282); otherwise, or where its tile does not divide the
+    sparse block, the table's entry as before. Fake CUDA tensors: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    table_cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False, modifiers=True)
+    preferred = driver_bwd.SPARSE_BWD_CONFIGS[128]
+    assert preferred.name == "bwd-w8-32x128-q1do1-a282" and preferred != table_cfg
+    pick = driver_bwd.sparse_preferred_config
+    assert pick(128, 128, False, False, False, False, False) == preferred
+    for args in [(128, 128, True, False, False, False, False), (128, 128, False, True, False, False, False),
+                 (128, 128, False, False, True, False, False), (128, 128, False, False, False, True, False),
+                 (128, 128, False, False, False, False, True), (64, 64, False, False, False, False, False)]:
+        assert pick(*args) is None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
+        q = torch.zeros(1, 512, 2, 128, dtype=torch.bfloat16, device="cuda")
+        for block, want in (((128, 128), preferred.name), ((128, 64), table_cfg.name.replace("q2do1", "q1do1"))):
+            # Q-direction lists: a count per K/V block, Q block indices
+            n_kv, n_q = 512 // block[1], 512 // block[0]
+            lists = BlockSparseTensorsTorch(z(1, 2, n_kv), z(1, 2, n_kv, n_q), None, None, block_size=block)
+            cfg = driver_bwd._block_sparse_plan(lists, q, q, table_cfg, head_dim_v=128, causal=False, local=False,
+                                                deterministic=False, varlen=False, config_given=False,
+                                                preferred=preferred)[0]
+            assert cfg.name == want, (block, cfg.name)
+
+
+def test_block_sparse_backward_preferred_config_compiles_spill_free_for_sm120a():
+    from dataclasses import replace
+
+    from flash_attn_sm120 import codegen, driver_bwd
+    from flash_attn_sm120.testing_mods import prefix_lm
+
+    for d, cfg in driver_bwd.SPARSE_BWD_CONFIGS.items():
+        cfg = replace(cfg, stages_q=1, stages_do=1, v_in_regs=False)
+        for mods in (driver_bwd.Mods(mask_mod=prefix_lm), driver_bwd.Mods()):
+            cubin, _ = codegen.compile_bwd_cubin(cfg, d, mods=mods,
+                                                 block_sparse=(128 // cfg.m_block, 128 // cfg.n_block, True))
+            res, _, _ = codegen.inspect_cubin(cubin)
+            assert res["stack"] == 0 and res["local"] == 0, (cfg.name, mods, res)
+
+
 def test_varlen_lists_choose_a_tma_tile_of_one_sparse_q_block():
     """flash_attn_varlen_func's lists (upstream's varlen form, fake CUDA tensors): a TMA config whose tile_m
     is the sparse Q block; upstream's rules as ValueErrors (dense-form lists with packed q, varlen K

@@ -300,8 +300,9 @@ def test_patched_upstream_block_sparse_host_path_runs_on_fake_tensors(tmp_path, 
         assert r["new_keys"] == [0, 0] and not r["built"], r
     bs = "FlashAttentionBackwardSm120BlockSparse"
     mha = one("bwd d128 128x128 lists, mask_mod", bs, [0, 1])
+    # the walk's own d128 config (sm120_bwd_block_sparse_preferred): 32x128, before the table's 64x64
     assert (mha["bwd"], mha["subtiles"], mha["has_full"], mha["mask_mod"]) == (
-        [256, 64, 64, 1, 1], [2, 2], True, "prefix_lm"), mha
+        [256, 32, 128, 1, 1], [4, 1], True, "prefix_lm"), mha
     assert mha["ordered_tiles"] is True  # the K/V tiles launch longest list first
     assert result["bwd d128 128x128 lists, mask_mod"]["shapes"] == [[2, 517, 4, 128], [2, 700, 4, 128], [2, 700, 4, 128]]
     gqa_bwd = one("bwd d64 GQA 4:1, 128x64 blocks, mask lists only", bs, [0, 1])

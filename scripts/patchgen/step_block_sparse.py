@@ -260,7 +260,8 @@ def patch_fwd_configs(ctx: Context) -> None:
 _PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sparse_config restates it
     "check_block_sparse(deterministic, varlen, turns_from_lists=True)",
     "if tensors.block_size is None:",
-    "candidates = [cfg] if config_given else [cfg, upstream_bwd_config(q.shape[-1])]",
+    "candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [",
+    "cfg, upstream_bwd_config(q.shape[-1])]",
     # a table entry runs with one Q / dO stage (a given config may keep two: no such path in the patch)
     "stages = 2 if config_given and not deterministic else 1",
     "c = replace(c, stages_q=min(c.stages_q, stages), stages_do=min(c.stages_do, stages), v_in_regs=False)",
@@ -300,6 +301,21 @@ def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
         turns = re.sub(rf"(?<![\w.]){old}\b", new, turns)
     turns = substitute(turns, "(kernels/bwd_block_sparse.py)", "(flash_bwd_sm120_block_sparse.py)", where=_BS_WHERE)
     check = check.rstrip("\n") + "\n\n\n" + turns.rstrip("\n") + "\n\n"
+    # the walk's own config where the table's would serve (driver_bwd.SPARSE_BWD_CONFIGS and its rule)
+    preferred_map = (
+        "# The list walk's own config where the table's would serve: a dense-layout, non-deterministic call\n"
+        "# without a causal/local mask, a score_mod (softcap's included) or aux tensors (a mask_mod is fine).\n"
+        "# d128: 32x128 with 8 warps along N for dK/dV, spill-free in the walk; 1.05-1.06x the table's tile\n"
+        "# on 10% random and window + global lists (kernel time)\n"
+        "SM120_BWD_BLOCK_SPARSE_PREFERRED: dict[int, Sm120BwdConfig] = {\n"
+        + "".join(f"    {d}: " + textwrap.indent(_wrapped_literal(c), "    ").lstrip() + ",\n"
+                  for d, c in pkg_driver_bwd.SPARSE_BWD_CONFIGS.items()) + "}\n")
+    preferred_rule = top_level_source(pkg_driver_bwd, "sparse_preferred_config")
+    preferred_rule = rename(preferred_rule, "SPARSE_BWD_CONFIGS", "SM120_BWD_BLOCK_SPARSE_PREFERRED", where=_BS_WHERE)
+    preferred_rule = rename(preferred_rule, "sparse_preferred_config", "sm120_bwd_block_sparse_preferred",
+                            where=_BS_WHERE)
+    preferred_rule = rename(preferred_rule, "BwdConfig", "Sm120BwdConfig", where=_BS_WHERE)
+    check += preferred_map + "\n\n" + preferred_rule.rstrip("\n") + "\n\n"
     text = (
         "\n\n# Block sparsity (flash_bwd_sm120_block_sparse.py): the walk reads its loop counter as a list position;\n"
         "# it runs one Q and one dO stage (the faster at 10% density) and V in shared memory, on a tile that\n"
@@ -308,17 +324,19 @@ def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
         "\n\n" + check + '''
 
 def sm120_bwd_block_sparse_config(
-    cfg: Optional[Sm120BwdConfig], head_dim: int, head_dim_v: int, block_size: Optional[tuple]
+    cfg: Optional[Sm120BwdConfig], head_dim: int, head_dim_v: int, block_size: Optional[tuple],
+    preferred: Optional[Sm120BwdConfig] = None,
 ) -> Sm120BwdConfig:
-    """The config of a block-sparse backward on SM120: `cfg` (the table's, or None) with one Q and one
-    dO stage and V in shared memory, else SM120_BWD_BLOCK_SPARSE_DEFAULT, the first whose tile divides
-    the sparse block `block_size` (the lists' BlockMask BLOCK_SIZE, required) and runs the head dims."""
+    """The config of a block-sparse backward on SM120: `preferred` (sm120_bwd_block_sparse_preferred's, or
+    None), then `cfg` (the table's, or None), with one Q and one dO stage and V in shared memory, else
+    SM120_BWD_BLOCK_SPARSE_DEFAULT, the first whose tile divides the sparse block `block_size` (the lists'
+    BlockMask BLOCK_SIZE, required) and runs the head dims."""
     if block_size is None:
         raise ValueError(
             "the SM120 block-sparse backward needs block_sparse_tensors.block_size (the BlockMask's BLOCK_SIZE)"
         )
     bq, bk = (int(x) for x in block_size)
-    candidates = ([cfg] if cfg is not None else []) + [SM120_BWD_BLOCK_SPARSE_DEFAULT]
+    candidates = [c for c in (preferred, cfg) if c is not None] + [SM120_BWD_BLOCK_SPARSE_DEFAULT]
     for c in candidates:
         c = replace(c, stages_q=1, stages_do=1, v_in_regs=False)
         if bq % c.m_block == 0 and bk % c.n_block == 0 and bwd_config_error(head_dim, head_dim_v, c) is None:
@@ -423,6 +441,7 @@ _BS_INTERFACE_EDITS = (
         "from flash_attn.cute.flash_bwd_sm120_configs import (\n"
         "    sm120_bwd_block_sparse_config,\n"
         "    sm120_bwd_block_sparse_dq_turns,\n"
+        "    sm120_bwd_block_sparse_preferred,\n"
         "    sm120_check_block_sparse_bwd,\n"
         ")\n"
         "from flash_attn.cute.flash_bwd_sm120_block_sparse import FlashAttentionBackwardSm120BlockSparse\n",
@@ -556,8 +575,14 @@ _BS_INTERFACE_EDITS = (
         "                varlen=any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)),\n"
         "                turns_from_lists=True,\n"
         "            )\n"
+        "            sm120_varlen = any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))\n"
         "            sm120_bwd_cfg = sm120_bwd_block_sparse_config(\n"
-        "                sm120_bwd_cfg, head_dim, head_dim_v, block_sparse_tensors.block_size\n"
+        "                sm120_bwd_cfg, head_dim, head_dim_v, block_sparse_tensors.block_size,\n"
+        "                preferred=sm120_bwd_block_sparse_preferred(\n"
+        "                    head_dim, head_dim_v, causal, local,\n"
+        "                    score_mod is not None or bool(softcap) or aux_tensors is not None,\n"
+        "                    bool(deterministic), sm120_varlen,\n"
+        "                ),\n"
         "            )\n"
         "            kv_subtile_factor = block_sparse_tensors.block_size[1] // sm120_bwd_cfg.n_block\n",
     ),
