@@ -174,6 +174,11 @@ BASE_PATHS: tuple[KernelPath, ...] = (
     # 256-row tile fits 99 KB; varlen q runs it one CTA per tile
     KernelPath("tma-w8-256x64-s2-pers", "tma", FwdConfig(256, 256, 64, 2, family="tma", persistent=True),
                Supports(**dict(FAMILY_LIMITS["tma"], head_dims=(64, 96)))),
+    # persistent with two Q slots and the dynamic tile order (a per-call counter): d64, whose two 256-row Q
+    # slots fit 99 KB with two K/V stages
+    KernelPath("tma-w8-256x64-s2-pers-q2-dyn", "tma",
+               FwdConfig(256, 256, 64, 2, family="tma", persistent=True, q_stages=2, dynamic=True),
+               Supports(**dict(FAMILY_LIMITS["tma"], head_dims=(64,)))),
     # SplitKV + paged K/V (kernels/fwd_splitkv.py through the public API); paged rows need d % 16 == 0
     KernelPath("splitkv-w4-64x64", "splitkv", FwdConfig(128, 64, 64, 1),
                Supports(head_dims=tuple(range(16, 257, 16)), splits=True, paged=True)),
