@@ -224,7 +224,9 @@ def compile_fwd_cubin(
     # the block-sparse launch order rides as the last aux tensor (kernels/ordered_scheduler.py)
     order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1) if statics.ordered_tiles else None
     # a dynamic persistent config's tile counter rides after it (kernels/persistent_scheduler.py)
-    counter = make_fake_tensor(cutlass.Int32, (1,), divisibility=1) if config.dynamic and config.persistent else None
+    varlen_q = "cu_seqlens_q" in varlen or "seqused_q" in varlen
+    counter = (make_fake_tensor(cutlass.Int32, (1,), divisibility=1)
+               if config.dynamic and config.persistent and not varlen_q else None)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = driver.compile_kernel(
             kernel, q, k, v, o, lse, cu_q, cu_k, used_q, used_k, window, window,

@@ -328,9 +328,7 @@ def _route(statics: FwdStatics, pack_gqa_chosen: bool, config_given: bool, causa
     reason = check(statics)
     if config_given:
         cfg = statics.config
-        bad_config = FAMILIES[cfg.family].config_error(
-            statics.head_dim, statics.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.num_threads, cfg.q_in_regs
-        )
+        bad_config = cfg.error(statics.head_dim, statics.head_dim_v)  # the family's rule and the config's flags
         if bad_config is not None:
             raise ValueError(f"SM120 forward config not implementable: {bad_config}")
         raise NotImplementedError(f"kernel family {cfg.family!r} cannot run this call: {reason}")
@@ -560,8 +558,9 @@ def forward(
 
 def tile_counter(statics: FwdStatics, device: torch.device) -> Optional[torch.Tensor]:
     """A dynamic persistent config's tile counter (kernels/persistent_scheduler.py): a zeroed int32 for each
-    call, from the caching allocator (a stream's calls never share one), appended after the tile order."""
-    if not (statics.config.dynamic and statics.config.persistent):
+    call, from the caching allocator (a stream's calls never share one), appended after the tile order. None
+    for varlen q, which runs one CTA per tile."""
+    if not (statics.config.dynamic and statics.config.persistent) or statics.has_cu_seqlens_q or statics.has_seqused_q:
         return None
     return torch.zeros(1, dtype=torch.int32, device=device)
 

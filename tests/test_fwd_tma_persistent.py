@@ -110,6 +110,26 @@ def test_dynamic_counter_is_fresh_and_zero_per_call():
     assert a.dtype == torch.int32 and a.shape == (1,) and int(a) == 0 and a.data_ptr() != b.data_ptr()
     plain = driver.build_statics(q, q, q, config=FwdConfig(256, 256, 64, 2, False, "tma", persistent=True), **common)
     assert driver.tile_counter(plain, q.device) is None
+    # varlen q runs one CTA per tile (the kernel drops persistence): no counter, and the kernel pops none
+    from dataclasses import replace
+
+    assert driver.tile_counter(replace(dyn, has_cu_seqlens_q=True), q.device) is None
+    assert driver.tile_counter(replace(dyn, has_seqused_q=True), q.device) is None
+
+
+def test_given_config_over_shared_memory_with_two_q_slots_names_it():
+    """A forced config that only its second Q slot pushes past 99 KB is refused as not implementable (the
+    config's own rule), not as a call the family cannot serve."""
+    import torch
+
+    q = torch.empty(1, 128, 4, 128, dtype=torch.bfloat16)
+    common = dict(causal=False, local=False, pack_gqa=False, has_lse=True, cu_seqlens_q=None, cu_seqlens_k=None,
+                  seqused_q=None, seqused_k=None, window_size_left=None, window_size_right=None, score_mod=None,
+                  mask_mod=None, aux_tensors=None, emulate_host_smem=None)
+    cfg = FwdConfig(256, 128, 64, 2, False, "tma", persistent=True, q_stages=2)
+    statics = driver.build_statics(q, q, q, config=cfg, **common)
+    with pytest.raises(ValueError, match="not implementable: needs .* with 2 Q slots"):
+        driver._route(statics, pack_gqa_chosen=False, config_given=True, causal=False, local=False)
 
 
 def test_dynamic_kernel_takes_its_tiles_with_one_atomic():

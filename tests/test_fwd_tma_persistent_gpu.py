@@ -117,12 +117,16 @@ def test_small_wave_block_sparse_handoffs(sms, monkeypatch):
             check(q, k, v, keep, dict(block_sparse_tensors=testing_sparse.lists_from_map(kinds, block)))
 
 
-def test_dynamic_order_replays_in_a_cuda_graph():
+def test_dynamic_order_replays_in_a_cuda_graph(monkeypatch):
     """The dynamic order's counter is allocated and zeroed inside the call, so a captured call zeroes it on
-    every replay: two replays over new q/k/v (outputs NaN-poisoned before each) both match the reference."""
+    every replay: two replays over new q/k/v (outputs NaN-poisoned before each) both match the reference. A
+    wave of 3 CTAs takes ~30 tiles each from the counter, so a replay that started from a stale count would
+    leave tiles unwritten."""
     import torch
 
     from flash_attn_sm120 import driver, flash_attn_func
+
+    monkeypatch.setenv(driver.PERSISTENT_SMS_ENV, "3")
 
     cfg = FwdConfig(256, 256, 64, 2, False, "tma", persistent=True, q_stages=2, dynamic=True)
     p = bench.Problem(2, 1500, 1500, 8, 8, 64)

@@ -378,9 +378,9 @@ class FlashAttentionForwardSm120Tma(
         mbar_q = cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
         mbar_k = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
         mbar_v = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-        # dynamic: each Q slot's tile index, from the producer to the MMA warps (inside the mbarriers' 1 KB
-        # round-up, so smem_bytes is unchanged)
-        tile_slots_struct = cute.struct.MemRange[Int32, self.q_stages if self.dynamic else 1]
+        # dynamic: each Q slot's tile, (m_block, head, batch, valid), from the producer to the MMA warps (16-32 B
+        # inside the mbarriers' 1 KB round-up, so smem_bytes is unchanged)
+        tile_slots_struct = cute.struct.MemRange[Int32, 4 * (self.q_stages if self.dynamic else 1)]
 
         @cute.struct
         class SharedStorageTma:
@@ -438,7 +438,8 @@ class FlashAttentionForwardSm120Tma(
             raise ValueError("SM120 TMA forward: a tile order is for one CTA per tile of a fixed-length grid")
         if const_expr(self.dynamic and not self.persistent):
             raise ValueError("SM120 TMA forward: a dynamic tile order is for persistent CTAs")
-        aux_data, tile_counter = split_tile_order(aux_data, self.dynamic)  # the host appends it last
+        # the host appends the counter last, for a dense-q call (varlen q runs one CTA per tile: no counter)
+        aux_data, tile_counter = split_tile_order(aux_data, self.dynamic and not self.varlen_q)
         aux_data, tile_order = split_tile_order(aux_data, self.ordered_tiles)
         self.has_sink = learnable_sink is not None
         self._check_type(
@@ -508,7 +509,7 @@ class FlashAttentionForwardSm120Tma(
             # the varlen order depends on each sequence: one CTA per tile (this kernel object compiles one
             # key, and varlen is part of it, so the flag holds for the whole trace)
             self.persistent = False
-            self.dynamic = False  # (its counter, appended by the host, is left unused)
+            self.dynamic = False  # (the host appends no counter for varlen q: driver.tile_counter)
         elif const_expr(self.persistent):
             TileScheduler = PersistentTileScheduler
         elif const_expr(self.ordered_tiles):

@@ -580,7 +580,7 @@ _BS_INTERFACE_EDITS = (
         "                sm120_bwd_cfg, head_dim, head_dim_v, block_sparse_tensors.block_size,\n"
         "                preferred=sm120_bwd_block_sparse_preferred(\n"
         "                    head_dim, head_dim_v, causal, local,\n"
-        "                    score_mod is not None or bool(softcap) or aux_tensors is not None,\n"
+        "                    score_mod is not None or bool(softcap) or bool(aux_tensors),\n"
         "                    bool(deterministic), sm120_varlen,\n"
         "                ),\n"
         "            )\n"
