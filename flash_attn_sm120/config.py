@@ -22,8 +22,8 @@ else:  # pragma: no cover
 
 from flash_attn_sm120.kernels import FAMILIES
 from flash_attn_sm120.kernels.fwd_tma import (
-    fp16_register_error,
     dynamic_error,
+    fp16_register_error,
     persistent_error,
     pingpong_error,
     q_stages_error,

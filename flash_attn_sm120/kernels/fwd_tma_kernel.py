@@ -127,7 +127,6 @@ class TmaKernelMixin:
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # dynamic: (m_block, head, batch, valid) of the tile in each Q slot
         sTile = storage.tile_slots.get_tensor(cute.make_layout((4, self.q_stages if const_expr(self.dynamic) else 1)))
-        dynamic = const_expr(self.persistent and self.dynamic)
 
         # each role asks the scheduler for its tile and makes the tile's sequence info after its setmaxnreg:
         # values live across the register reallocation are spilled around it (varlen lengths and the varlen
@@ -150,28 +149,24 @@ class TmaKernelMixin:
                     pipeline_q, pipeline_k, pipeline_v,
                 )
                 work_tile = tile_scheduler.initial_work_tile_info()
-                if const_expr(dynamic):
-                    grid_size = cute.arch.grid_dim()[0]
+                if const_expr(self.persistent):
                     while work_tile.is_valid_tile:
                         m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                         seqlen, _, n_block_min, n_block_max, lists, _ = setup(
                             m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
+                        # dynamic: the tile's coordinates go beside its Q slot for the MMA warps
                         q_state, kv_state = load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
                                                  seqlen, q_state, kv_state,
-                                                 tile_slot=(sTile, work_tile))
-                        # the next tile as soon as this one's loads are issued (persistent_scheduler.py)
-                        tile_scheduler._tile_idx = fetch_next_tile(mTileCounter, grid_size)
-                        work_tile = tile_scheduler.get_current_work()
-                    # past the last tile: an invalid index and an arrive without a load end the MMA warps' loop
-                    self.signal_last_tile(pipeline_q, q_state, sTile)
-                elif const_expr(self.persistent):
-                    while work_tile.is_valid_tile:
-                        m_block, head_idx, batch_idx, _ = work_tile.tile_idx
-                        seqlen, _, n_block_min, n_block_max, lists, _ = setup(
-                            m_block=m_block, head_idx=head_idx, batch_idx=batch_idx)
-                        q_state, kv_state = load(m_block, head_idx, batch_idx, n_block_min, n_block_max, lists,
-                                                 seqlen, q_state, kv_state)
-                        work_tile = tile_scheduler.advance_to_next_work()
+                                                 tile_slot=(sTile, work_tile) if const_expr(self.dynamic) else None)
+                        if const_expr(self.dynamic):
+                            # the next tile as soon as this one's loads are issued (persistent_scheduler.py)
+                            tile_scheduler._tile_idx = fetch_next_tile(mTileCounter, cute.arch.grid_dim()[0])
+                            work_tile = tile_scheduler.get_current_work()
+                        else:
+                            work_tile = tile_scheduler.advance_to_next_work()
+                    if const_expr(self.dynamic):
+                        # past the last tile: an invalid entry and an arrive without a load end the MMA warps' loop
+                        self.signal_last_tile(pipeline_q, q_state, sTile)
                 elif work_tile.is_valid_tile:
                     m_block, head_idx, batch_idx, _ = work_tile.tile_idx
                     seqlen, _, n_block_min, n_block_max, lists, _ = setup(
@@ -190,7 +185,7 @@ class TmaKernelMixin:
             )
             work_tile = tile_scheduler.initial_work_tile_info()
             if const_expr(self.persistent):
-                if const_expr(dynamic):  # the tile whose Q lands next, as the producer wrote it
+                if const_expr(self.dynamic):  # the tile whose Q lands next, as the producer wrote it
                     work_tile = self.next_tile_from_slot(pipeline_q, q_state, sTile)
                 while work_tile.is_valid_tile:
                     m_block, head_idx, batch_idx, _ = work_tile.tile_idx
@@ -201,7 +196,7 @@ class TmaKernelMixin:
                         m_block, head_idx, batch_idx, n_block_min, n_block_max,
                         aux_data, tile_fastdiv_mods, lists, q_state, kv_k, kv_v,
                     )
-                    if const_expr(dynamic):
+                    if const_expr(self.dynamic):
                         work_tile = self.next_tile_from_slot(pipeline_q, q_state, sTile)
                     else:
                         work_tile = tile_scheduler.advance_to_next_work()

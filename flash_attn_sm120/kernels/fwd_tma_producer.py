@@ -128,8 +128,8 @@ class TmaProducerMixin:
     def _load_q_slot(self, pipeline_q: cpipeline.PipelineAsync, load_Q: Callable, q_state: cpipeline.PipelineState,
                      tile_slot: Optional[tuple] = None):
         """Acquire the Q slot (free once the MMA warps released it) and issue the tile's Q load. With
-        `tile_slot` the tile's index goes into the slot's sTile entry between the empty wait and the full
-        barrier's arrive (the arrive releases it to the MMA warps' wait)."""
+        `tile_slot` the tile's coordinates go into the slot's sTile entry between the empty wait and the full
+        barrier's arrive (the arrive releases them to the MMA warps' wait)."""
         if const_expr(tile_slot is not None):
             s_tile, work_tile = tile_slot
             pipeline_q.sync_object_empty.wait(q_state.index, q_state.phase)

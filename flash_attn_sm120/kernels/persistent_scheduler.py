@@ -21,9 +21,9 @@ Dynamic (FwdConfig.dynamic): a fixed stride cannot balance unequal tiles (causal
 the hardware's launch of one CTA per tile does. With a dynamic order CTA c still starts at tile c, and each
 later tile comes from a global counter: the producer warp takes `fetch_next_tile` (one relaxed atomicAdd)
 as soon as it has issued the current tile's loads, so a CTA that finishes early takes more tiles, in the
-same LPT order. The producer hands the index to the MMA warps in shared memory next to the tile's Q slot,
-written before its arrive on the slot's full barrier (the producer's `_load_q_slot`); past the last tile it
-writes an invalid index and arrives without a load, which ends the MMA warps' loop. The counter is a
+same LPT order. The producer hands the tile's coordinates to the MMA warps in shared memory next to its Q
+slot, written before its arrive on the slot's full barrier (the producer's `_load_q_slot`); past the last
+tile it writes an invalid entry and arrives without a load, which ends the MMA warps' loop. The counter is a
 zeroed int32 the host allocates for each call (driver.py): the fetches of one launch return 0, 1, ... and
 the index they give is grid + value, valid below the tile count.
 """
