@@ -69,11 +69,11 @@ def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -
 
 _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_early", "barrier_release",
                    "release_deferred", "fetch_relaxed", "warp_turns", "late_dq_adds", "diag_no_wait",
-                   "diag_no_sync", "dq_split", "fused_turns", "fused_fetch")
+                   "diag_no_sync", "dq_split", "fused_turns", "fused_fetch", "dq_fixed_point")
 # the block-sparse walk's deterministic order (kernels/bwd_block_sparse.py): ascending turns per listed tile,
 # given by its lists, on the modifier step's own barriers
 SPARSE_DETERMINISTIC_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "fused_turns": True}
-_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch")  # need kernels/bwd_mods.py's step
+_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch", "dq_fixed_point")  # need kernels/bwd_mods.py's step
 _forced_plan: list[dict] = []
 
 
@@ -85,9 +85,22 @@ class force_deterministic_plan(_Forced):
     stack, known, what = _forced_plan, _ORDERING_FLAGS, "deterministic ordering flags"
 
 
+def fixed_point_allowed(user_score_mod: bool, block_sparse: bool) -> bool:
+    """Whether a deterministic call may add dQ in fixed point (kernels/bwd_fixed_point.py): its bound holds
+    without a user's score_mod_bwd (softcap's is covered); the block-sparse walk keeps its list turns."""
+    return not user_score_mod and not block_sparse
+
+
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
-                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:
-    """How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).
+                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,
+                       fixed_point: bool = False) -> dict:
+    """How the deterministic backward orders its dQ additions.
+
+    * `fixed_point` (the call allows it, fixed_point_allowed): no order at all. Each dQ contribution is
+      added as a 64-bit fixed-point integer, whose sum has the same bits in any order
+      (kernels/bwd_fixed_point.py); no CTA waits, and sliding windows are covered.
+
+    Otherwise turns (kernels/bwd_deterministic.py):
 
     * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
       first, so that every wait is for a CTA launched earlier (no residency condition).
@@ -112,6 +125,11 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
     resident = not cu_k and n_blocks <= num_sms  # varlen: the scheduler's launch order differs
     if _forced_plan:
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
+        if plan["dq_fixed_point"] and not fixed_point:
+            raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd, or the "
+                             "block-sparse walk)")
+    elif fixed_point:
+        return {**dict.fromkeys(_ORDERING_FLAGS, False), "dq_fixed_point": True}
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
         if modifier_step:

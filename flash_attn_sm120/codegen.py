@@ -497,7 +497,8 @@ def compile_bwd_cubin(
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
-    deterministic adds the ordering semaphores (int32, batch x heads x blocks). mods: a driver_bwd.Mods
+    deterministic adds the ordering semaphores (int32, batch x heads x blocks; with dq_fixed_point in
+    `ordering`, the int64 dQ accumulator and per-head scales instead of dQ's). mods: a driver_bwd.Mods
     (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step.
     ordering: the deterministic ordering's other kernel flags (dq_rotated, reverse_n_blocks, fetch_early,
     barrier_release; driver_bwd.deterministic_plan) and the launch plan's (driver_bwd.launch_plan, its
@@ -534,6 +535,9 @@ def compile_bwd_cubin(
     if deterministic:
         sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))  # noqa: E731
         sems = (sem(), sem() if gqa else None)
+        if (ordering or {}).get("dq_fixed_point"):  # the int64 accumulator and the per-head scales
+            accumulator = make_fake_tensor(cutlass.Int64, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
+            sems = (accumulator, sems[1], make_fake_tensor(cutlass.Float32, (cute.sym_int(),), divisibility=1))
     sparse = None
     if block_sparse is not None:  # (q_subtile, kv_subtile, has full lists): Q-direction lists
         from flash_attn.cute.block_sparsity import BlockSparseTensors

@@ -46,6 +46,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     _OWN_STEP_FLAGS,
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
+    fixed_point_allowed,
     force_deterministic_plan,
     force_launch_plan,
     launch_plan,
@@ -54,6 +55,7 @@ from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, se
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
+from flash_attn_sm120.kernels import bwd_fixed_point
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import (
@@ -109,6 +111,7 @@ class BwdStatics:
     dq_split: bool = False  # bwd_deterministic.dq_groups(True) dQ accumulators, summed before the postprocess (dense only)
     fused_turns: bool = False
     fused_fetch: bool = False
+    dq_fixed_point: bool = False  # deterministic dQ in 64-bit fixed point (kernels/bwd_fixed_point.py)
     lpt: bool = False  # launch_plan: causal CTAs longest first
     mask_where_needed: bool = False  # launch_plan: mask only the tiles with a masked element
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
@@ -241,15 +244,16 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
 
 
 def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k,
-                   window_left, window_right, dq_sem=None, dkv_sem=None, options: str = "",
+                   window_left, window_right, dq_sem=None, dkv_sem=None, dq_scale=None, options: str = "",
                    aux: AuxData = AuxData(None, None), blocksparse=None):
     """cute.compile with upstream's SM80/SM120 backward call convention (cute tensors or fakes).
-    dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots); aux: the
-    modifiers' aux tensors (cute tensors) and scalars."""
+    dq_sem / dkv_sem: the deterministic ordering's semaphores (upstream's dQ and dK slots); with
+    dq_fixed_point the int64 dQ accumulator and, in dV's slot, dq_scale (kernels/bwd_fixed_point.py);
+    aux: the modifiers' aux tensors (cute tensors) and scalars."""
     return quiet_compile(
         kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, 1.0, cu_q, cu_k, used_q, used_k,
         window_left, window_right,
-        dq_sem, dkv_sem, None,  # dQ / dK / dV semaphores (deterministic ordering; dK's serves dV too)
+        dq_sem, dkv_sem, dq_scale,  # dQ / dK / dV semaphore slots (deterministic; dK's serves dV too)
         aux, blocksparse,  # aux data, block sparsity (kernels/bwd_block_sparse.py)
         None,  # varlen tile-count hint
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -382,7 +386,10 @@ def backward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
-    if deterministic and block_sparse_tensors is None:  # (the list walk orders dQ by its lists, any window)
+    # deterministic dQ in 64-bit fixed point where its bound holds (any window), else in turns
+    fixed_point = bool(deterministic) and fixed_point_allowed(
+        mods.score_mod is not None and not mods.from_softcap, block_sparse_tensors is not None)
+    if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
         check_deterministic(causal, window_size_left, window_size_right, mask_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
@@ -422,7 +429,7 @@ def backward(
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         **(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)) if deterministic else {}),
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point) if deterministic else {}),
         **launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k),
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
@@ -439,13 +446,17 @@ def backward(
                                         tiles_per_sparse_row=sparse[0].kv_subtile_factor)
     buffers = _allocate(q, k, statics, batch, seqlen_q, seqlen_k, varlen_q, varlen_k)
     dq_accum, dpsum, lse_log2, dk_accum, dv_accum = buffers
+    dq_accum_fixed = None
+    if statics.dq_fixed_point:  # the int64 accumulator, and the fp32 view of it that the kernel partitions
+        dq_accum_fixed, dq_accum = bwd_fixed_point.fixed_accumulator(tuple(dq_accum.shape), q.device)
     cute_dtype = _TORCH_TO_CUTE[q.dtype]
     occupancy.note_unchecked(UNCHECKED)
     # the preprocess's pass must not cover more rows than the tile (preprocess_multiple); with a wider
     # multiple its dQ accumulator layout differs, so the accumulator is zeroed here instead of there
     multiple = preprocess_multiple(head_dim_v, cfg.m_block)
-    preprocess_zeroes = multiple == HDIM_MULTIPLE and not statics.dq_split  # dq_split: zeroed at allocation
-    if multiple != HDIM_MULTIPLE and not statics.dq_split:
+    zeroed = statics.dq_split or statics.dq_fixed_point  # zeroed at allocation
+    preprocess_zeroes = multiple == HDIM_MULTIPLE and not zeroed
+    if multiple != HDIM_MULTIPLE and not zeroed:
         dq_accum.zero_()
     _bwd_preprocess(
         out, dout, dpsum, lse, lse_log2, dq_accum if preprocess_zeroes else None, cu_seqlens_q, seqused_q, dlse,
@@ -455,14 +466,20 @@ def backward(
     dk_target, dv_target = (dk_accum, dv_accum) if gqa else (dk, dv)
     tensors = (q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_target, dv_target)
     index = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None)
+    sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None, None)
+    inverse_scale = None
+    if statics.dq_fixed_point:  # the int64 accumulator in dQ's slot, the per-head scales in dV's
+        scale, inverse_scale = bwd_fixed_point.dq_scales(k, v, dout)
+        sems = (dq_accum_fixed, sems[1], scale)
     if statics not in _verified_keys:
         _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods,
                          None if sparse is None else sparse[0], order)
     aux = with_tile_order(AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars), order)
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
-                            *sems, None, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
+                            *sems, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
+    if statics.dq_fixed_point:  # back to fp32 in upstream's layout for its postprocess
+        dq_accum = bwd_fixed_point.dequantize(dq_accum_fixed, inverse_scale)
     if statics.dq_split:  # the groups' accumulators, summed in group order (deterministic)
         groups = dq_accum.view(*dq_accum.shape[:-1], dq_groups(True), -1).unbind(-2)
         dq_accum = groups[0] + groups[1]  # a new contiguous tensor in upstream's layout
@@ -523,7 +540,8 @@ def _allocate(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: in
 
 
 def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: int):
-    """Zeroed int32 turn counters: dQ per (batch, head, m_block), dK/dV per (batch, KV head, n_block)."""
+    """Zeroed int32 turn counters for upstream's dQ / dK / dV semaphore slots: dQ per (batch, head,
+    m_block), dK/dV per (batch, KV head, n_block) in dK's slot, nothing in dV's."""
     cfg = statics.config
     m_blocks, n_blocks = -(-seqlen_q // cfg.m_block), -(-seqlen_k // cfg.n_block)
     groups = dq_groups(statics.dq_split)  # dq_split: group g's counters at [g * M, (g + 1) * M)
@@ -531,7 +549,8 @@ def _semaphores(q, k, statics: BwdStatics, batch: int, seqlen_q: int, seqlen_k: 
     dkv_sem = None
     if statics.qhead_per_kvhead > 1:
         dkv_sem = torch.zeros(batch, k.shape[-2], max(n_blocks, 1), dtype=torch.int32, device=q.device)
-    return dq_sem, dkv_sem
+    # (dq_fixed_point: dQ's slot becomes the int64 accumulator, dV's the scales, in backward())
+    return None if statics.dq_fixed_point else dq_sem, dkv_sem, None
 
 
 def _compile_checked(statics: BwdStatics, tensors, index, sems, window_left, window_right, device,

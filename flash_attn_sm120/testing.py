@@ -82,9 +82,15 @@ class AttnCase:
             if not self.backward:
                 raise ValueError("deterministic=True needs backward=True: it orders the backward's dQ/dK/dV "
                                  "additions, a forward case has nothing to order")
-            if self.local and not self.block_sparse:  # (the block-sparse walk orders dQ by its lists, any window)
-                raise ValueError(f"deterministic=True with the local mask {self.mask!r}: the deterministic backward "
-                                 "refuses sliding windows (driver_bwd.check_deterministic: NotImplementedError)")
+            # sliding windows: fixed point and the block-sparse walk (its lists' order) take them; the
+            # turn orders of a user score_mod do not
+            if self.local and not self.block_sparse and self.mods:
+                from flash_attn_sm120 import testing_mods
+
+                if testing_mods.spec(self.mods).score_mod is not None:
+                    raise ValueError(f"deterministic=True with the local mask {self.mask!r} and a score_mod: the "
+                                     "deterministic backward's turn orders refuse sliding windows "
+                                     "(driver_bwd.check_deterministic: NotImplementedError)")
 
     @property
     def causal(self) -> bool:
@@ -646,8 +652,9 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
 
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "rotated", "descending" (turns; with "+reversed" for the shortest-first launch) or "ascending";
-    "lists" for block-sparse lists (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
+    forced): "fixed" (64-bit fixed-point adds, no order: every call without a user score_mod), else turns:
+    "rotated", "descending" (with "+reversed" for the shortest-first launch) or "ascending"; "lists" for
+    block-sparse lists (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
@@ -655,11 +662,14 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     if case.block_sparse:
         return "lists"
 
-    causal = case.causal
+    causal, user_score_mod = case.causal, False
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
         from flash_attn_sm120 import testing_mods
 
         causal = causal and testing_mods.spec(case.mods).mask_mod is None
+        user_score_mod = testing_mods.spec(case.mods).score_mod is not None
+    if driver_bwd.fixed_point_allowed(user_score_mod, block_sparse=False):
+        return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods))  # a MODS entry is a user modifier (Mods.user)
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound

@@ -242,6 +242,8 @@ DET_VARIANTS = {
     "det_split": _walk(**_DEFERRED, dq_split=True),
     "det_split_fused": _walk(dq_split=True, fused_turns=True),
     "det_deferred_fetch_relaxed": _walk(**_DEFERRED, fetch_early=True, fetch_relaxed=True),
+    # no turns: dQ added in 64-bit fixed point (kernels/bwd_fixed_point.py), the same bits in any order
+    "det_fixed_point": {"causal": dict(dq_fixed_point=True), "none": dict(dq_fixed_point=True)},
 }
 
 

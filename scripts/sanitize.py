@@ -25,7 +25,7 @@ A small memcheck run takes ~20 s on an H200.
   python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
   python scripts/sanitize.py --list                     # the cases, no GPU needed
   python scripts/sanitize.py --shapes bwd-d128-mods-varlen,sink-alibi-gqa   # some shapes only
-  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-varlen,bwd-d96-det-seqused-causal
+  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-local,bwd-d128-det-causal-turns,bwd-d128-det-none-turns,bwd-d64-det-varlen,bwd-d96-det-seqused-causal
   python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
 """
 
@@ -88,24 +88,35 @@ BWD_SHAPES = (
     ("bwd-d64-document-sink", AttnCase("bfloat16", 64, 64, 4, None, "causal", 0.0, True, "dense", "dense", True,
                                        sink=True, mods="document"),
      AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
-    # deterministic=True (kernels/bwd_deterministic.py), one per dQ ordering of driver_bwd.deterministic_plan, with
-    # several m_blocks and n_blocks so the CTAs' turns interleave; the backward runs twice, compared bit for bit.
-    # rotated (no mask, dense, n_blocks <= m_blocks): d128's 32x128 tile, 10 m_blocks, 3 n_blocks
+    # deterministic=True, several m_blocks and n_blocks so that the CTAs' additions interleave; the backward
+    # runs twice, compared bit for bit. Fixed point (kernels/bwd_fixed_point.py: every call without a user
+    # score_mod): no mask (d128's 32x128 tile, 10 m_blocks, 3 n_blocks), causal GQA (ordered dK/dV), a window.
     ("bwd-d128-det-none", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((300,), (300,), nheads_kv=2, seed=20)),
-    # causal dense: descending turns, the shortest-first launch; GQA orders dK/dV: 5 m_blocks, 5 n_blocks
     ("bwd-d128-det-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, True, "dense", "dense", True,
                                          deterministic=True),
      AttnProblem((280,), (300,), nheads_kv=2, seed=21)),
-    # varlen (cu_seqlens): ascending; d64's 64x128 tile: up to 5 m_blocks and 4 n_blocks, an empty sequence, GQA
+    ("bwd-d64-det-local", AttnCase("bfloat16", 64, 64, 2, None, "local_lr", 0.0, False, "dense", "dense", True,
+                                   deterministic=True),
+     AttnProblem((400,), (450,), nheads_kv=1, window_left=100, window_right=30, seed=24)),
+    # the turn orders (kernels/bwd_deterministic.py), for calls with a user score_mod: one per dQ ordering of
+    # driver_bwd.deterministic_plan. Causal dense: descending turns, the shortest-first launch, GQA dK/dV
+    ("bwd-d128-det-causal-turns", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",
+                                           True, mods="position", deterministic=True),
+     AttnProblem((280,), (300,), nheads_kv=2, seed=25)),
+    # no mask, dense, n_blocks <= m_blocks: rotated
+    ("bwd-d128-det-none-turns", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
+                                         mods="position", deterministic=True),
+     AttnProblem((300,), (260,), nheads_kv=2, seed=26)),
+    # varlen (cu_seqlens): ascending; up to 5 m_blocks and 4 n_blocks, an empty sequence, GQA
     ("bwd-d64-det-varlen", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, False, "packed", "packed", True,
-                                    deterministic=True),
+                                    mods="position", deterministic=True),
      AttnProblem((260, 0, 130), (400, 70, 300), nheads_kv=1, seed=22)),
     # seqused, causal: ascending turns (descending ones, counted from the used keys, would miss the grid's
-    # n_blocks past them); d96's 32x64 tile
+    # n_blocks past them)
     ("bwd-d96-det-seqused-causal", AttnCase("float16", 96, 96, 2, None, "causal", 0.0, False, "padded", "padded",
-                                            True, deterministic=True),
+                                            True, mods="position", deterministic=True),
      AttnProblem((200, 90), (260, 150), nheads_kv=1, pad_q=5, pad_k=9, seed=23)),
 )
 # the sink fold and the forward modifiers, on the first path of each family (public API, forward only)

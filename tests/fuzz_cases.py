@@ -51,17 +51,22 @@ MASK_ONLY_MODS = ("document", "prefix")
 SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
-# ratios); plan.det_cases takes them in this order (cycling), so the fast plan's 3 cover the three orderings
+# ratios, modifier); plan.det_cases takes them in this order (cycling), so the fast plan's 4 cover fixed point
+# and the three turn orderings, the deep plan's 12 all of them. Fixed point serves every call without a user score_mod (windows included); the
+# turn orderings serve calls with one ("position", "alibi": testing_mods.MODS) and the block-sparse lists.
 DETERMINISTIC = (
-    ("descending+reversed", "causal", ("dense", "dense"), (2, 4)),  # causal dense: shortest-first launch
-    ("rotated", "none", ("dense", "dense"), (1, 2)),  # no mask, dense, n_blocks <= m_blocks
-    ("ascending", "causal", ("packed", "packed"), (2, 4)),  # cu_seqlens_k: ascending, even with a causal mask
-    ("ascending", "none", ("dense", "dense"), (1, 3)),  # more n_blocks than m_blocks
-    ("ascending", "causal", ("padded", "padded"), (1, 2)),  # seqused_k, causal: ascending (descending hung)
-    ("ascending", "none", ("padded", "packed"), (2, 4)),  # seqused q, cu_seqlens k
-    ("rotated", "none", ("dense", "dense"), (4, 8)),  # rotated with a large group's dK/dV order
-    ("descending+reversed", "causal", ("dense", "dense"), (1, 8)),
-    ("lists", "causal", ("dense", "dense"), (1, 2)),  # block-sparse lists: turns from the lists, causal inside tiles
+    ("fixed", "causal", ("dense", "dense"), (2, 4), ""),  # GQA causal: fixed-point dQ, ordered dK/dV
+    ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "position"),  # shortest-first launch
+    ("rotated", "none", ("dense", "dense"), (1, 2), "position"),  # no mask, dense, n_blocks <= m_blocks
+    ("ascending", "causal", ("packed", "packed"), (2, 4), "position"),  # cu_seqlens_k: ascending, even causal
+    ("fixed", "local_lr", ("packed", "packed"), (2, 4), ""),  # sliding window: fixed point only
+    ("fixed", "none", ("padded", "packed"), (1, 2), ""),
+    ("ascending", "none", ("dense", "dense"), (1, 3), "position"),  # more n_blocks than m_blocks
+    ("ascending", "causal", ("padded", "padded"), (1, 2), "alibi"),  # seqused_k, causal: ascending
+    ("fixed", "causal_l", ("dense", "dense"), (1, 8), ""),
+    ("rotated", "none", ("dense", "dense"), (4, 8), "alibi"),  # rotated with a large group's dK/dV order
+    ("descending+reversed", "causal", ("dense", "dense"), (1, 8), "alibi"),
+    ("lists", "causal", ("dense", "dense"), (1, 2), ""),  # block-sparse lists: turns from the lists, causal inside tiles
 )
 DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
@@ -236,7 +241,7 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
     }
     out = []
     for i in range(n):
-        order, mask, layout, ratios = DETERMINISTIC[i % len(DETERMINISTIC)]
+        order, mask, layout, ratios, mods = DETERMINISTIC[i % len(DETERMINISTIC)]
         s = path.supports
         if not s.allows_layout(*layout):
             layout = ("dense", "dense")
@@ -248,9 +253,10 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=rng.choice(ratios), pack_gqa=None,
-            mask=mask if _mask_supported(path, mask) else "none", softcap=cols["softcap"][i] if s.softcap else 0.0,
+            mask=mask if _mask_supported(path, mask) else "none",
+            softcap=cols["softcap"][i] if s.softcap and not mods else 0.0,  # (a score_mod excludes softcap)
             return_lse=cols["lse"][i], q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,
-            block_sparse=sparse,
+            block_sparse=sparse, mods=mods,
         )
         out.append(FuzzCase(start + i, path, "public", case, det_order=order))
     return out

@@ -3,11 +3,12 @@
 Each case runs the public API's forward and autograd backward three times on the same inputs and
 output gradient; the three gradients must be equal bit for bit (torch.equal), and the first within
 upstream's rule of fp32 autograd through the reference (2x the input-precision reference's error,
-plus an atol). Covered: GQA causal d128 (descending turns, shortest-first launch), the rotated order
-without a mask (m_blocks a multiple of the n_blocks, equal, and neither), varlen GQA (the ascending
-order and the ordered dK/dV), the d64 and d96 table entries, sequences with more n_block CTAs than
-the GPU holds at once (causal: the reversed launch; no mask: the ascending fallback), and every
-ordering forced through driver_bwd.force_deterministic_plan.
+plus an atol). The plan's default is fixed-point dQ (kernels/bwd_fixed_point.py; more cases in
+test_bwd_fixed_point_gpu.py), so the unforced cases here run it on the shapes that once selected each turn
+order: GQA causal d128, no mask (m_blocks a multiple of the n_blocks, equal, and neither), varlen GQA (the
+ordered dK/dV), the d64 and d96 table entries, more n_block CTAs than the GPU holds at once. The turn
+orders themselves (calls with a user score_mod) run forced through driver_bwd.force_deterministic_plan,
+every one of them, and with seqused_k through a score_mod.
 """
 
 import pytest
@@ -156,7 +157,7 @@ def test_causal_seqused_k_bitwise_and_correct():
     last m_blocks, so the plan takes ascending turns (descending ones, counted from the used keys, would
     hang). The harness runs the backward twice (bitwise) and against fp32 autograd."""
     case = testing.AttnCase("bfloat16", 128, 128, 1, None, "causal", 0.0, False, "padded", "padded", True,
-                            deterministic=True)
+                            mods="position", deterministic=True)  # (a score_mod: turns, not fixed point)
     problem = testing.AttnProblem((100, 70), (120, 200), nheads_kv=2, pad_q=28, pad_k=56, seed=31)
     assert testing.deterministic_order(case, problem) == "ascending"
     testing.run_case("cpasync-table", "public", case, problem)

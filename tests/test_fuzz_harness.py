@@ -25,7 +25,7 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import fuzz_profiles
 import fuzz_report
-from flash_attn_sm120 import bench, testing
+from flash_attn_sm120 import bench, testing, testing_mods
 from flash_attn_sm120.config import FwdConfig, parse_fwd_table
 from flash_attn_sm120.paths import BACKWARD_GAPS, kernel_paths
 from flash_attn_sm120.testing import AttnCase, AttnProblem, CheckFailure
@@ -497,12 +497,14 @@ def test_profiles_are_registered():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_deterministic_case_needs_backward_and_no_window_without_lists():
+def test_deterministic_case_needs_backward_and_no_window_with_a_score_mod():
     with pytest.raises(ValueError, match="needs backward=True"):
         AttnCase(deterministic=True)
     for mask in ("local_l", "local_r", "local_lr", "causal_l"):
-        with pytest.raises(ValueError, match="refuses sliding windows"):
-            AttnCase(mask=mask, backward=True, deterministic=True)
+        with pytest.raises(ValueError, match="refuse sliding windows"):  # a score_mod: the turn orders
+            AttnCase(mask=mask, backward=True, deterministic=True, mods="position")
+        AttnCase(mask=mask, backward=True, deterministic=True)  # fixed point takes windows
+        AttnCase(mask=mask, backward=True, deterministic=True, mods="document")  # a mask_mod alone too
         AttnCase(mask=mask, backward=True, deterministic=True, block_sparse="random")  # the list walk takes windows
     AttnCase(backward=True, deterministic=True, block_sparse="random")
     for mask in ("none", "causal"):
@@ -606,12 +608,15 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
     assert len(det) == plan.det_cases >= 3 and bwd[-len(det):] == det
     assert len({c.index for c in bwd}) == len(bwd) and all(c.id.startswith("det") for c in det)
     for c in det:
-        assert c.api == "public" and c.case.backward and not c.case.local
+        assert c.api == "public" and c.case.backward and (not c.case.local or c.det_order == "fixed")
         assert bool(c.case.block_sparse) == (c.det_order == "lists") and (not c.case.block_sparse or c.case.is_dense)
+        # the turn orders serve calls with a user score_mod (fixed point all the others)
+        assert (c.det_order in ("fixed", "lists")) == (testing_mods.spec(c.case.mods).score_mod is None
+                                                     if c.case.mods else True)
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
-    assert set(orders[:3]) == {"descending+reversed", "rotated", "ascending"}  # the first three: one each
+    assert set(orders[:4]) == {"fixed", "descending+reversed", "rotated", "ascending"}  # the first four: one each
     assert {c.case.dtype for c in det} == {"bfloat16", "float16"}
     assert any(c.case.qhead_per_kvhead > 1 for c in det)
     assert any(not c.case.is_dense for c in det) and any(c.det_order == "ascending" and not c.case.is_dense
@@ -621,6 +626,7 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
             [t[:3] for t in DETERMINISTIC][:len(det)]
         assert any(c.det_order == "ascending" and c.case.is_dense for c in det)  # n_blocks > m_blocks
         assert any(c.det_order == "lists" and c.case.block_sparse for c in det)  # the block-sparse walk's turns
+        assert any(c.det_order == "fixed" and c.case.local for c in det)  # windows, by fixed point
     # the other cases do not move with det_cases
     without = static_cases(paths, dataclasses.replace(plan, det_cases=0), seed=0, mode="emulated")
     assert [c.id for c in without[0] + without[1]] == [c.id for c in fwd + bwd if not c.case.deterministic]
@@ -647,9 +653,14 @@ def test_deterministic_problems_select_their_dq_ordering_with_several_blocks(dat
 
 
 def test_deterministic_order_names_the_plans_choices():
-    case = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
-    m, n = bwd_tile(case)
+    plain = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
     order = lambda c, sq, sk, **kw: testing.deterministic_order(c, AttnProblem((sq,), (sk,), **kw))  # noqa: E731
+    for mask in ("none", "causal", "local_lr"):  # every call without a user score_mod: fixed point
+        for mods in ("", "document", "prefix"):
+            assert order(dataclasses.replace(plain, mask=mask, mods=mods), 4 * 64, 3 * 64) == "fixed"
+    assert order(dataclasses.replace(plain, softcap=5.0), 4 * 64, 3 * 64) == "fixed"
+    case = dataclasses.replace(plain, mods="position")  # a score_mod: turns
+    m, n = bwd_tile(case)
     assert order(case, 4 * m, 3 * n) == "rotated"
     assert order(case, 2 * m, 3 * n) == "ascending"
     causal = dataclasses.replace(case, mask="causal")
@@ -661,9 +672,9 @@ def test_deterministic_order_names_the_plans_choices():
     assert order(dataclasses.replace(padded, mask="causal"), 4 * m, 3 * n) == "ascending"  # seqused_k: ascending
     # a mask_mod replaces the causal flag, as upstream resolves it; a modifier call has its own tile
     # (the table's modifier entries)
-    document = dataclasses.replace(causal, mods="document")
-    dm, dn = bwd_tile(document)
-    assert order(document, 4 * dm, 3 * dn) == "rotated"
+    alibi = dataclasses.replace(causal, mods="alibi")
+    am, an = bwd_tile(alibi)
+    assert order(alibi, 2 * am, 3 * an) == "descending+reversed"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -83,8 +83,11 @@ def test_list_runs_without_a_gpu(capsys):
 
 
 DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each exercises
-    "bwd-d128-det-none": "rotated",
-    "bwd-d128-det-causal-gqa": "descending+reversed",
+    "bwd-d128-det-none": "fixed",
+    "bwd-d128-det-causal-gqa": "fixed",
+    "bwd-d64-det-local": "fixed",
+    "bwd-d128-det-causal-turns": "descending+reversed",
+    "bwd-d128-det-none-turns": "rotated",
     "bwd-d64-det-varlen": "ascending",
     "bwd-d96-det-seqused-causal": "ascending",
 }
@@ -122,7 +125,7 @@ def test_shapes_filter_lists_the_deterministic_cases(capsys):
     names = ",".join(DET_SHAPES)
     assert sanitize.main(["--list", "--shapes", names]) == 0
     out = capsys.readouterr().out
-    assert "bwd: 4 cases" in out and out.count("-bwd-det") == 4
+    assert f"bwd: {len(DET_SHAPES)} cases" in out and out.count("-bwd-det") == len(DET_SHAPES)
     for name in DET_SHAPES:
         assert name in out
     with pytest.raises(SystemExit, match="unknown shapes"):

@@ -17,7 +17,8 @@ Algorithm, per m_block of one CTA's n_block (FlashAttention-2's backward, as bwd
     dS'   = P * (dP - dPsum)
     dS    = score_mod_bwd(dS', scale * S, b, h, q_idx, kv_idx)   (dL/d(scale * S); the postprocess
                                                                   multiplies dQ and dK by scale)
-    dV += P^T dO,  dK += dS^T Q,  dQ += dS K  (atomics into the fp32 accumulator)
+    dV += P^T dO,  dK += dS^T Q,  dQ += dS K  (atomics into the fp32 accumulator; deterministic with
+                                                dq_fixed_point: 64-bit fixed point, bwd_fixed_point.py)
 
 Every element's (q_idx, kv_idx) comes from `thr_mma.partition_C` of an identity tensor offset by the
 tile's origin, so it is right for any warp layout of the S/dP product. Indices are sequence-local
@@ -45,7 +46,7 @@ from flash_attn.cute.softmax import apply_score_mod_bwd_inner, apply_score_mod_i
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
-from flash_attn_sm120.kernels import bwd_mask
+from flash_attn_sm120.kernels import bwd_fixed_point, bwd_mask
 from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
 
 
@@ -250,8 +251,14 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         offset to this CTA's accumulator)."""
         acc_dQ_atomic = gmem_copy_params.gmem_thr_copy_dQaccum.retile(acc_dQ)
         tdQgdQaccum = gmem_copy_params.tdQgdQaccum[None, None, m_block]
-        for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
-            fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))
+        if const_expr(self.dq_fixed_point):  # deterministic: 64-bit fixed-point adds (bwd_fixed_point.py)
+            base, scale = self._dq_fixed
+            for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
+                address = bwd_fixed_point.int64_address(fa_utils.elem_pointer(tdQgdQaccum, i).toint(), base)
+                bwd_fixed_point.red_add_fixed(address, acc_dQ_atomic[i], scale)
+        else:
+            for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
+                fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))
 
     @cute.jit
     def _apply_mask_mod(self, acc_S: cute.Tensor, tScS: cute.Tensor, batch_idx: Int32, head_idx: Int32, seqlen,

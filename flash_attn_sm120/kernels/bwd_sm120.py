@@ -298,9 +298,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         fused_fetch: bool = False,
         lpt: bool = False,
         mask_where_needed: bool = False,
+        dq_fixed_point: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if deterministic and is_local:
+        if deterministic and is_local and not dq_fixed_point:
             raise NotImplementedError("deterministic backward with a sliding window (local) is not supported yet")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"SM120 backward takes Float16 or BFloat16, got {dtype}")
@@ -331,7 +332,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         # the dQ adds (and their wait) after the dK product, at the m_block's end: the modifier step's
         # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them
         own_step = type(self)._one_m_block is not FlashAttentionBackwardSm120Tuned._one_m_block
-        for name, on in (("late_dq_adds", late_dq_adds), ("dq_split", dq_split), ("fused_turns", fused_turns)):
+        for name, on in (("late_dq_adds", late_dq_adds), ("dq_split", dq_split), ("fused_turns", fused_turns),
+                         ("dq_fixed_point", dq_fixed_point)):
             if on and not own_step:
                 raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
         self.late_dq_adds = deterministic and late_dq_adds
@@ -347,6 +349,15 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if fused_fetch and not fused_turns:
             raise ValueError("fused_fetch is an option of fused_turns")
         self.fused_fetch = self.fused_turns and fused_fetch
+        # dQ added as 64-bit fixed point: the same bits in any order, no turns (the modifier step's adds)
+        # (its bound holds for softcap's score_mod_bwd, not a user's: bwd_plans.deterministic_plan decides)
+        if dq_fixed_point and not deterministic:
+            raise ValueError("dq_fixed_point is an option of deterministic=True")
+        if dq_fixed_point and any((dq_descending, dq_rotated, reverse_n_blocks, fetch_early, barrier_release,
+                                   release_deferred, warp_turns, late_dq_adds, dq_split, fused_turns)):
+            raise ValueError("dq_fixed_point takes no turns: not with the ordering flags of the turn protocol")
+        self.dq_fixed_point = deterministic and dq_fixed_point
+        self._dq_fixed = None  # (int64 accumulator's base address, this head's 2^k) at trace time
         self._dq_block_offset = 0  # dq_split: this CTA's accumulator, as an m_block offset (trace time)
         self._after_dp_barrier = self._after_p_barrier = self._before_dq_barrier = None  # fused_turns' hooks
         # Diagnostics for benchmarks only (results are NOT deterministic): the ordered kernel with its dQ
@@ -404,18 +415,22 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
     ):
         # Upstream's SM80/SM120 mainloop takes no semaphores; they travel to compute_one_m_block and
         # the epilogue at the end of aux_data (dQ's, then dK/dV's with GQA), as kernel arguments.
-        aux_data = self._aux_with_semaphores(aux_data, mdQ_semaphore, mdK_semaphore)
+        # With dq_fixed_point the dQ slot holds the int64 accumulator and the dV slot (else unused:
+        # dK's semaphore serves dV) the per-head scales.
+        aux_data = self._aux_with_semaphores(aux_data, mdQ_semaphore, mdK_semaphore, mdV_semaphore)
         FlashAttentionBackwardSm120.__call__(
             self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
             mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, None, None, None, aux_data,
             blocksparse_tensors, mCuTotalMBlocks, stream,
         )
 
-    def _aux_with_semaphores(self, aux_data: AuxData, dq_sem, dkv_sem) -> AuxData:
-        """Plain Python (outside the jit body's rewriting): aux_data with the ordering's semaphores appended."""
+    def _aux_with_semaphores(self, aux_data: AuxData, dq_sem, dkv_sem, dq_scale=None) -> AuxData:
+        """Plain Python (outside the jit body's rewriting): aux_data with the ordering's semaphores appended
+        (dq_fixed_point: the int64 accumulator and the scales in dQ's place)."""
         if not self.deterministic:
             return aux_data
-        sems = [dq_sem] + ([dkv_sem] if self.qhead_per_kvhead > 1 else [])
+        dq = [dq_sem, dq_scale] if self.dq_fixed_point else [dq_sem]
+        sems = dq + ([dkv_sem] if self.qhead_per_kvhead > 1 else [])
         return AuxData(list(aux_data.tensors or []) + sems, aux_data.scalars)
 
     def kernel(self, *args):
@@ -457,6 +472,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self._dkv_semaphore = sems[-1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
         dq_sem = sems[-2] if self.qhead_per_kvhead > 1 else sems[-1]
         mask, kw = ordered.func.__self__, ordered.keywords
+        if const_expr(self.dq_fixed_point):  # no turns: the modifier step adds in fixed point
+            accumulator, scales = sems[-3:-1] if self.qhead_per_kvhead > 1 else sems[-2:]
+            self._dq_fixed = (accumulator.iterator.toint(), scales[kw["head_idx"]])
+            return self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         step, m_block_max = m_block, kwargs["m_block_max"]  # the walk's step and its end
         if const_expr(self.dq_rotated):
             # upstream's step sees the rotated m_block; its "next" loads (m_block + k < m_block_max) are

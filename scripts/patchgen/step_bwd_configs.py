@@ -131,14 +131,20 @@ def sm120_bwd_config(head_dim: int, head_dim_v: int, causal: bool, local: bool,
 PLAN_WHERE = "flash_attn_sm120/bwd_plans.py (deterministic_plan)"
 _PLAN_EDITS = (
     ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
-     "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True) -> dict:\n",
+     "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,\n"
+     "                       fixed_point: bool = False) -> dict:\n",
      "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                                 index_tensors: tuple = (None, None, None, None),\n"
-     "                                 modifier_step: bool = False, flags: Optional[dict] = None) -> dict:\n"),
+     "                                 modifier_step: bool = False, fixed_point: bool = False,\n"
+     "                                 flags: Optional[dict] = None) -> dict:\n"),
+    ("      (kernels/bwd_fixed_point.py); no CTA waits, and sliding windows are covered.\n",
+     "      (an int64 accumulator and per-head scales the interface does not allocate: it passes\n"
+     "      fixed_point=False); no CTA waits, and sliding windows are covered.\n"),
+    ("    Otherwise turns (kernels/bwd_deterministic.py):\n", "    Otherwise turns:\n"),
     ("), which needs this package's step (kernels/bwd_mods.py). With\n",
      "), which needs the modifier backward's step (FlashAttentionBackwardSm120Mods in\n"
      "    flash_bwd_sm120_mods.py; the interface passes modifier_step=True when it builds that class). With\n"),
-    ("    \"\"\"How the deterministic backward orders its dQ additions (kernels/bwd_deterministic.py).\n",
+    ("    \"\"\"How the deterministic backward orders its dQ additions.\n",
      "    \"\"\"How the deterministic backward orders its dQ additions: the ordering keywords of\n"
      "    FlashAttentionBackwardSm120Tuned (flash_bwd_sm120_tuned.py: dq_turn, rotated_turn,\n"
      "    ReversedNBlockScheduler), the interface's choice on SM120.\n"),

@@ -1,0 +1,105 @@
+"""Deterministic dQ by fixed-point accumulation: the same bits whatever order the CTAs add in.
+
+Why: dQ is the one gradient that several CTAs of the backward add into (every n_block CTA adds its
+dS K to each m_block it sees). fp32 addition is not associative, so with atomics the result depends on
+the order in which the CTAs arrive. The ordered backward (bwd_deterministic.py) fixes that order with
+turn counters and pays for the waits (0.72-0.85x the default backward, emulated). Integer addition is
+associative: if each CTA adds its contribution as a 64-bit fixed-point integer, the sum has the same
+bits in any order, and no CTA ever waits.
+
+The bound. The kernel accumulates dQ before the softmax scale (the postprocess applies it):
+
+    dQ_acc[i, c] = sum_j dS[i, j] K[j, c],   dS = P * (dP - D),   dP[i, j] = dO_i . V_j,   D_i = dO_i . O_i
+
+P's row sums to at most 1 and O_i is a convex combination of V rows, so over any set of keys j (one
+CTA's n_block, or all of them)
+
+    |sum_j dS[i, j] K[j, c]| <= 2 * max|K| * max_j |dO_i . V_j| <= 2 * d_v * max|dO| * max|V| * max|K| =: B
+
+Softcap's derivative is at most 1 and a learnable sink only lowers P's row sum, so neither raises B;
+a user's score_mod_bwd can return anything and is not covered (the ordered backward serves it). Per
+query head h the host computes B_h from three max-abs reductions (`dq_scales`) and a power of two
+2^k_h with B_h * 2^k_h <= 2^59: a 16x margin under int64's 2^63 for the rounding of P, dS and O. The
+kernel adds round(x * 2^k_h) with one `red.global.add.u64` per element (`red_add_fixed`); the
+multiplication by a power of two is exact, and rounding drops only what lies below 2^-k_h (about
+2^-59 B_h), far under fp32's own rounding of the larger terms. The host turns the integer sum into
+fp32 times 2^-k_h (`dequantize`) before upstream's postprocess.
+
+Non-finite inputs: a head whose bound is not finite (NaN or inf in its K, V or dO) gets a NaN scale and
+a NaN dQ, where the fp32 atomics would give NaN in the rows that touch the bad value.
+
+Layout: the kernel keeps upstream's fp32 accumulator partition (`tdQgdQaccum`). Element e of that
+fp32 layout is element e of an int64 buffer: for the fp32 element's address p = base + 4e its int64
+address is base + 8e = 2p - base. The fp32 tensor the kernel receives is a view of the int64 buffer's
+first half (`fixed_accumulator`), so its addresses, and upstream's partition of them, are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutlass import Float32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+SCALE_LOG2_CEILING = 59  # B_h * 2^k_h <= 2^59: 16x under int64's range for the kernel's rounding
+SCALE_LOG2_RANGE = (-100, 100)  # 2^k_h stays a normal fp32 (k_h clamped: a zero bound takes 2^100)
+
+
+@dsl_user_op
+def red_add_fixed(address: Int64, value: Float32, scale: Float32, *, loc=None, ip=None) -> None:
+    """*address (int64) += round(value * scale), as one relaxed global reduction (no return value)."""
+    llvm.inline_asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip),
+         Float32(scale).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .f32 s;\n.reg .s64 t;\nmul.rn.f32 s, $1, $2;\ncvt.rni.s64.f32 t, s;\n"
+        "red.global.add.u64 [$0], t;\n}",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def int64_address(fp32_address: Int64, base: Int64) -> Int64:
+    """The int64 element's address for an fp32 element's (both indexed from `base`)."""
+    return fp32_address + fp32_address - base
+
+
+def _max_abs_per_head(x: torch.Tensor) -> torch.Tensor:
+    """max |x| per head (the second-to-last dim), in float64, over every other dim."""
+    dims = tuple(d for d in range(x.dim()) if d != x.dim() - 2)
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=dims, dtype=torch.float32).double()
+
+
+def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^k_h, 2^-k_h) per query head, fp32 tensors of shape (num_heads,): the bound B_h of the module
+    docstring from K, V (per KV head) and dO (per query head); NaN for a head whose bound is not finite.
+    No host synchronization."""
+    num_heads, num_heads_kv = dout.shape[-2], k.shape[-2]
+    ratio = num_heads // num_heads_kv
+    kv = (_max_abs_per_head(k) * _max_abs_per_head(v)).repeat_interleave(ratio)
+    bound = 2.0 * v.shape[-1] * _max_abs_per_head(dout) * kv
+    exponent = torch.floor(SCALE_LOG2_CEILING - torch.log2(bound)).clamp(*SCALE_LOG2_RANGE)
+    finite = torch.isfinite(bound)
+    nan = torch.full_like(exponent, float("nan"))
+    scale = torch.where(finite, torch.exp2(exponent), nan).float()
+    inverse = torch.where(finite, torch.exp2(-exponent), nan).float()
+    return scale.contiguous(), inverse.contiguous()
+
+
+def fixed_accumulator(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a zeroed int64 accumulator of `shape`, the fp32 view of its first half with `shape`'s contiguous
+    strides): the kernel partitions the fp32 view as upstream's accumulator and adds into the int64
+    elements at the same indices."""
+    acc = torch.zeros(shape, dtype=torch.int64, device=device)
+    strides = torch.empty(shape, device="meta").stride()
+    return acc, acc.view(torch.float32).as_strided(shape, strides)
+
+
+def dequantize(acc: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The fp32 accumulator (upstream's layout, new tensor) of an int64 one whose head dim is dims[-2]
+    (dense: (batch, heads, n)) or dims[0] (varlen: (heads, n)); `inverse`: dq_scales' 2^-k_h."""
+    out = acc.to(torch.float32)
+    return out.mul_(inverse.view(-1, 1))
