@@ -1,0 +1,148 @@
+"""Fixed-point deterministic dQ (kernels/bwd_fixed_point.py) on the CPU: the scales' bound, the int64
+accumulator's fp32 view, the conversion back, the plan's choice, the kernel's refusals, and sm_120a code
+(one 64-bit reduction per dQ element, spill-free on every table entry)."""
+
+import itertools
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_attn_sm120 import bwd_plans, codegen, driver_bwd  # noqa: E402
+from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config  # noqa: E402
+from flash_attn_sm120.kernels import bwd_fixed_point as fp  # noqa: E402
+
+
+def _qkv(h=4, hk=2, d=64, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda hh: (torch.randn(2, 50, hh, d, generator=gen) * scale).to(torch.bfloat16)  # noqa: E731
+    return mk(hk), mk(hk), mk(h)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-3, 1.0, 1e3, 1e8])
+def test_scales_bound_every_partial_sum(scale):
+    """2^k_h times the worst case of the docstring's bound stays under 2^59, within a factor 2 of it
+    (the largest power of two that fits), and the inverse is exact."""
+    k, v, do = _qkv(scale=scale)
+    s, inv = fp.dq_scales(k, v, do)
+    assert s.dtype == inv.dtype == torch.float32 and s.shape == (4,)
+    for h in range(4):
+        hk = h // 2
+        bound = 2 * v.shape[-1] * do[..., h, :].float().abs().max() * v[..., hk, :].float().abs().max() * \
+            k[..., hk, :].float().abs().max()
+        product = float(bound) * float(s[h])
+        if fp.SCALE_LOG2_RANGE[0] < math.log2(float(s[h])) < fp.SCALE_LOG2_RANGE[1]:
+            assert 2.0 ** (fp.SCALE_LOG2_CEILING - 1) < product <= 2.0 ** fp.SCALE_LOG2_CEILING
+        else:
+            assert product <= 2.0 ** fp.SCALE_LOG2_CEILING
+        assert float(s[h]) * float(inv[h]) == 1.0
+        assert math.log2(float(s[h])).is_integer()
+
+
+def test_a_real_dq_sum_fits_and_converts_back():
+    """The exact dQ accumulator of random attention, in fixed point at the computed scale: within the
+    bound, and back to fp32 within fp32's rounding."""
+    k, v, do = _qkv(h=2, hk=2, d=32, seed=3)
+    q = torch.randn(2, 50, 2, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    qf, kf, vf, dof = (t.double() for t in (q, k, v, do))
+    p = torch.softmax(torch.einsum("bthd,bshd->bhts", qf, kf) / math.sqrt(32), dim=-1)
+    o = torch.einsum("bhts,bshd->bthd", p, vf)
+    dp = torch.einsum("bthd,bshd->bhts", dof, vf)
+    ds = p * (dp - (dof * o).sum(-1).transpose(1, 2)[..., None])
+    dq = torch.einsum("bhts,bshd->bhtd", ds, kf)  # (b, h, t, d): before the softmax scale, as accumulated
+    s, inv = fp.dq_scales(k, v, do)
+    fixed = torch.round(dq * s.double().view(1, -1, 1, 1))
+    assert fixed.abs().max() < 2.0 ** fp.SCALE_LOG2_CEILING
+    back = fp.dequantize(fixed.to(torch.int64).reshape(2, 2, -1), inv).reshape(dq.shape)
+    assert torch.allclose(back.double(), dq, rtol=2 ** -23, atol=float(inv.max()))
+
+
+def test_non_finite_heads_get_nan_scales_only_there():
+    k, v, do = _qkv()
+    do[0, 3, 1, 5] = float("nan")
+    do[1, 7, 2, 0] = float("inf")
+    s, inv = fp.dq_scales(k, v, do)
+    assert s[[0, 3]].isfinite().all() and s[[1, 2]].isnan().all() and inv[[1, 2]].isnan().all()
+    zero = torch.zeros_like(do)  # a zero bound: the clamped largest scale, finite
+    s0, _ = fp.dq_scales(k, v, zero)
+    assert (s0 == 2.0 ** fp.SCALE_LOG2_RANGE[1]).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 256), (4, 1024)])
+def test_accumulator_view_indexes_the_int64_elements(shape):
+    """Element e of the fp32 view sits at byte 4e of the buffer, element e of the int64 accumulator at 8e:
+    the kernel's address 2p - base."""
+    acc, view = fp.fixed_accumulator(shape, "cpu")
+    assert acc.dtype == torch.int64 and view.dtype == torch.float32 and view.shape == acc.shape
+    assert view.is_contiguous() and view.data_ptr() == acc.data_ptr() and (acc == 0).all()
+    base = acc.data_ptr()
+    for index in itertools.product(*(range(0, n, max(1, n // 3)) for n in shape)):
+        e = sum(i * st for i, st in zip(index, view.stride()))
+        p = view[index].data_ptr()
+        assert p == base + 4 * e and acc[index].data_ptr() == base + 8 * e == 2 * p - base
+
+
+def test_dequantize_scales_each_head():
+    acc = torch.arange(2 * 3 * 4, dtype=torch.int64).reshape(2, 3, 4) - 10
+    inv = torch.tensor([1.0, 0.5, 0.25])
+    out = fp.dequantize(acc, inv)
+    assert out.dtype == torch.float32 and torch.equal(out, acc.float() * inv.view(1, 3, 1))
+    varlen = fp.dequantize(acc[0], inv)
+    assert torch.equal(varlen, acc[0].float() * inv.view(3, 1))
+
+
+CFG = select_bwd_config(load_bwd_table(), 128, 128, False, False, False)
+NONE = (None, None, None, None)
+
+
+def test_the_plan_takes_fixed_point_where_allowed():
+    assert bwd_plans.fixed_point_allowed(False, False)
+    assert not bwd_plans.fixed_point_allowed(True, False)  # a user's score_mod_bwd: no bound
+    assert not bwd_plans.fixed_point_allowed(False, True)  # the block-sparse walk keeps its list turns
+    for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
+        plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True)
+        assert plan["dq_fixed_point"] and sum(plan.values()) == 1
+        turns = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index)
+        assert not turns["dq_fixed_point"] and (turns["fused_turns"])
+    with driver_bwd.force_deterministic_plan(fused_turns=True):  # forced turns win over fixed point
+        assert not driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=True)["dq_fixed_point"]
+    with driver_bwd.force_deterministic_plan(dq_fixed_point=True):
+        with pytest.raises(ValueError, match="bound does not cover"):
+            driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=False)
+
+
+def test_the_kernel_refuses_fixed_point_off_its_rules():
+    import cutlass
+
+    from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
+
+    args = (cutlass.BFloat16, 128, 128, 1, CFG)
+    with pytest.raises(ValueError, match="option of deterministic"):
+        FlashAttentionBackwardSm120Mods(*args, dq_fixed_point=True)
+    with pytest.raises(ValueError, match="takes no turns"):
+        FlashAttentionBackwardSm120Mods(*args, deterministic=True, dq_fixed_point=True, fused_turns=True)
+    with pytest.raises(ValueError, match="modifier step"):
+        driver_bwd.FlashAttentionBackwardSm120Tuned(*args, deterministic=True, dq_fixed_point=True)
+    # a sliding window: refused by the turn orders, taken by fixed point
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, fused_turns=True)
+    FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, dq_fixed_point=True)
+
+
+@pytest.mark.parametrize("d,causal,local,gqa", [(64, False, False, 1), (64, True, False, 2), (96, False, False, 1),
+                                                (96, True, False, 1), (128, False, False, 1), (128, True, False, 4),
+                                                (128, False, True, 1)])
+def test_sm120a_code_adds_each_element_once_in_64_bits_without_spills(d, causal, local, gqa):
+    cfg = select_bwd_config(load_bwd_table(), d, d, causal, local, False)
+    cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, local=local, qhead_per_kvhead=gqa,
+                                         deterministic=True, ordering={"dq_fixed_point": True})
+    res, _, sass = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    lines = sass.splitlines()
+    red64 = [ln for ln in lines if "REDG.E.ADD.64" in ln]
+    f2i = [ln for ln in lines if "F2I.S64" in ln]
+    per_thread = cfg.m_block * -(-d // 32) * 32 // cfg.num_threads  # the dQ tile's elements per thread
+    assert len(red64) == len(f2i) == per_thread, (len(red64), len(f2i), per_thread)
+    if gqa == 1:  # no fp32 adds at all (with GQA the dK/dV epilogue adds fp32, in head order)
+        assert not [ln for ln in lines if "REDG.E.ADD.F32" in ln]
