@@ -85,10 +85,10 @@ class force_deterministic_plan(_Forced):
     stack, known, what = _forced_plan, _ORDERING_FLAGS, "deterministic ordering flags"
 
 
-def fixed_point_allowed(user_score_mod: bool, block_sparse: bool) -> bool:
+def fixed_point_allowed(user_score_mod: bool) -> bool:
     """Whether a deterministic call may add dQ in fixed point (kernels/bwd_fixed_point.py): its bound holds
-    without a user's score_mod_bwd (softcap's is covered); the block-sparse walk keeps its list turns."""
-    return not user_score_mod and not block_sparse
+    without a user's score_mod_bwd (softcap's is covered), for dense, varlen and block-sparse calls alike."""
+    return not user_score_mod
 
 
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
@@ -126,8 +126,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
     if _forced_plan:
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
-            raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd, or the "
-                             "block-sparse walk)")
+            raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
     elif fixed_point:
         return {**dict.fromkeys(_ORDERING_FLAGS, False), "dq_fixed_point": True}
     else:

@@ -387,8 +387,7 @@ def backward(
         causal, window_size_left, window_size_right, mask_mod
     )
     # deterministic dQ in 64-bit fixed point where its bound holds (any window), else in turns
-    fixed_point = bool(deterministic) and fixed_point_allowed(
-        mods.score_mod is not None and not mods.from_softcap, block_sparse_tensors is not None)
+    fixed_point = bool(deterministic) and fixed_point_allowed(mods.score_mod is not None and not mods.from_softcap)
     if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
         check_deterministic(causal, window_size_left, window_size_right, mask_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
@@ -408,7 +407,7 @@ def backward(
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
         cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
-                                         local=local, deterministic=deterministic, varlen=varlen,
+                                         local=local, deterministic=deterministic and not fixed_point, varlen=varlen,
                                          config_given=config is not None or bool(_forced_config),
                                          preferred=sparse_preferred_config(
                                              head_dim, head_dim_v, causal, local,
@@ -436,10 +435,11 @@ def backward(
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
         block_sparse=None if sparse is None else sparse[1],
     )
-    if deterministic and sparse is not None:  # the list walk's order: turns from its lists (block_sparse.dq_turns)
+    turn_lists = deterministic and not fixed_point
+    if turn_lists and sparse is not None:  # the list walk's order: turns from its lists (block_sparse.dq_turns)
         statics = replace(statics, **SPARSE_DETERMINISTIC_PLAN)
-    order = None  # the list walk's launch order, longest first (the deterministic walk keeps the grid's)
-    if sparse is not None and not deterministic:
+    order = None  # the list walk's launch order, longest first (the walk with list turns keeps the grid's)
+    if sparse is not None and not turn_lists:
         statics = replace(statics, ordered_tiles=True)
         order = block_sparse.tile_order(sparse[0], batch=batch, grid_heads=num_heads,
                                         num_block=-(-seqlen_k // cfg.n_block),

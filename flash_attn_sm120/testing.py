@@ -654,13 +654,10 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
     forced): "fixed" (64-bit fixed-point adds, no order: every call without a user score_mod), else turns:
     "rotated", "descending" (with "+reversed" for the shortest-first launch) or "ascending"; "lists" for
-    block-sparse lists (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
+    block-sparse lists with a score_mod (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
-
-    if case.block_sparse:
-        return "lists"
 
     causal, user_score_mod = case.causal, False
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
@@ -668,8 +665,10 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
 
         causal = causal and testing_mods.spec(case.mods).mask_mod is None
         user_score_mod = testing_mods.spec(case.mods).score_mod is not None
-    if driver_bwd.fixed_point_allowed(user_score_mod, block_sparse=False):
+    if driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
+    if case.block_sparse:
+        return "lists"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods))  # a MODS entry is a user modifier (Mods.user)
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound

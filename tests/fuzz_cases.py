@@ -51,22 +51,22 @@ MASK_ONLY_MODS = ("document", "prefix")
 SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
-# ratios, modifier); plan.det_cases takes them in this order (cycling), so the fast plan's 4 cover fixed point
+# ratios, modifier, block-sparse lists); plan.det_cases takes them in this order (cycling), so the fast plan's 4 cover fixed point
 # and the three turn orderings, the deep plan's 12 all of them. Fixed point serves every call without a user score_mod (windows included); the
 # turn orderings serve calls with one ("position", "alibi": testing_mods.MODS) and the block-sparse lists.
 DETERMINISTIC = (
-    ("fixed", "causal", ("dense", "dense"), (2, 4), ""),  # GQA causal: fixed-point dQ, ordered dK/dV
-    ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "position"),  # shortest-first launch
-    ("rotated", "none", ("dense", "dense"), (1, 2), "position"),  # no mask, dense, n_blocks <= m_blocks
-    ("ascending", "causal", ("packed", "packed"), (2, 4), "position"),  # cu_seqlens_k: ascending, even causal
-    ("fixed", "local_lr", ("packed", "packed"), (2, 4), ""),  # sliding window: fixed point only
-    ("fixed", "none", ("padded", "packed"), (1, 2), ""),
-    ("ascending", "none", ("dense", "dense"), (1, 3), "position"),  # more n_blocks than m_blocks
-    ("ascending", "causal", ("padded", "padded"), (1, 2), "alibi"),  # seqused_k, causal: ascending
-    ("fixed", "causal_l", ("dense", "dense"), (1, 8), ""),
-    ("rotated", "none", ("dense", "dense"), (4, 8), "alibi"),  # rotated with a large group's dK/dV order
-    ("descending+reversed", "causal", ("dense", "dense"), (1, 8), "alibi"),
-    ("lists", "causal", ("dense", "dense"), (1, 2), ""),  # block-sparse lists: turns from the lists, causal inside tiles
+    ("fixed", "causal", ("dense", "dense"), (2, 4), "", False),  # GQA causal: fixed-point dQ, ordered dK/dV
+    ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "position", False),  # shortest-first launch
+    ("rotated", "none", ("dense", "dense"), (1, 2), "position", False),  # no mask, dense, n_blocks <= m_blocks
+    ("ascending", "causal", ("packed", "packed"), (2, 4), "position", False),  # cu_seqlens_k: ascending, even causal
+    ("fixed", "local_lr", ("packed", "packed"), (2, 4), "", False),  # sliding window: fixed point only
+    ("fixed", "none", ("padded", "packed"), (1, 2), "", False),
+    ("ascending", "none", ("dense", "dense"), (1, 3), "position", False),  # more n_blocks than m_blocks
+    ("ascending", "causal", ("padded", "padded"), (1, 2), "alibi", False),  # seqused_k, causal: ascending
+    ("fixed", "causal", ("dense", "dense"), (1, 8), "", True),  # block-sparse lists, fixed-point dQ
+    ("rotated", "none", ("dense", "dense"), (4, 8), "alibi", False),  # rotated with a large group's dK/dV order
+    ("descending+reversed", "causal", ("dense", "dense"), (1, 8), "alibi", False),
+    ("lists", "causal", ("dense", "dense"), (1, 2), "position", True),  # block-sparse + score_mod: turns from the lists
 )
 DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
@@ -241,14 +241,14 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
     }
     out = []
     for i in range(n):
-        order, mask, layout, ratios, mods = DETERMINISTIC[i % len(DETERMINISTIC)]
+        order, mask, layout, ratios, mods, lists = DETERMINISTIC[i % len(DETERMINISTIC)]
         s = path.supports
         if not s.allows_layout(*layout):
             layout = ("dense", "dense")
         d = cols["d"][i]
         sparse = ""
-        if order == "lists":  # block-sparse lists (dense layout, a head dim the lists take)
-            sparse = DET_SPARSE[(i // len(DETERMINISTIC)) % len(DET_SPARSE)] if s.block_sparse else ""
+        if lists and s.block_sparse:  # block-sparse lists (dense layout, a head dim the lists take)
+            sparse = DET_SPARSE[(i // len(DETERMINISTIC)) % len(DET_SPARSE)]
             d = d if d in SPARSE_HEAD_DIMS else SPARSE_HEAD_DIMS[i % len(SPARSE_HEAD_DIMS)]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],

@@ -220,10 +220,14 @@ def test_block_sparse_backward_kernel_refuses_what_the_walk_cannot_do():
     from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
 
     cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False, modifiers=True)  # the walk's entry
-    with pytest.raises(ValueError, match="deterministic block-sparse backward takes one Q and one dO stage"):
-        FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, cfg.__class__(**{**cfg.to_dict(),
-                                                                                            "stages_q": 2}),
-                                               deterministic=True, fused_turns=True)
+    two_q = cfg.__class__(**{**cfg.to_dict(), "stages_q": 2})
+    with pytest.raises(ValueError, match="block-sparse backward with list turns takes one Q and one dO stage"):
+        FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, two_q, deterministic=True,
+                                               fused_turns=True)
+    # fixed-point dQ takes no turns: any stages, and no turn flags
+    kernel = FlashAttentionBackwardSm120BlockSparse(cutlass.BFloat16, 128, 128, 1, two_q, deterministic=True,
+                                                    dq_fixed_point=True)
+    assert kernel.dq_fixed_point and not kernel.turn_lists
 
 
 def test_block_sparse_backward_plan_stages():

@@ -426,9 +426,10 @@ def test_backward_lists_with_causal_or_window(mask, block):
 
 @pytest.mark.parametrize("case", ["mha-full", "gqa-masklists", "causal-subtiles"])
 def test_backward_lists_deterministic(case):
-    """deterministic=True with backward lists: dQ added in list order (ascending K/V tile, turns from the
-    lists), bitwise-identical dq/dk/dv over three runs and right against the fp32 reference; with mask lists
-    only, GQA (head-ordered dK/dV), and sparse blocks spanning two K/V tiles of the kernel under causal."""
+    """deterministic=True with backward lists and no score_mod: dQ added in 64-bit fixed point
+    (kernels/bwd_fixed_point.py), bitwise-identical dq/dk/dv over three runs and right against the fp32
+    reference; with mask lists only, GQA (head-ordered dK/dV), and sparse blocks spanning two K/V tiles of the
+    kernel under causal."""
     b, h, hk, sq, sk, d, block, with_full, kw = {
         "mha-full": (2, 4, 4, 517, 700, 128, (128, 128), True, {}),
         "gqa-masklists": (1, 8, 2, 640, 520, 64, (128, 128), False, {}),
@@ -447,6 +448,31 @@ def test_backward_lists_deterministic(case):
     for later in runs[1:]:
         for name, a, r in zip(("dq", "dk", "dv"), runs[0], later):
             assert torch.equal(a, r), f"{case}: {name} differs between deterministic runs"
+
+
+def test_backward_lists_deterministic_turns_with_score_mod():
+    """deterministic=True with backward lists and a user score_mod (no bound for fixed point): dQ in turns from
+    the lists (ascending K/V tile). Bitwise-identical over three runs, and within a bf16 rounding of the
+    non-deterministic walk (whose sums the other tests check against the fp32 reference)."""
+    b, h, hk, sq, sk, d, block = 1, 4, 2, 640, 700, 128, (128, 128)
+    q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=59)
+    kinds = _map_case(b, h, sq, sk, block, seed=61, density=0.6)
+    fwd, bwd = _both_lists(kinds, block)
+    pos = testing_mods.spec("position")
+    api = dict(block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd, score_mod=pos.score_mod,
+               score_mod_bwd=pos.score_mod_bwd)
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=q.dtype, generator=g)
+    call = lambda **kw: _grads(lambda *t: flash_attn_sm120.flash_attn_func(*t, **api, **kw)[0], q, k, v, dout)  # noqa: E731
+    with testing.poisoned_outputs():
+        runs = [call(deterministic=True) for _ in range(3)]
+    free = call(deterministic=False)
+    for later in runs[1:]:
+        for name, a, r in zip(("out", "dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, r), f"{name} differs between deterministic runs"
+    for name, a, r in zip(("out", "dq", "dk", "dv"), runs[0], free):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.float(), r.float(), atol=2e-2 * r.float().abs().max().item(), rtol=2e-2,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def _varlen_case(lens_q, lens_k, h, hk, d, block, seed, with_full=True, density=0.5):

@@ -97,9 +97,8 @@ NONE = (None, None, None, None)
 
 
 def test_the_plan_takes_fixed_point_where_allowed():
-    assert bwd_plans.fixed_point_allowed(False, False)
-    assert not bwd_plans.fixed_point_allowed(True, False)  # a user's score_mod_bwd: no bound
-    assert not bwd_plans.fixed_point_allowed(False, True)  # the block-sparse walk keeps its list turns
+    assert bwd_plans.fixed_point_allowed(False)  # dense, varlen and block-sparse calls alike
+    assert not bwd_plans.fixed_point_allowed(True)  # a user's score_mod_bwd: no bound
     for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
         plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True)
         assert plan["dq_fixed_point"] and sum(plan.values()) == 1
@@ -146,3 +145,25 @@ def test_sm120a_code_adds_each_element_once_in_64_bits_without_spills(d, causal,
     assert len(red64) == len(f2i) == per_thread, (len(red64), len(f2i), per_thread)
     if gqa == 1:  # no fp32 adds at all (with GQA the dK/dV epilogue adds fp32, in head order)
         assert not [ln for ln in lines if "REDG.E.ADD.F32" in ln]
+
+
+@pytest.mark.parametrize("causal,gqa", [(False, 1), (True, 2)])
+def test_block_sparse_walk_in_fixed_point_keeps_the_non_deterministic_walk(causal, gqa):
+    """The walk with fixed-point dQ takes no list turns: no turn spins in its code, two stages allowed, its
+    adds in 64 bits, spill-free."""
+    from flash_attn_sm120.driver_bwd import Mods, kernel_for
+
+    cfg = select_bwd_config(load_bwd_table(), 128, 128, causal, False, True)
+    walk = []
+    cubin, _ = codegen.compile_bwd_cubin(cfg, 128, causal=causal, qhead_per_kvhead=gqa, deterministic=True,
+                                         block_sparse=(2, 2, True), ordering={"dq_fixed_point": True},
+                                         kernel_out=walk)
+    assert not walk[0].turn_lists and walk[0].dq_fixed_point
+    res, _, sass = codegen.inspect_cubin(cubin)
+    assert res["stack"] == 0 and res["local"] == 0, res
+    assert "REDG.E.ADD.64" in sass and "F2I.S64" in sass
+    import cutlass
+
+    two_stages = kernel_for(cutlass.BFloat16, 128, 128, 1, cfg, Mods(), block_sparse_key=(2, 2, True, None),
+                            deterministic=True, dq_fixed_point=True, ordered_tiles=True)
+    assert not two_stages.turn_lists

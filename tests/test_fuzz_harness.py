@@ -609,10 +609,10 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
     assert len({c.index for c in bwd}) == len(bwd) and all(c.id.startswith("det") for c in det)
     for c in det:
         assert c.api == "public" and c.case.backward and (not c.case.local or c.det_order == "fixed")
-        assert bool(c.case.block_sparse) == (c.det_order == "lists") and (not c.case.block_sparse or c.case.is_dense)
-        # the turn orders serve calls with a user score_mod (fixed point all the others)
-        assert (c.det_order in ("fixed", "lists")) == (testing_mods.spec(c.case.mods).score_mod is None
-                                                     if c.case.mods else True)
+        assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
+        assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
+        # the turn orders (the lists' included) serve calls with a user score_mod, fixed point all the others
+        assert (c.det_order == "fixed") == (testing_mods.spec(c.case.mods).score_mod is None if c.case.mods else True)
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
@@ -626,6 +626,7 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
             [t[:3] for t in DETERMINISTIC][:len(det)]
         assert any(c.det_order == "ascending" and c.case.is_dense for c in det)  # n_blocks > m_blocks
         assert any(c.det_order == "lists" and c.case.block_sparse for c in det)  # the block-sparse walk's turns
+        assert any(c.det_order == "fixed" and c.case.block_sparse for c in det)  # and its fixed-point dQ
         assert any(c.det_order == "fixed" and c.case.local for c in det)  # windows, by fixed point
     # the other cases do not move with det_cases
     without = static_cases(paths, dataclasses.replace(plan, det_cases=0), seed=0, mode="emulated")

@@ -30,7 +30,10 @@ Causal / local windows with lists: as in the forward, the rule applies inside ev
 step's mask_causal / mask_local), while the mainloop is built without them, so that its m range is the
 whole sequence and every list position is visited (BlockInfo would shorten it to the diagonal).
 
-Deterministic (`deterministic=True`): dQ is added in a fixed order per Q tile, ascending K/V tile.
+Deterministic (`deterministic=True`), without a user score_mod: dQ in 64-bit fixed point
+(bwd_fixed_point.py), whose sums have the same bits in any order; the walk is the non-deterministic
+one (stages, launch order). With a user score_mod (no bound for fixed point), turns from the lists:
+dQ is added in a fixed order per Q tile, ascending K/V tile.
 The host gives each list entry its turn (`dq_turns`: the rank of the sparse KV block among the
 sparse KV blocks whose lists name that Q block; upstream's `dq_write_order` layout, always
 ascending), and the kernel turns it into a K/V tile's turn, rank * kv_subtile_factor + the tile's
@@ -106,12 +109,16 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         # the mainloop without the window (its m range covers every list position); the step applies it
         super().__init__(*args, is_causal=False, is_local=False, **kwargs)
         self.mask_causal, self.mask_local = is_causal, is_local
-        if self.deterministic and (self.num_stages_Q != 1 or self.num_stages_dO != 1):
-            raise ValueError("the deterministic block-sparse backward takes one Q and one dO stage")
+        # deterministic with turns from the lists; fixed-point dQ (bwd_fixed_point.py) needs none and walks
+        # as the non-deterministic kernel does
+        self.turn_lists = self.deterministic and not self.dq_fixed_point
+        if self.turn_lists and (self.num_stages_Q != 1 or self.num_stages_dO != 1):
+            raise ValueError("the deterministic block-sparse backward with list turns takes one Q and one dO stage")
         if self.V_in_regs:
             raise ValueError("the block-sparse backward takes no V in registers")
-        if self.deterministic and not self.fused_turns:
-            raise ValueError("the deterministic block-sparse backward orders dQ with fused_turns (the modifier step)")
+        if self.turn_lists and not self.fused_turns:
+            raise ValueError("the deterministic block-sparse backward orders dQ with fused_turns (the modifier step) "
+                             "or adds it in fixed point (dq_fixed_point)")
         if self.dq_descending or self.dq_rotated or self.reverse_n_blocks or self.dq_groups > 1 or self.lpt:
             raise ValueError("the block-sparse walk takes its dQ turns from its lists (ascending, one accumulator) "
                              "and its launch order from them (ordered_tiles), not from these options")
@@ -119,7 +126,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         self.kv_subtile_factor = kv_subtile_factor
         self.has_full = has_full
         self._prologue = True
-        if ordered_tiles and self.deterministic:
+        if ordered_tiles and self.turn_lists:
             raise ValueError("the deterministic walk launches its K/V tiles in grid order (a tile waits only for "
                              "tiles launched before it): no tile order")
         # K/V tiles launched longest list first, in an order the host computes (ordered_scheduler.py); the
@@ -160,7 +167,7 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         FlashAttentionBackwardSm120Tuned.__call__(
             self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale, mCuSeqlensQ, mCuSeqlensK,
             mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, mdQ_semaphore, mdK_semaphore, mdV_semaphore,
-            with_lists(aux_data, blocksparse_tensors, self.deterministic), None, mCuTotalMBlocks, stream,
+            with_lists(aux_data, blocksparse_tensors, self.turn_lists), None, mCuTotalMBlocks, stream,
         )
 
     def kernel(self, *args):
@@ -196,11 +203,15 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         self._prologue = False
         aux_data, sems = kwargs.pop("aux_data"), []
         if self.deterministic:  # the semaphores follow the lists (FlashAttentionBackwardSm120Tuned.__call__)
-            aux_data, sems = split_lists(aux_data, 2 if self.qhead_per_kvhead > 1 else 1)
-            self._dkv_semaphore = sems[1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
-        lists_per_kind = 3 if self.deterministic else 2  # cnt, idx[, turns]
+            dq_slots = 2 if self.dq_fixed_point else 1  # (fixed point: the int64 accumulator and the scales)
+            aux_data, sems = split_lists(aux_data, dq_slots + (1 if self.qhead_per_kvhead > 1 else 0))
+            self._dkv_semaphore = sems[-1] if self.qhead_per_kvhead > 1 else None  # for the epilogue
+            if const_expr(self.dq_fixed_point):
+                self._dq_fixed = (sems[0].iterator.toint(), sems[1][mask_fn.keywords["head_idx"]])
+                sems = []
+        lists_per_kind = 3 if self.turn_lists else 2  # cnt, idx[, turns]
         aux_data, lists = split_lists(aux_data, lists_per_kind * (2 if self.has_full else 1))
-        self._walk_step(m_block, _by_kind(lists, self.has_full, self.deterministic), sems[0] if sems else None,
+        self._walk_step(m_block, _by_kind(lists, self.has_full, self.turn_lists), sems[0] if sems else None,
                         *args, mask_fn=mask_fn, aux_data=aux_data, **kwargs)
 
     @cute.jit
@@ -285,14 +296,14 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 m_block_max=m_block + self.num_stages_Q + self.num_stages_dO + 1,
                 softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale_log2, aux_data=aux_data, mask_fn=mask_fn,
             )
-            if const_expr(self.deterministic):
+            if const_expr(self.turn_lists):
                 self._fuse_turns(position, m_block, mask_idx, mask_tiles, full_idx, lists, dq_semaphore,
                                  batch_idx, head_idx, kv_sparse, kw["n_block"])
             if position < mask_tiles:
                 self._one_m_block(m_block, use_mask_mod=True, **step)
             else:
                 self._one_m_block(m_block, use_mask_mod=False, **step)
-            if const_expr(self.deterministic):  # the last listed tile's turn ends with its step
+            if const_expr(self.turn_lists):  # the last listed tile's turn ends with its step
                 bwd_deterministic.call_if(position == count - 1, partial(
                     bwd_deterministic.release_after_barrier,
                     fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, m_block))))
