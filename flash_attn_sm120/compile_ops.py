@@ -182,7 +182,8 @@ def attention_fwd(
             page_table=page_table, requires_grad=True, score_mod=args["score_mod"], mask_mod=args["mask_mod"],
         )
         if deterministic:
-            driver_bwd.check_deterministic(causal, *validation.normalize_window((window_left, window_right)))
+            driver_bwd.check_deterministic(causal, *validation.normalize_window((window_left, window_right)),
+                                           score_mod=args["score_mod"])
     with torch.no_grad():  # below autograd: the graph's own backward node does the backward
         out, lse = _call_eager(args, varlen)
     return out, (lse if want_lse and lse is not None else _no_lse(q))

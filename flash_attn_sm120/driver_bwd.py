@@ -262,12 +262,15 @@ def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q,
 
 
 def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int],
-                        mask_mod=None) -> None:
-    """NotImplementedError for what the deterministic backward does not cover (sliding windows; a
-    mask_mod replaces the window, as upstream resolves it)."""
+                        mask_mod=None, score_mod=None) -> None:
+    """NotImplementedError for what the deterministic backward does not cover: a sliding window with a
+    user score_mod (fixed-point dQ, which takes any window, has no bound for one; the turn orders refuse
+    windows). A mask_mod replaces the window, as upstream resolves it."""
+    if fixed_point_allowed(score_mod is not None):
+        return
     if _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)[1]:
-        raise NotImplementedError("deterministic=True with a sliding window (local attention) is not supported by "
-                                  "the SM120 backward yet; causal and full attention are")
+        raise NotImplementedError("deterministic=True with a sliding window (local attention) and a score_mod is not "
+                                  "supported by the SM120 backward yet (without a score_mod it is)")
 
 
 def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False) -> None:
@@ -389,7 +392,7 @@ def backward(
     # deterministic dQ in 64-bit fixed point where its bound holds (any window), else in turns
     fixed_point = bool(deterministic) and fixed_point_allowed(mods.score_mod is not None and not mods.from_softcap)
     if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
-        check_deterministic(causal, window_size_left, window_size_right, mask_mod)
+        check_deterministic(causal, window_size_left, window_size_right, mask_mod, score_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
                   for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))

@@ -121,7 +121,9 @@ def test_nan_in_one_head_stays_in_that_head():
 @pytest.mark.parametrize("causal", [True, False])
 def test_agrees_with_the_turn_order(causal):
     """Fixed point and the turn order it replaced (fused turns) are both within the rule and close to each
-    other: dK/dV identical (neither orders them without GQA), dQ within fp32 rounding."""
+    other: dQ within fp32 rounding; dK/dV identical under causal (the same m order; the descending turns
+    change dQ's order only), within rounding without a mask (the rotated order starts each K/V tile's m
+    loop elsewhere, so dK/dV sum in another order)."""
     q, k, v, g = _inputs(2, 900, 900, 4, 4, 128, seed=21 + causal)
     fixed = _grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True)
     turns = {True: dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True),
@@ -131,8 +133,11 @@ def test_agrees_with_the_turn_order(causal):
     ref, pt = _reference_grads(q, k, v, g, causal=causal)
     _check(fixed, ref, pt)
     _check(ordered, ref, pt)
-    assert torch.equal(fixed[1], ordered[1]) and torch.equal(fixed[2], ordered[2])
-    assert (fixed[0].float() - ordered[0].float()).abs().max().item() <= 2 * (pt[0].float() - ref[0]).abs().max().item()
+    if causal:
+        assert torch.equal(fixed[1], ordered[1]) and torch.equal(fixed[2], ordered[2])
+    for i in range(3) if not causal else range(1):
+        assert (fixed[i].float() - ordered[i].float()).abs().max().item() <= \
+            2 * (pt[i].float() - ref[i]).abs().max().item(), ("dq", "dk", "dv")[i]
 
 
 def test_poisoned_gradient_buffers_are_overwritten():

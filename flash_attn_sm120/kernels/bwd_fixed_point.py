@@ -68,9 +68,11 @@ def int64_address(fp32_address: Int64, base: Int64) -> Int64:
 
 
 def _max_abs_per_head(x: torch.Tensor) -> torch.Tensor:
-    """max |x| per head (the second-to-last dim), in float64, over every other dim."""
-    dims = tuple(d for d in range(x.dim()) if d != x.dim() - 2)
-    return torch.linalg.vector_norm(x, ord=float("inf"), dim=dims, dtype=torch.float32).double()
+    """max |x| per head (the second-to-last dim), in float64, over every other dim: the larger of -min and
+    max, each exact in x's dtype (no |x| copy, no fp32 copy)."""
+    rows = x.reshape(-1, x.shape[-2], x.shape[-1])  # (tokens, heads, dim); a view for contiguous inputs
+    high, low = rows.amax(dim=(0, 2)), rows.amin(dim=(0, 2))
+    return torch.maximum(high.double(), -low.double())
 
 
 def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,5 +103,4 @@ def fixed_accumulator(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]
 def dequantize(acc: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """The fp32 accumulator (upstream's layout, new tensor) of an int64 one whose head dim is dims[-2]
     (dense: (batch, heads, n)) or dims[0] (varlen: (heads, n)); `inverse`: dq_scales' 2^-k_h."""
-    out = acc.to(torch.float32)
-    return out.mul_(inverse.view(-1, 1))
+    return torch.mul(acc, inverse.view(-1, 1))  # int64 * fp32 -> fp32, one pass
