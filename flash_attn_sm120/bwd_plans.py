@@ -73,6 +73,8 @@ _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_ear
 # the block-sparse walk's deterministic order (kernels/bwd_block_sparse.py): ascending turns per listed tile,
 # given by its lists, on the modifier step's own barriers
 SPARSE_DETERMINISTIC_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "fused_turns": True}
+# dQ in 64-bit fixed point (kernels/bwd_fixed_point.py): no turns, any window, any walk
+FIXED_POINT_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "dq_fixed_point": True}
 _OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch", "dq_fixed_point")  # need kernels/bwd_mods.py's step
 _forced_plan: list[dict] = []
 
@@ -93,12 +95,15 @@ def fixed_point_allowed(user_score_mod: bool) -> bool:
 
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
                        index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,
-                       fixed_point: bool = False) -> dict:
+                       fixed_point: bool = False, local: bool = False) -> dict:
     """How the deterministic backward orders its dQ additions.
 
-    * `fixed_point` (the call allows it, fixed_point_allowed): no order at all. Each dQ contribution is
-      added as a 64-bit fixed-point integer, whose sum has the same bits in any order
-      (kernels/bwd_fixed_point.py); no CTA waits, and sliding windows are covered.
+    * Fixed point, for a sliding window (`local`) where the call allows it (`fixed_point`:
+      fixed_point_allowed): no order at all. Each dQ contribution is added as a 64-bit fixed-point
+      integer, whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. The
+      turn orders below refuse windows. Without a window the turns are faster, measured (emulated, same
+      run, H100: fixed point 0.694x the default backward's geomean, fused turns 0.801x), so fixed
+      point serves them only when forced (configs/measurements/gate_2026-12-05_session25/w1).
 
     Otherwise turns (kernels/bwd_deterministic.py):
 
@@ -127,8 +132,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
             raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
-    elif fixed_point:
-        return {**dict.fromkeys(_ORDERING_FLAGS, False), "dq_fixed_point": True}
+    elif fixed_point and local:
+        return dict(FIXED_POINT_PLAN)
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
         if modifier_step:

@@ -44,6 +44,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     _LAUNCH_FLAGS,
     _ORDERING_FLAGS,
     _OWN_STEP_FLAGS,
+    FIXED_POINT_PLAN,
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
     fixed_point_allowed,
@@ -389,8 +390,10 @@ def backward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
-    # deterministic dQ in 64-bit fixed point where its bound holds (any window), else in turns
+    # deterministic dQ: in 64-bit fixed point where its bound holds and turns serve badly (a window, which
+    # they refuse; the block-sparse walk, whose list turns wait), else in turns (bwd_plans.deterministic_plan)
     fixed_point = bool(deterministic) and fixed_point_allowed(mods.score_mod is not None and not mods.from_softcap)
+    sparse_fixed = fixed_point and block_sparse_tensors is not None
     if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
         check_deterministic(causal, window_size_left, window_size_right, mask_mod, score_mod)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
@@ -410,7 +413,7 @@ def backward(
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
         cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
-                                         local=local, deterministic=deterministic and not fixed_point, varlen=varlen,
+                                         local=local, deterministic=deterministic and not sparse_fixed, varlen=varlen,
                                          config_given=config is not None or bool(_forced_config),
                                          preferred=sparse_preferred_config(
                                              head_dim, head_dim_v, causal, local,
@@ -431,16 +434,17 @@ def backward(
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         **(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point) if deterministic else {}),
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point, local=local)
+           if deterministic else {}),
         **launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k),
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,
         aux_scalar_kinds=tuple(type(s) for s in mods.aux_scalars) if mods.aux_scalars else None,
         block_sparse=None if sparse is None else sparse[1],
     )
-    turn_lists = deterministic and not fixed_point
-    if turn_lists and sparse is not None:  # the list walk's order: turns from its lists (block_sparse.dq_turns)
-        statics = replace(statics, **SPARSE_DETERMINISTIC_PLAN)
+    turn_lists = deterministic and sparse is not None and not sparse_fixed
+    if deterministic and sparse is not None:  # the list walk: fixed point, or turns from its lists (dq_turns)
+        statics = replace(statics, **(FIXED_POINT_PLAN if sparse_fixed else SPARSE_DETERMINISTIC_PLAN))
     order = None  # the list walk's launch order, longest first (the walk with list turns keeps the grid's)
     if sparse is not None and not turn_lists:
         statics = replace(statics, ordered_tiles=True)

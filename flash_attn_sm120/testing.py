@@ -652,23 +652,25 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
 
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "fixed" (64-bit fixed-point adds, no order: every call without a user score_mod), else turns:
-    "rotated", "descending" (with "+reversed" for the shortest-first launch) or "ascending"; "lists" for
-    block-sparse lists with a score_mod (turns from the lists: driver_bwd.SPARSE_DETERMINISTIC_PLAN).
+    forced): "fixed" (64-bit fixed-point adds, no order: a sliding window or block-sparse lists, without a
+    user score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
+    "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
+    driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    causal, user_score_mod = case.causal, False
+    causal, local, user_score_mod = case.causal, case.local, False
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
         from flash_attn_sm120 import testing_mods
 
         causal = causal and testing_mods.spec(case.mods).mask_mod is None
+        local = local and testing_mods.spec(case.mods).mask_mod is None
         user_score_mod = testing_mods.spec(case.mods).score_mod is not None
-    if driver_bwd.fixed_point_allowed(user_score_mod):
-        return "fixed"
     if case.block_sparse:
-        return "lists"
+        return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
+    if local and driver_bwd.fixed_point_allowed(user_score_mod):
+        return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods))  # a MODS entry is a user modifier (Mods.user)
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound

@@ -89,8 +89,8 @@ BWD_SHAPES = (
                                        sink=True, mods="document"),
      AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
     # deterministic=True, several m_blocks and n_blocks so that the CTAs' additions interleave; the backward
-    # runs twice, compared bit for bit. Fixed point (kernels/bwd_fixed_point.py: every call without a user
-    # score_mod): no mask (d128's 32x128 tile, 10 m_blocks, 3 n_blocks), causal GQA (ordered dK/dV), a window.
+    # runs twice, compared bit for bit. Without a modifier: no mask (d128's 32x128 tile, 10 m_blocks, 3 n_blocks:
+    # rotated turns), causal GQA (descending turns, ordered dK/dV); a window: fixed point (kernels/bwd_fixed_point.py).
     ("bwd-d128-det-none", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((300,), (300,), nheads_kv=2, seed=20)),
@@ -100,7 +100,7 @@ BWD_SHAPES = (
     ("bwd-d64-det-local", AttnCase("bfloat16", 64, 64, 2, None, "local_lr", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((400,), (450,), nheads_kv=1, window_left=100, window_right=30, seed=24)),
-    # the turn orders (kernels/bwd_deterministic.py), for calls with a user score_mod: one per dQ ordering of
+    # the turn orders (kernels/bwd_deterministic.py) with a user score_mod: one per dQ ordering of
     # driver_bwd.deterministic_plan. Causal dense: descending turns, the shortest-first launch, GQA dK/dV
     ("bwd-d128-det-causal-turns", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",
                                            True, mods="position", deterministic=True),
@@ -139,8 +139,8 @@ SPARSE_SHAPES = (
     ("bs-bwd-d64-prefix-q256", AttnCase("bfloat16", 64, 64, 1, None, "none", 0.0, True, "dense", "dense", True,
                                         mods="prefix", block_sparse="q256"),
      AttnProblem((300,), (400,), nheads_kv=2, seed=19)),
-    # the backward walk with a causal mask inside its tiles and deterministic turns from its lists (GQA: the
-    # dK/dV epilogue in head order too)
+    # the backward walk with a causal mask inside its tiles, deterministic: fixed-point dQ (GQA: the dK/dV
+    # epilogue in head order too)
     ("bs-bwd-d128-causal-det-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",
                                             True, block_sparse="random", deterministic=True),
      AttnProblem((300, 300), (520, 520), nheads_kv=2, seed=20)),

@@ -96,17 +96,22 @@ CFG = select_bwd_config(load_bwd_table(), 128, 128, False, False, False)
 NONE = (None, None, None, None)
 
 
-def test_the_plan_takes_fixed_point_where_allowed():
+def test_the_plan_takes_fixed_point_for_windows_where_allowed():
+    """Fixed point is the plan's choice for a sliding window (which the turns refuse) when its bound holds;
+    without a window the turns (faster, measured) stay the default and fixed point is a forced option."""
     assert bwd_plans.fixed_point_allowed(False)  # dense, varlen and block-sparse calls alike
     assert not bwd_plans.fixed_point_allowed(True)  # a user's score_mod_bwd: no bound
     for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
-        plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True)
-        assert plan["dq_fixed_point"] and sum(plan.values()) == 1
-        turns = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index)
-        assert not turns["dq_fixed_point"] and (turns["fused_turns"])
+        plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True, local=True)
+        assert plan["dq_fixed_point"] and sum(plan.values()) == 1 and plan == bwd_plans.FIXED_POINT_PLAN
+        for allowed in (False, True):  # no window: turns
+            turns = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=allowed)
+            assert not turns["dq_fixed_point"] and turns["fused_turns"]
     with driver_bwd.force_deterministic_plan(fused_turns=True):  # forced turns win over fixed point
-        assert not driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=True)["dq_fixed_point"]
-    with driver_bwd.force_deterministic_plan(dq_fixed_point=True):
+        assert not driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=True,
+                                                 local=True)["dq_fixed_point"]
+    with driver_bwd.force_deterministic_plan(dq_fixed_point=True):  # forced fixed point, where allowed
+        assert driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=True)["dq_fixed_point"]
         with pytest.raises(ValueError, match="bound does not cover"):
             driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=False)
 

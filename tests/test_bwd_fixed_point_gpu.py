@@ -1,7 +1,8 @@
 """deterministic=True by fixed-point dQ (kernels/bwd_fixed_point.py) on the GPU: bitwise-identical and correct.
 
-Each case runs the public API's forward and autograd backward three times with deterministic=True (the plan's
-default, fixed point, wherever its bound holds); the gradients must be equal bit for bit, and the first
+Each case runs the public API's forward and autograd backward three times with deterministic=True, fixed point
+forced (the plan's default only for sliding windows and block-sparse lists: without a window the turn orders
+are faster, bwd_plans.deterministic_plan); the gradients must be equal bit for bit, and the first
 within upstream's rule against fp32 autograd (one case through the driver with dq/dk/dv poisoned with NaN
 before the call). Covered: the
 table's entries at d64/d96/d128, causal and not, GQA, varlen, and what the turn orders could not run:
@@ -16,6 +17,12 @@ torch = pytest.importorskip("torch")
 from flash_attn_sm120 import driver_bwd, flash_attn_func, flash_attn_varlen_func, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _fixed_point():
+    with driver_bwd.force_deterministic_plan(dq_fixed_point=True):
+        yield
 
 
 def _grads(fn, q, k, v, g, **kw):

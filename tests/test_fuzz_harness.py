@@ -611,8 +611,9 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert c.api == "public" and c.case.backward and (not c.case.local or c.det_order == "fixed")
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
         assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
-        # the turn orders (the lists' included) serve calls with a user score_mod, fixed point all the others
-        assert (c.det_order == "fixed") == (testing_mods.spec(c.case.mods).score_mod is None if c.case.mods else True)
+        # fixed point: windows and block-sparse lists without a user score_mod; turns everything else
+        no_score_mod = testing_mods.spec(c.case.mods).score_mod is None if c.case.mods else True
+        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or bool(c.case.block_sparse)))
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
@@ -656,11 +657,21 @@ def test_deterministic_problems_select_their_dq_ordering_with_several_blocks(dat
 def test_deterministic_order_names_the_plans_choices():
     plain = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
     order = lambda c, sq, sk, **kw: testing.deterministic_order(c, AttnProblem((sq,), (sk,), **kw))  # noqa: E731
-    for mask in ("none", "causal", "local_lr"):  # every call without a user score_mod: fixed point
-        for mods in ("", "document", "prefix"):
-            assert order(dataclasses.replace(plain, mask=mask, mods=mods), 4 * 64, 3 * 64) == "fixed"
-    assert order(dataclasses.replace(plain, softcap=5.0), 4 * 64, 3 * 64) == "fixed"
-    case = dataclasses.replace(plain, mods="position")  # a score_mod: turns
+    # a window without a user score_mod: fixed point (softcap's score_mod is covered); block-sparse lists too
+    assert order(dataclasses.replace(plain, mask="local_lr"), 4 * 64, 3 * 64) == "fixed"
+    assert order(dataclasses.replace(plain, mask="local_lr", softcap=5.0), 4 * 64, 3 * 64) == "fixed"
+    assert order(dataclasses.replace(plain, mask="causal", block_sparse="random"), 4 * 128, 3 * 128) == "fixed"
+    assert order(dataclasses.replace(plain, mask="causal", block_sparse="random", mods="position"),
+                 4 * 128, 3 * 128) == "lists"
+    # a mask_mod replaces the window (upstream's resolution): turns
+    assert order(dataclasses.replace(plain, mask="local_lr", mods="document"), 4 * 64, 3 * 64) != "fixed"
+    # no window: turns, with a score_mod or not
+    for mods in ("", "position"):
+        case = dataclasses.replace(plain, mods=mods)
+        m, n = bwd_tile(case)
+        assert order(case, 4 * m, 3 * n) == "rotated", mods
+        assert order(dataclasses.replace(case, mask="causal"), 2 * m, 3 * n) == "descending+reversed", mods
+    case = dataclasses.replace(plain, mods="position")
     m, n = bwd_tile(case)
     assert order(case, 4 * m, 3 * n) == "rotated"
     assert order(case, 2 * m, 3 * n) == "ascending"

@@ -132,14 +132,21 @@ PLAN_WHERE = "flash_attn_sm120/bwd_plans.py (deterministic_plan)"
 _PLAN_EDITS = (
     ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,\n"
-     "                       fixed_point: bool = False) -> dict:\n",
+     "                       fixed_point: bool = False, local: bool = False) -> dict:\n",
      "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                                 index_tensors: tuple = (None, None, None, None),\n"
      "                                 modifier_step: bool = False, fixed_point: bool = False,\n"
-     "                                 flags: Optional[dict] = None) -> dict:\n"),
-    ("      (kernels/bwd_fixed_point.py); no CTA waits, and sliding windows are covered.\n",
-     "      (an int64 accumulator and per-head scales the interface does not allocate: it passes\n"
-     "      fixed_point=False); no CTA waits, and sliding windows are covered.\n"),
+     "                                 local: bool = False, flags: Optional[dict] = None) -> dict:\n"),
+    ("      integer, whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. The\n",
+     "      integer, whose sum has the same bits in any order (an int64 accumulator and per-head scales the\n"
+     "      interface does not allocate: it passes fixed_point=False); no CTA waits. The\n"),
+    ("      turn orders below refuse windows. Without a window the turns are faster, measured (emulated, same\n"
+     "      run, H100: fixed point 0.694x the default backward's geomean, fused turns 0.801x), so fixed\n"
+     "      point serves them only when forced (configs/measurements/gate_2026-12-05_session25/w1).\n",
+     "      turn orders below refuse windows; without one they are faster, so fixed point serves there only\n"
+     "      when given (`flags`).\n"),
+    ("        return dict(FIXED_POINT_PLAN)\n",
+     "        return {**dict.fromkeys(_ORDERING_FLAGS, False), \"dq_fixed_point\": True}\n"),
     ("    Otherwise turns (kernels/bwd_deterministic.py):\n", "    Otherwise turns:\n"),
     ("), which needs this package's step (kernels/bwd_mods.py). With\n",
      "), which needs the modifier backward's step (FlashAttentionBackwardSm120Mods in\n"
