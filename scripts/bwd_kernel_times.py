@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
 
     from flash_attn_sm120 import bench
     from flash_attn_sm120.device import device_info
+    from flash_attn_sm120.harness import git_commit
 
     info = device_info()
     impls = prepare_bwd.table_candidate(info)
@@ -64,7 +66,9 @@ def main(argv=None) -> dict:
         impls += prepare_bwd.deterministic_variants(info, set(args.det_variants.split(",")))
     wanted = set(filter(None, args.problems.split(",")))
     problems = [p for p in bench.problem_set("bwd") if not wanted or p.name in wanted]
-    out = {"gpu": info.name, "mode": info.mode, "calls": args.calls, "problems": {}}
+    out = {"command": "python scripts/bwd_kernel_times.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "gpu": info.name, "mode": info.mode, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(),
+           "calls": args.calls, "problems": {}}
     for p in problems:
         x = prepare_bwd.forward_state(p, info)
         out["problems"][p.name] = row = {}

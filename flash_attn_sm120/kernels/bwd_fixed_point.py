@@ -68,11 +68,13 @@ def int64_address(fp32_address: Int64, base: Int64) -> Int64:
 
 
 def _max_abs_per_head(x: torch.Tensor) -> torch.Tensor:
-    """max |x| per head (the second-to-last dim), in float64, over every other dim: the larger of -min and
-    max, each exact in x's dtype (no |x| copy, no fp32 copy)."""
-    rows = x.reshape(-1, x.shape[-2], x.shape[-1])  # (tokens, heads, dim); a view for contiguous inputs
-    high, low = rows.amax(dim=(0, 2)), rows.amin(dim=(0, 2))
-    return torch.maximum(high.double(), -low.double())
+    """max |x| per head (the second-to-last dim), in float64, over every other dim: min and max per
+    (head, column) in one pass down the tokens (a contiguous column reduction: torch's amax over the
+    token and column dims at once measured 46 us per 33 MB tensor on an H100), then per head; exact in
+    x's dtype, no copy."""
+    heads, dim = x.shape[-2], x.shape[-1]
+    low, high = torch.aminmax(x.reshape(-1, heads * dim), dim=0)
+    return torch.maximum(high.view(heads, dim).amax(dim=1).double(), -low.view(heads, dim).amin(dim=1).double())
 
 
 def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
