@@ -25,6 +25,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+def per_call_times(events, calls: int) -> dict[str, float]:
+    """Mean microseconds per call of each CUDA kernel name among profiler events (name, device_type and
+    device_time, or cuda_time in older torch), longest first."""
+    import torch
+
+    times: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(event, "device_time", None)
+            times[event.name[:90]] += (event.cuda_time if us is None else us) / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def kernel_times(run, calls: int) -> dict[str, float]:
     """Mean CUDA microseconds per call of each kernel name over `calls` calls of run()."""
     import torch
@@ -36,12 +49,20 @@ def kernel_times(run, calls: int) -> dict[str, float]:
         for _ in range(calls):
             run()
         torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            us = getattr(event, "device_time", None)
-            times[event.name[:90]] += (event.cuda_time if us is None else us) / calls
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+    return per_call_times(prof.events(), calls)
+
+
+def select_problems(names: str) -> list:
+    """The bwd set's problems named in a comma list (all for ""); SystemExit naming the unknown ones."""
+    from flash_attn_sm120 import bench
+
+    problems = bench.problem_set("bwd")
+    wanted = [n for n in names.split(",") if n]
+    unknown = sorted(set(wanted) - {p.name for p in problems})
+    if unknown:
+        raise SystemExit(f"bwd_kernel_times.py: unknown problems {unknown}; the bwd set has "
+                         f"{[p.name for p in problems]}")
+    return [p for p in problems if not wanted or p.name in wanted]
 
 
 def main(argv=None) -> dict:
@@ -56,16 +77,18 @@ def main(argv=None) -> dict:
         os.environ["FLASH_ATTN_SM120_EMULATE"] = "1"  # this package's switch, this process only
     import prepare_bwd
 
-    from flash_attn_sm120 import bench
     from flash_attn_sm120.device import device_info
     from flash_attn_sm120.harness import git_commit
 
+    problems = select_problems(args.problems)  # (names checked before any device work)
+    variants = set(filter(None, args.det_variants.split(",")))
+    if variants - set(prepare_bwd.DET_VARIANTS):
+        raise SystemExit(f"bwd_kernel_times.py: unknown --det-variants {sorted(variants - set(prepare_bwd.DET_VARIANTS))}; "
+                         f"known: {list(prepare_bwd.DET_VARIANTS)}")
     info = device_info()
     impls = prepare_bwd.table_candidate(info)
-    if args.det_variants:
-        impls += prepare_bwd.deterministic_variants(info, set(args.det_variants.split(",")))
-    wanted = set(filter(None, args.problems.split(",")))
-    problems = [p for p in bench.problem_set("bwd") if not wanted or p.name in wanted]
+    if variants:
+        impls += prepare_bwd.deterministic_variants(info, variants)
     out = {"command": "python scripts/bwd_kernel_times.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": info.name, "mode": info.mode, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(),
            "calls": args.calls, "problems": {}}
