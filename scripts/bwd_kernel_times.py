@@ -82,9 +82,9 @@ def main(argv=None) -> dict:
 
     problems = select_problems(args.problems)  # (names checked before any device work)
     variants = set(filter(None, args.det_variants.split(",")))
-    if variants - set(prepare_bwd.DET_VARIANTS):
-        raise SystemExit(f"bwd_kernel_times.py: unknown --det-variants {sorted(variants - set(prepare_bwd.DET_VARIANTS))}; "
-                         f"known: {list(prepare_bwd.DET_VARIANTS)}")
+    unknown = sorted(variants - set(prepare_bwd.DET_VARIANTS))
+    if unknown:
+        raise SystemExit(f"bwd_kernel_times.py: unknown --det-variants {unknown}; known: {list(prepare_bwd.DET_VARIANTS)}")
     info = device_info()
     impls = prepare_bwd.table_candidate(info)
     if variants:
