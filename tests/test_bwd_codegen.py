@@ -48,7 +48,8 @@ def test_smem_counts_what_upstreams_can_implement_leaves_out():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("d,cfg", [(64, upstream_bwd_config(64)), (128, upstream_bwd_config(128)),
-                                   (96, BwdConfig(256, 64, 64, 1, 1))])
+                                   (96, BwdConfig(256, 64, 64, 1, 1)),
+                                   (64, BwdConfig(256, 64, 128, 2, 2, True, False, False, 1, 8, 4))])  # sP cut
 def test_smem_formula_is_the_traced_struct_size(d, cfg):
     kernels = []
     _, smem = codegen.compile_bwd_cubin(cfg, d, kernel_out=kernels)

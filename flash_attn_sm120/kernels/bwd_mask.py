@@ -58,14 +58,18 @@ def apply_mask_any_layout(
     mask_seqlen: cutlass.Constexpr[bool],
     mask_causal: cutlass.Constexpr[bool],
     mask_local: cutlass.Constexpr[bool],
+    transposed: cutlass.Constexpr[bool] = False,
 ):
-    tScS = thr_mma.partition_C(cute.make_identity_tensor((mask.tile_m, mask.tile_n)))
+    # transposed: acc_S holds S^T (keys x queries), the S/dP product swapped (P and dS in registers)
+    tile = (mask.tile_n, mask.tile_m) if const_expr(transposed) else (mask.tile_m, mask.tile_n)
+    tScS = thr_mma.partition_C(cute.make_identity_tensor(tile))
+    row_mode, col_mode = (1, 0) if const_expr(transposed) else (0, 1)
     row0 = m_block * mask.tile_m
     col0 = n_block * mask.tile_n
     shift = mask.seqlen_k - mask.seqlen_q
     for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row = tScS[i][0] + row0
-        col = tScS[i][1] + col0
+        row = tScS[i][row_mode] + row0
+        col = tScS[i][col_mode] + col0
         masked = False
         if const_expr(mask_seqlen):
             masked = masked or col >= mask.seqlen_k

@@ -27,8 +27,22 @@ the indices a modifier sees are wrapped into the sequence (as upstream's SM90 ba
 that padded rows and columns never read outside an aux tensor; those positions are masked anyway.
 The modifier application is upstream's (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,
 `call_mask_mod`, by import). The rest of the step (loads, products, shared-memory hand-offs) is
-this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits
-(S/dP and dK/dV never swapped, so P and dS always go through shared memory).
+this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits.
+
+P and dS in registers (`BwdConfig.pds_in_regs`, upstream's Mma_dKV_is_RS condition, whose upstream
+step is not runnable: its LSE/dPsum broadcast, mask and dS store assume the unswapped tile). The
+S/dP product runs swapped, S^T = K Q^T, with every warp along the keys, so a warp's S^T accumulator
+rows are exactly its rows of dK and dV. Then:
+
+    P^T, dS^T   stay in registers (the accumulator layout re-read as the A-operand layout) and feed
+                dV += P^T dO and dK += dS^T Q directly: no sP store, no barrier after it, no
+                ldmatrix of P^T / dS^T;
+    LSE, dPsum  are per query, so per column of S^T;
+    dS^T        still goes to shared memory once, for dQ = dS K (a reduction over keys that other
+                warps hold), with stmatrix.trans through the dK product's A-operand partition of
+                sdS^T: the exact inverse of the ldmatrix.trans that partition was made for;
+    indices     (mask, score_mod, mask_mod) come from the transposed identity tile.
+The price: each warp reads all of Q and dO (m_block rows) from shared memory for S^T and dP^T.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute import FastDivmodDivisorV2
+from cutlass.cute.nvgpu import warp
 from flash_attn.cute import ampere_helpers as sm80_utils
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.mask import call_mask_mod
@@ -64,8 +79,11 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
 
     def __init__(self, *args, mask_mod=None, has_aux_tensors: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.config.sdp_swapab or self.config.dkv_swapab:  # bwd_config_error refuses these already
-            raise ValueError("the modifier backward needs unswapped S/dP and dK/dV products")
+        if self.config.dkv_swapab or (self.config.sdp_swapab and not self.config.pds_in_regs):
+            raise ValueError("the modifier step swaps S/dP only with P/dS in registers, and never dK/dV")
+        self.pds_in_regs = self.config.pds_in_regs
+        if self.pds_in_regs and self.fused_fetch:
+            raise ValueError("fused_fetch reads its flag after the P barrier, which P/dS in registers does not have")
         self.mask_mod = mask_mod
         # the causal / local rule the step applies in each tile (the block-sparse walk applies them inside
         # its listed tiles while the mainloop's m range stays the full one)
@@ -124,9 +142,13 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
                 load_dO_dPsum(m_block + self.num_stages_dO, smem_pipe_write_do)
             cute.arch.cp_async_commit_group()
 
+        # rs: S^T = K Q^T (keys x queries, every warp along the keys), P^T and dS^T stay in registers
+        rs = self.pds_in_regs
         tile = (self.m_block_size, self.n_block_size)
-        tScS = thr_mma.partition_C(cute.domain_offset((m_block * tile[0], n_block * tile[1]),
-                                                      cute.make_identity_tensor(tile)))
+        origin = (m_block * tile[0], n_block * tile[1])
+        if const_expr(rs):
+            tile, origin = (tile[1], tile[0]), (origin[1], origin[0])
+        tScS = thr_mma.partition_C(cute.domain_offset(origin, cute.make_identity_tensor(tile)))
         fastdiv = None
         if const_expr(aux_data.tensors is not None):
             fastdiv = (FastDivmodDivisorV2(seqlen.seqlen_q), FastDivmodDivisorV2(seqlen.seqlen_k))
@@ -139,6 +161,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         sm80_utils.gemm(
             thr_mma, acc_S, mma_params.tSrQ, mma_params.tSrK, smem_copy_params.tSsQ[None, None, None, q_stage],
             smem_copy_params.tSsK, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
+            swap_AB=rs,
         )
         acc_S_pre = None
         if const_expr(self.score_mod_bwd is not None):
@@ -147,23 +170,28 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         if const_expr(self.score_mod is not None):
             apply_score_mod_inner(
                 acc_S, tScS, self.score_mod, batch_idx, head_idx, softmax_scale, self.score_vec_size, Float32,
-                aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1,
+                aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1, transpose_indices=rs,
             )
         if const_expr(self.mask_mod is not None and use_mask_mod):
-            self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv)
+            self._apply_mask_mod(acc_S, tScS, batch_idx, head_idx, seqlen, aux_data, fastdiv, rs)
         # with mask_where_needed only the tiles that hold a masked element, else every tile
         elif bwd_mask.tile_needs_mask(mask, m_block, n_block, True, self.mask_causal,
                                       self.mask_local or not self.mask_where_needed):
             bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
-                                           mask_causal=self.mask_causal, mask_local=self.mask_local)
+                                           mask_causal=self.mask_causal, mask_local=self.mask_local, transposed=rs)
 
-        # P = exp2(S' * scale_log2 - LSE_log2)
+        # P = exp2(S' * scale_log2 - LSE_log2), LSE per query: per row of S, per column of S^T
         tLSErLSE = cute.make_fragment_like(smem_copy_params.tSsLSEMma[None, 0])
         cute.autovec_copy(smem_copy_params.tSsLSEMma[None, q_stage], tLSErLSE)
         acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
-        for r in cutlass.range(cute.size(acc_S_mn, mode=[0]), unroll_full=True):
-            acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * softmax_scale_log2 - tLSErLSE[r],
-                                                   fastmath=True))
+        if const_expr(rs):
+            for c in cutlass.range(cute.size(acc_S_mn, mode=[1]), unroll_full=True):
+                acc_S_mn[None, c].store(cute.math.exp2(acc_S_mn[None, c].load() * softmax_scale_log2 - tLSErLSE[c],
+                                                       fastmath=True))
+        else:
+            for r in cutlass.range(cute.size(acc_S_mn, mode=[0]), unroll_full=True):
+                acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * softmax_scale_log2 - tLSErLSE[r],
+                                                       fastmath=True))
 
         # dP = dO V^T;  dS' = P (dP - dPsum);  dS = score_mod_bwd(dS', scale S)
         acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
@@ -175,37 +203,50 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         sm80_utils.gemm(
             thr_mma, acc_dP, mma_params.tdPrdO, mma_params.tdPrV, smem_copy_params.tdPsdO[None, None, None, do_stage],
             smem_copy_params.tdPsV, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
-            hook_fn=load_Q_next if const_expr(self.num_stages_Q > 1) else None,
+            hook_fn=load_Q_next if const_expr(self.num_stages_Q > 1) else None, swap_AB=rs,
         )
         tLSErdPsum = cute.make_fragment_like(smem_copy_params.tSsdPsumMma[None, 0])
         cute.autovec_copy(smem_copy_params.tSsdPsumMma[None, do_stage], tLSErdPsum)
         acc_dP_mn = layout_utils.reshape_acc_to_mn(acc_dP)
-        for r in cutlass.range(cute.size(acc_dP_mn, mode=[0]), unroll_full=True):
-            acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - tLSErdPsum[r]))
+        if const_expr(rs):
+            for c in cutlass.range(cute.size(acc_dP_mn, mode=[1]), unroll_full=True):
+                acc_dP_mn[None, c].store(acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - tLSErdPsum[c]))
+        else:
+            for r in cutlass.range(cute.size(acc_dP_mn, mode=[0]), unroll_full=True):
+                acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - tLSErdPsum[r]))
         if const_expr(self.score_mod_bwd is not None):
             apply_score_mod_bwd_inner(
                 acc_dP, acc_S_pre, tScS, self.score_mod_bwd, batch_idx, head_idx, softmax_scale,
                 self.score_bwd_vec_size, Float32, aux_data, fastdiv, seqlen, constant_q_idx=None, qhead_per_kvhead=1,
+                transpose_indices=rs,
             )
 
-        # P and dS to shared memory (the dK/dV and dQ products read them in another operand layout)
-        r2s = smem_copy_params.r2s_thr_copy_PdS
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        cute.copy(r2s, r2s.retile(rP), smem_copy_params.tPsP)
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
-        cute.arch.barrier()  # P is written
         fetched = None  # fused_fetch: thread 0's early (relaxed) read of the turn's flag
-        if const_expr(self._after_p_barrier is not None):
-            fetched = self._after_p_barrier()
-        cute.copy(r2s, r2s.retile(rdS), smem_copy_params.tdSsdS)
+        if const_expr(rs):
+            # P^T and dS^T as the dK/dV products' A operand, in registers; dS^T to shared memory for the
+            # dQ product only (which reduces over keys that other warps hold)
+            tdVrP = layout_utils.reshape_acc_to_frgA(rP)
+            tdKrdS = layout_utils.reshape_acc_to_frgA(rdS)
+            self._store_dst(tdKrdS, mma_params.thr_mma_dkv, smem_copy_params.tdKsdSt)
+        else:
+            # P and dS to shared memory (the dK/dV and dQ products read them in another operand layout)
+            tdVrP, tdKrdS = mma_params.tdVrP, mma_params.tdKrdS
+            r2s = smem_copy_params.r2s_thr_copy_PdS
+            cute.copy(r2s, r2s.retile(rP), smem_copy_params.tPsP)
+            cute.arch.barrier()  # P is written
+            if const_expr(self._after_p_barrier is not None):
+                fetched = self._after_p_barrier()
+            cute.copy(r2s, r2s.retile(rdS), smem_copy_params.tdSsdS)
 
         # dV += P^T dO
         sm80_utils.gemm(
-            mma_params.thr_mma_dkv, mma_params.acc_dV, mma_params.tdVrP, mma_params.tdVrdO, smem_copy_params.tdVsPt,
+            mma_params.thr_mma_dkv, mma_params.acc_dV, tdVrP, mma_params.tdVrdO, smem_copy_params.tdVsPt,
             smem_copy_params.tdVsdOt[None, None, None, do_stage], smem_copy_params.smem_thr_copy_PdSt,
-            smem_copy_params.smem_thr_copy_QdOt,
+            smem_copy_params.smem_thr_copy_QdOt, A_in_regs=rs,
         )
         if const_expr(self._before_dq_barrier is not None and self.num_stages_Q > 1):
             self._before_dq_barrier(fetched)  # fused_turns: thread 0 waits for the turn; the barrier tells the rest
@@ -217,9 +258,10 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             if const_expr(not late):
                 self._dq_adds(acc_dQ, m_block + self._dq_block_offset, gmem_copy_params)
         sm80_utils.gemm(
-            mma_params.thr_mma_dkv, mma_params.acc_dK, mma_params.tdKrdS, mma_params.tdKrQ, smem_copy_params.tdKsdSt,
+            mma_params.thr_mma_dkv, mma_params.acc_dK, tdKrdS, mma_params.tdKrQ, smem_copy_params.tdKsdSt,
             smem_copy_params.tdKsQt[None, None, None, q_stage], smem_copy_params.smem_thr_copy_PdSt,
             smem_copy_params.smem_thr_copy_QdOt, hook_fn=load_dO_next if const_expr(self.num_stages_Q == 1) else None,
+            A_in_regs=rs,
         )
         if const_expr(self.num_stages_Q == 1):
             if const_expr(self._before_dq_barrier is not None):
@@ -230,6 +272,16 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             self._before_dq_adds()
         if const_expr(late or self.num_stages_Q == 1):
             self._dq_adds(acc_dQ, m_block + self._dq_block_offset, gmem_copy_params)
+
+    @cute.jit
+    def _store_dst(self, tdKrdS: cute.Tensor, thr_mma_dkv, tdKsdSt: cute.Tensor) -> None:
+        """dS^T (registers, the dK product's A layout) into sdS through its transposed view, with
+        stmatrix.trans: the inverse of the ldmatrix.trans that partitioned `tdKsdSt`, so each thread
+        stores exactly the elements that load would have given it."""
+        store = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), thr_mma_dkv,
+        ).get_slice(cute.arch.thread_idx()[0])
+        cute.copy(store, store.retile(tdKrdS), tdKsdSt)
 
     @cute.jit
     def _dq_gemm(self, mma_params, smem_copy_params, hook_fn: Callable):
@@ -262,14 +314,14 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
 
     @cute.jit
     def _apply_mask_mod(self, acc_S: cute.Tensor, tScS: cute.Tensor, batch_idx: Int32, head_idx: Int32, seqlen,
-                        aux_data: AuxData, fastdiv):
+                        aux_data: AuxData, fastdiv, transposed: cutlass.Constexpr[bool] = False):
         """-inf where mask_mod says False or the element lies outside the sequences (upstream's
         mask_mod semantics: it replaces causal/local, and the sequence bounds still apply)."""
         batch_ssa = fa_utils.scalar_to_ssa(batch_idx, Int32)
         head_ssa = fa_utils.scalar_to_ssa(head_idx, Int32)
         for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            row = tScS[i][0]
-            col = tScS[i][1]
+            row = tScS[i][1] if const_expr(transposed) else tScS[i][0]  # transposed: tScS is (key, query)
+            col = tScS[i][0] if const_expr(transposed) else tScS[i][1]
             q_for_mod = row
             kv_for_mod = col
             if const_expr(fastdiv is not None):

@@ -14,6 +14,8 @@ output dtype after it.
 The three products' warp layouts are free: `atom_m_sdp` warps along M for S/dP (the rest along N),
 `atom_n_dkv` along N for dK/dV, `atom_m_dq` along M for dQ, each optionally swapped (swapAB)
 so that the other operand is the A operand. With `v_in_regs` the kernel keeps V in registers.
+With S/dP swapped and every warp along the keys (`BwdConfig.pds_in_regs`), P and dS stay in
+registers for the dK/dV products (kernels/bwd_mods.py's step runs it).
 
 This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
   * `BwdConfig`, the tile/warp/stage/layout choice as data, and upstream's SM120 default;
@@ -82,6 +84,14 @@ class BwdConfig:
         return self.num_threads // 32
 
     @property
+    def pds_in_regs(self) -> bool:
+        """P and dS stay in registers as the A operand of dV += P^T dO and dK += dS^T Q (upstream's
+        Mma_dKV_is_RS condition): S/dP computed transposed (sdp_swapab) with every warp along the keys
+        in both products, so that a warp's S^T accumulator rows are its dK/dV rows."""
+        return (self.sdp_swapab and not self.dkv_swapab and self.atom_m_sdp == 1
+                and self.atom_n_dkv == self.num_warps)
+
+    @property
     def name(self) -> str:
         swaps = "".join(c for c, on in (("s", self.sdp_swapab), ("k", self.dkv_swapab), ("q", self.dq_swapab)) if on)
         return (f"bwd-w{self.num_warps}-{self.m_block}x{self.n_block}-q{self.stages_q}do{self.stages_do}"
@@ -103,7 +113,8 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
 
     sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
     column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
-    V in registers upstream still allocates sV and sizes sQ as max(sQ, sV).
+    V in registers upstream still allocates sV and sizes sQ as max(sQ, sV). With P/dS in registers
+    (`pds_in_regs`) nothing is stored to sP: it shrinks to one element (the kernel's `_get_shared_storage_cls`).
     """
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     q = cfg.m_block * hd * cfg.stages_q * elem_bytes
@@ -116,7 +127,8 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     ]
     lse = (cfg.m_block + (cfg.stages_q - 1) * _round_up(cfg.m_block, 64)) * 4
     fields += [(lse, _SMALL_ALIGN), (lse, _SMALL_ALIGN)]  # sLSE, sdPsum
-    fields += [(cfg.m_block * cfg.n_block * elem_bytes, _SMALL_ALIGN)] * 2  # sP, sdS
+    p = elem_bytes if cfg.pds_in_regs else cfg.m_block * cfg.n_block * elem_bytes
+    fields += [(p, _SMALL_ALIGN), (cfg.m_block * cfg.n_block * elem_bytes, _SMALL_ALIGN)]  # sP, sdS
     offset = 0
     for size, align in fields:
         offset = _round_up(offset, align) + size
@@ -164,12 +176,17 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         return f"head dims ({head_dim}, {head_dim_v}) must be multiples of 8 in [8, 256]"
     if not (1 <= cfg.stages_q <= 2 and 1 <= cfg.stages_do <= 2):
         return f"stages (Q {cfg.stages_q}, dO {cfg.stages_do}) must be 1 or 2"
-    # upstream's SM80/SM120 mainloop: it asserts stages_q >= stages_do; with S/dP swapped its LSE and
-    # dPsum rows no longer match the accumulator's (an assertion), and swapped dK/dV fails to build
+    # upstream's SM80/SM120 mainloop: it asserts stages_q >= stages_do; with S/dP swapped its step's LSE
+    # and dPsum rows no longer match the accumulator's (an assertion; this package's step reads them per
+    # column), and swapped dK/dV fails to build
     if cfg.stages_q < cfg.stages_do:
         return f"stages_q ({cfg.stages_q}) must be >= stages_do ({cfg.stages_do}) in upstream's mainloop"
-    if cfg.sdp_swapab or cfg.dkv_swapab:
-        return "sdp_swapab / dkv_swapab are not supported by upstream's SM80/SM120 mainloop (dq_swapab is)"
+    if cfg.dkv_swapab:
+        return "dkv_swapab is not supported by upstream's SM80/SM120 mainloop (dq_swapab is)"
+    if cfg.sdp_swapab and not cfg.pds_in_regs:
+        # this package's step (kernels/bwd_mods.py) runs swapped S/dP only to keep P and dS in registers
+        return (f"sdp_swapab runs only with P/dS in registers: atom_m_sdp=1 and atom_n_dkv=num_warps "
+                f"({cfg.num_warps}), got atom_m_sdp={cfg.atom_m_sdp}, atom_n_dkv={cfg.atom_n_dkv}")
     # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives
     # wrong dQ at 4 and 8 warps, and dq_swapab fails to build when the padded head dim is not a multiple of 64
     if cfg.v_in_regs:
@@ -336,6 +353,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                          ("dq_fixed_point", dq_fixed_point)):
             if on and not own_step:
                 raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
+        if config.pds_in_regs and not own_step:
+            raise ValueError("P/dS in registers (sdp_swapab) needs this package's step (FlashAttentionBackwardSm120Mods)")
         self.late_dq_adds = deterministic and late_dq_adds
         # dq_groups() dQ accumulators (the driver allocates and sums them), and the
         # turns' wait and release on the step's own barriers
@@ -380,7 +399,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.launch_threads: Optional[int] = None
 
     def _get_shared_storage_cls(self):
-        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)
+        storage = super()._get_shared_storage_cls()
+        if self.config.pds_in_regs:  # P never reaches shared memory: upstream's sP views keep one element
+            storage = _without_sp(storage, self.dtype)
+        return emulation_storage(self, storage, self.num_threads)
 
     @property
     def sdp_warps_along_n(self) -> int:
@@ -596,6 +618,14 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                          tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
         if ordered:
             self._release(flag)
+
+
+def _without_sp(storage, dtype):
+    """Upstream's SharedStorage struct with its sP field cut to one element (same fields, same order):
+    the kernel still builds views of sP, which the step with P in registers never reads or writes."""
+    fields = dict(storage._annotations)
+    fields["sP"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
+    return cute.struct(type("SharedStorageNoP", (), {"__annotations__": fields}))
 
 
 def _shifted_load(load, shift):
