@@ -116,6 +116,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
             raise ValueError("the deterministic block-sparse backward with list turns takes one Q and one dO stage")
         if self.V_in_regs:
             raise ValueError("the block-sparse backward takes no V in registers")
+        if self.pds_in_regs:  # its subtile masks and list turns are written for the unswapped S tile
+            raise ValueError("the block-sparse backward takes no P/dS in registers (sdp_swapab)")
         if self.turn_lists and not self.fused_turns:
             raise ValueError("the deterministic block-sparse backward orders dQ with fused_turns (the modifier step) "
                              "or adds it in fixed point (dq_fixed_point)")
