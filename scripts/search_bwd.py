@@ -44,14 +44,19 @@ TILES = {128: ((64, 64), (64, 128), (128, 64)), 256: ((64, 64), (64, 128), (128,
 ATOMS = {128: ((4, 4, 4), (2, 4, 2), (2, 2, 2)), 256: ((2, 4, 2), (4, 4, 4), (2, 8, 2), (4, 8, 4), (2, 4, 4))}
 STAGES = ((1, 1), (2, 2), (2, 1))
 SWAPS = ((True, False, False), (False, True, False), (False, False, True))
+# P/dS in registers (BwdConfig.pds_in_regs): S/dP swapped, every warp along the keys; dQ atoms free
+RS_ATOMS = {128: ((1, 4, 2), (1, 4, 4)), 256: ((1, 8, 2), (1, 8, 4))}
 
 
 def enumerate_bwd_candidates(head_dim: int, grid: dict | None = None) -> list[BwdConfig]:
     """Every point of the grid SM120 can run at this head dim (pure), without duplicates."""
-    g = dict(threads=(128, 256), tiles=TILES, atoms=ATOMS, stages=STAGES, swaps=SWAPS, v_in_regs=(False, True))
+    g = dict(threads=(128, 256), tiles=TILES, atoms=ATOMS, stages=STAGES, swaps=SWAPS, v_in_regs=(False, True),
+             rs_atoms=RS_ATOMS)
     g.update(grid or {})
     cands = []
     for t in g["threads"]:
+        for (m, n), (sq, sdo), atoms in itertools.product(g["tiles"][t], g["stages"], g["rs_atoms"].get(t, ())):
+            cands.append(BwdConfig(t, m, n, sq, sdo, True, False, False, *atoms, False))
         for (m, n), (sq, sdo), vreg, atoms in itertools.product(g["tiles"][t], g["stages"], g["v_in_regs"],
                                                                  g["atoms"][t]):
             cands.append(BwdConfig(t, m, n, sq, sdo, False, False, False, *atoms, vreg))

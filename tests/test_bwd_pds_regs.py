@@ -60,3 +60,17 @@ def test_sm120a_code_stores_only_ds_and_through_stmatrix(causal):
     assert regs.get("STS", 0) < smem.get("STS", 0)
     assert regs.get("BAR", 0) < smem.get("BAR", 0)
     assert regs["HMMA"] == smem["HMMA"]
+
+
+def test_the_backward_search_grid_offers_the_register_path():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import search_bwd
+
+    for d in (64, 96, 128):
+        cands = search_bwd.enumerate_bwd_candidates(d)
+        rs = [c for c in cands if c.pds_in_regs]
+        assert rs and all(bwd_config_error(d, d, c) is None for c in cands)
+        assert not [c for c in cands if c.sdp_swapab and not c.pds_in_regs]
