@@ -40,7 +40,7 @@ def test_the_register_path_runs_on_this_packages_step_only():
     kernel = kernel_for(cutlass.BFloat16, 64, 64, 1, RS_D64, Mods())
     assert type(kernel) is FlashAttentionBackwardSm120Mods and kernel.pds_in_regs
     assert type(kernel_for(cutlass.BFloat16, 64, 64, 1, SMEM_D64, Mods())) is FlashAttentionBackwardSm120Tuned
-    with pytest.raises(ValueError, match="this package's step"):
+    with pytest.raises(ValueError, match="the modifier step"):
         FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 64, 64, 1, RS_D64)
 
 

@@ -29,8 +29,8 @@ The modifier application is upstream's (`apply_score_mod_inner`, `apply_score_mo
 `call_mask_mod`, by import). The rest of the step (loads, products, shared-memory hand-offs) is
 this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits.
 
-P and dS in registers (`BwdConfig.pds_in_regs`, upstream's Mma_dKV_is_RS condition, whose upstream
-step is not runnable: its LSE/dPsum broadcast, mask and dS store assume the unswapped tile). The
+P and dS in registers (`BwdConfig.pds_in_regs`: the Mma_dKV_is_RS condition of FlashAttentionBackwardSm80,
+whose own step cannot run it: its LSE/dPsum broadcast, mask and dS store assume the unswapped tile). The
 S/dP product runs swapped, S^T = K Q^T, with every warp along the keys, so a warp's S^T accumulator
 rows are exactly its rows of dK and dV. Then:
 

@@ -15,7 +15,7 @@ The three products' warp layouts are free: `atom_m_sdp` warps along M for S/dP (
 `atom_n_dkv` along N for dK/dV, `atom_m_dq` along M for dQ, each optionally swapped (swapAB)
 so that the other operand is the A operand. With `v_in_regs` the kernel keeps V in registers.
 With S/dP swapped and every warp along the keys (`BwdConfig.pds_in_regs`), P and dS stay in
-registers for the dK/dV products (kernels/bwd_mods.py's step runs it).
+registers for the dK/dV products (the modifier step, FlashAttentionBackwardSm120Mods, runs it).
 
 This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
   * `BwdConfig`, the tile/warp/stage/layout choice as data, and upstream's SM120 default;
@@ -184,7 +184,7 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
     if cfg.dkv_swapab:
         return "dkv_swapab is not supported by upstream's SM80/SM120 mainloop (dq_swapab is)"
     if cfg.sdp_swapab and not cfg.pds_in_regs:
-        # this package's step (kernels/bwd_mods.py) runs swapped S/dP only to keep P and dS in registers
+        # the modifier step (FlashAttentionBackwardSm120Mods) runs swapped S/dP only to keep P and dS in registers
         return (f"sdp_swapab runs only with P/dS in registers: atom_m_sdp=1 and atom_n_dkv=num_warps "
                 f"({cfg.num_warps}), got atom_m_sdp={cfg.atom_m_sdp}, atom_n_dkv={cfg.atom_n_dkv}")
     # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives
@@ -354,7 +354,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
             if on and not own_step:
                 raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
         if config.pds_in_regs and not own_step:
-            raise ValueError("P/dS in registers (sdp_swapab) needs this package's step (FlashAttentionBackwardSm120Mods)")
+            raise ValueError("P/dS in registers (sdp_swapab) needs the modifier step (FlashAttentionBackwardSm120Mods)")
         self.late_dq_adds = deterministic and late_dq_adds
         # dq_groups() dQ accumulators (the driver allocates and sums them), and the
         # turns' wait and release on the step's own barriers
@@ -400,7 +400,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
     def _get_shared_storage_cls(self):
         storage = super()._get_shared_storage_cls()
-        if self.config.pds_in_regs:  # P never reaches shared memory: upstream's sP views keep one element
+        if self.config.pds_in_regs:  # P never reaches shared memory: the kernel's sP views keep one element
             storage = _without_sp(storage, self.dtype)
         return emulation_storage(self, storage, self.num_threads)
 
@@ -621,8 +621,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
 
 
 def _without_sp(storage, dtype):
-    """Upstream's SharedStorage struct with its sP field cut to one element (same fields, same order):
-    the kernel still builds views of sP, which the step with P in registers never reads or writes."""
+    """The SharedStorage struct with its sP field cut to one element (same fields, same order): the
+    kernel still builds views of sP, which the step with P in registers never reads or writes."""
     fields = dict(storage._annotations)
     fields["sP"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
     return cute.struct(type("SharedStorageNoP", (), {"__annotations__": fields}))

@@ -117,11 +117,9 @@ _BODY_EDITS = (  # on the package module's code after its imports
     ("        # filled in at trace time, read by the occupancy check, the codegen report and the tests\n"
      "        self.smem_bytes_unpadded: Optional[int] = None\n"
      "        self.smem_bytes_launched: Optional[int] = None\n"
-     "        self.launch_threads: Optional[int] = None\n"
-     "\n"
-     "    def _get_shared_storage_cls(self):\n"
-     "        return emulation_storage(self, super()._get_shared_storage_cls(), self.num_threads)\n",
+     "        self.launch_threads: Optional[int] = None\n",
      ""),
+    ("        return emulation_storage(self, storage, self.num_threads)\n", "        return storage\n"),
     ("one warp along N of the S tile (bwd_mask.py)\n", "one warp along N of the S tile (layout_free)\n"),
     ("upstream's step (kernels/bwd_mods.py has its own)", "FlashAttentionBackwardSm120's step"),
     ("        # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch\n"

@@ -50,11 +50,11 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
     ("(as upstream's SM90 backward does)", "(as the SM90 backward does)"),
     ("The modifier application is upstream's (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,\n"
      "`call_mask_mod`, by import). The rest of the step (loads, products, shared-memory hand-offs) is\n"
-     "this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits\n",
+     "this package's restatement of upstream's SM80 step for the configurations bwd_sm120.py admits.\n",
      "The modifier application is the shared one (`apply_score_mod_inner`, `apply_score_mod_bwd_inner`,\n"
      "`call_mask_mod`, by import from softmax.py and mask.py). The rest of the step (loads, products,\n"
      "shared-memory hand-offs) restates FlashAttentionBackwardSm80's step for the configurations the\n"
-     "tuned class admits\n"),
+     "tuned class admits.\n"),
     ("else upstream's SM80 forward rule", "else the SM80 forward's rule"),
     ("        # use_mask_mod=False: a block-sparse full tile (bwd_block_sparse.py), only the sequence bounds apply\n",
      "        # use_mask_mod=False: a tile of a block-sparse full list (the mask_mod does not apply there),\n"
