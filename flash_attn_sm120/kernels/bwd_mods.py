@@ -180,18 +180,18 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             bwd_mask.apply_mask_any_layout(mask, acc_S, m_block, n_block, thr_mma, mask_seqlen=True,
                                            mask_causal=self.mask_causal, mask_local=self.mask_local, transposed=rs)
 
-        # P = exp2(S' * scale_log2 - LSE_log2), LSE per query: per row of S, per column of S^T
+        # P = exp2(S' * scale_log2 - LSE_log2), LSE per query: the accumulator viewed (query, key), so per
+        # row of S and per column of S^T alike
+        def query_rows(acc):
+            mn = layout_utils.reshape_acc_to_mn(acc)
+            return layout_utils.select(mn, [1, 0]) if const_expr(rs) else mn
+
         tLSErLSE = cute.make_fragment_like(smem_copy_params.tSsLSEMma[None, 0])
         cute.autovec_copy(smem_copy_params.tSsLSEMma[None, q_stage], tLSErLSE)
-        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
-        if const_expr(rs):
-            for c in cutlass.range(cute.size(acc_S_mn, mode=[1]), unroll_full=True):
-                acc_S_mn[None, c].store(cute.math.exp2(acc_S_mn[None, c].load() * softmax_scale_log2 - tLSErLSE[c],
-                                                       fastmath=True))
-        else:
-            for r in cutlass.range(cute.size(acc_S_mn, mode=[0]), unroll_full=True):
-                acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * softmax_scale_log2 - tLSErLSE[r],
-                                                       fastmath=True))
+        acc_S_mn = query_rows(acc_S)
+        for r in cutlass.range(cute.size(acc_S_mn, mode=[0]), unroll_full=True):
+            acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * softmax_scale_log2 - tLSErLSE[r],
+                                                   fastmath=True))
 
         # dP = dO V^T;  dS' = P (dP - dPsum);  dS = score_mod_bwd(dS', scale S)
         acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
@@ -207,13 +207,9 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         )
         tLSErdPsum = cute.make_fragment_like(smem_copy_params.tSsdPsumMma[None, 0])
         cute.autovec_copy(smem_copy_params.tSsdPsumMma[None, do_stage], tLSErdPsum)
-        acc_dP_mn = layout_utils.reshape_acc_to_mn(acc_dP)
-        if const_expr(rs):
-            for c in cutlass.range(cute.size(acc_dP_mn, mode=[1]), unroll_full=True):
-                acc_dP_mn[None, c].store(acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - tLSErdPsum[c]))
-        else:
-            for r in cutlass.range(cute.size(acc_dP_mn, mode=[0]), unroll_full=True):
-                acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - tLSErdPsum[r]))
+        acc_dP_mn = query_rows(acc_dP)
+        for r in cutlass.range(cute.size(acc_dP_mn, mode=[0]), unroll_full=True):
+            acc_dP_mn[r, None].store(acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - tLSErdPsum[r]))
         if const_expr(self.score_mod_bwd is not None):
             apply_score_mod_bwd_inner(
                 acc_dP, acc_S_pre, tScS, self.score_mod_bwd, batch_idx, head_idx, softmax_scale,
