@@ -2,7 +2,8 @@
 additions. Pure functions of a call's static facts (driver_bwd.py puts their flags into the compile key and
 passes them to the kernel as keywords, kernels/bwd_sm120.py):
 
-  * launch_plan: the longest-first causal launch (an option) and masks only on the tiles that need one;
+  * launch_plan: the longest-first causal launch (an option), masks only on the tiles that need one, and
+    dQ added four fp32 elements at a time (an option);
   * deterministic_plan: the dQ turn order (ascending, descending with the shortest-first launch, rotated) and
     the release protocol (kernels/bwd_deterministic.py), refusing what could deadlock;
   * SPARSE_DETERMINISTIC_PLAN: the block-sparse walk's order (turns from its lists);
@@ -14,7 +15,7 @@ from __future__ import annotations
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
 
 
-_LAUNCH_FLAGS = ("lpt", "mask_where_needed")
+_LAUNCH_FLAGS = ("lpt", "mask_where_needed", "dq_wide_adds", "own_step")
 _forced_launch: list[dict] = []
 
 
@@ -57,9 +58,15 @@ def launch_plan(causal: bool, local: bool, deterministic: bool, dense_k: bool) -
     * lpt: off. The longest-first causal launch (LongestFirstNBlockScheduler) measured +5% at b2 s4096 d128
       and -4% to -7% at b1 s8192 d128 and d96 (geomean -2%); it stays a forced option (force_launch_plan),
       allowed for a causal mask without a window, deterministic=False and no cu_seqlens_k.
+    * dq_wide_adds: off until measured. dQ added with 16-byte reductions into an accumulator laid out four
+      elements per thread, read back by this package's postprocess (kernels/bwd_postprocess.py); a forced
+      option. Every config bwd_config_error admits splits that way (kernels/bwd_sm120.dq_wide_fits). The
+      gradients are the same either way, up to the order of the fp32 additions.
+    * own_step: off. This package's step (kernels/bwd_mods.py) instead of upstream's for a call without
+      modifiers, as the wide adds run it: a forced option, to tell what the step and the adds are each worth.
     """
     lpt_allowed = causal and not local and not deterministic and dense_k
-    plan = dict(lpt=False, mask_where_needed=not causal and not local)
+    plan = dict(lpt=False, mask_where_needed=not causal and not local, dq_wide_adds=False, own_step=False)
     if _forced_launch:
         plan.update(_forced_launch[-1])
     if plan["lpt"] and not lpt_allowed:
@@ -75,7 +82,9 @@ _ORDERING_FLAGS = ("dq_descending", "dq_rotated", "reverse_n_blocks", "fetch_ear
 SPARSE_DETERMINISTIC_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "fused_turns": True}
 # dQ in 64-bit fixed point (kernels/bwd_fixed_point.py): no turns, any window, any walk
 FIXED_POINT_PLAN = {**dict.fromkeys(_ORDERING_FLAGS, False), "dq_fixed_point": True}
-_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch", "dq_fixed_point")  # need kernels/bwd_mods.py's step
+# the flags that need kernels/bwd_mods.py's step
+_OWN_STEP_FLAGS = ("late_dq_adds", "dq_split", "fused_turns", "fused_fetch", "dq_fixed_point", "dq_wide_adds",
+                   "own_step")
 _forced_plan: list[dict] = []
 
 

@@ -11,7 +11,9 @@ A thin replacement for the SM120 branch of upstream's `_flash_attn_bwd`, which h
      accumulator with atomics;
   3. upstream's postprocess (imported): the fp32 accumulators to the output dtype, dQ and dK scaled
      by the softmax scale. It reads the accumulators in the main kernel's thread layout, so it gets
-     the main kernel's warps, atom layout and swapAB flag.
+     the main kernel's warps, atom layout and swapAB flag. With the launch plan's dq_wide_adds the dQ
+     accumulator has the wide adds' layout, and this package's subclass of it reads dQ
+     (kernels/bwd_postprocess.py).
 
 The main kernel is cached per compile key and, in SM120 emulation, padded and occupancy-checked
 like every forward kernel (driver.compile_verified). The pre/postprocess kernels are upstream's,
@@ -59,6 +61,7 @@ from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm12
 from flash_attn_sm120.kernels import bwd_fixed_point
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
+from flash_attn_sm120.kernels.bwd_postprocess import postprocess_dq_wide
 from flash_attn_sm120.kernels.bwd_sm120 import (
     BwdConfig,
     FlashAttentionBackwardSm120Tuned,
@@ -115,6 +118,8 @@ class BwdStatics:
     dq_fixed_point: bool = False  # deterministic dQ in 64-bit fixed point (kernels/bwd_fixed_point.py)
     lpt: bool = False  # launch_plan: causal CTAs longest first
     mask_where_needed: bool = False  # launch_plan: mask only the tiles with a masked element
+    dq_wide_adds: bool = False  # launch_plan: 16-byte dQ adds, the accumulator read by kernels/bwd_postprocess.py
+    own_step: bool = False  # launch_plan: this package's step without modifiers (a diagnostic)
     # user modifiers (kernels/bwd_mods.py), by hash; the aux tensors' and scalars' compile-time facts
     score_mod_hash: object = False
     score_mod_bwd_hash: object = False
@@ -233,13 +238,14 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
     block_sparse_key: BwdStatics.block_sparse, for the block-sparse walk (kernels/bwd_block_sparse.py)."""
     args = (dtype, head_dim, head_dim_v, qhead_per_kvhead, config)
     kwargs.update(score_mod=mods.score_mod, score_mod_bwd=mods.score_mod_bwd)
+    own_step = kwargs.pop("own_step", False)  # the launch plan's: only chooses this package's step (the walk's own)
     if block_sparse_key is not None:
         q_sub, kv_sub, has_full = block_sparse_key[:3]
         return FlashAttentionBackwardSm120BlockSparse(
             *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
             kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
     # options of the modifier step (this package's own step), P/dS in registers among them
-    if mods.user or config.pds_in_regs or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):
+    if mods.user or config.pds_in_regs or own_step or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
                                                has_aux_tensors=mods.aux_tensors is not None, **kwargs)
     return FlashAttentionBackwardSm120Tuned(*args, **kwargs)
@@ -493,8 +499,12 @@ def backward(
         dq_accum = groups[0] + groups[1]  # a new contiguous tensor in upstream's layout
         for g in groups[2:]:
             dq_accum += g
-    _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
-                             head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
+    if statics.dq_wide_adds:  # the accumulator in the wide adds' layout: this package's postprocess reads it
+        postprocess_dq_wide(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, cute_dtype, head_dim, cfg.m_block,
+                            cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, hdim_multiple_of=HDIM_MULTIPLE)
+    else:
+        _bwd_postprocess_convert(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, POSTPROCESS_ARCH, cute_dtype,
+                                 head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, **post)
     if gqa:
         for accum, grad, scale, d in ((dk_accum, dk, softmax_scale, head_dim), (dv_accum, dv, 1.0, head_dim_v)):
             _bwd_postprocess_convert(accum, grad, scale, cu_seqlens_k, seqused_k, POSTPROCESS_ARCH, cute_dtype, d,

@@ -265,12 +265,15 @@ def deterministic_variants(info, names=None) -> list[BwdImpl]:
     return out
 
 
-# The launch plan's options (driver_bwd.launch_plan), each forced off, for what each is worth next to the
+# The launch plan's options (driver_bwd.launch_plan), each forced on or off, for what each is worth next to the
 # table's row, which runs them as the plan picks (--launch-variants)
 LAUNCH_VARIANTS = {
     "launch_before": dict(lpt=False, mask_where_needed=False),  # as before both (session 16's kernels)
     "launch_no_lpt": dict(lpt=False),
     "launch_mask_always": dict(mask_where_needed=False),
+    # dQ added 16 bytes at a time (on this package's step), and this package's step alone (what it is worth)
+    "launch_dq_wide": dict(dq_wide_adds=True),
+    "launch_own_step": dict(own_step=True),
 }
 
 

@@ -82,13 +82,18 @@ def test_tile_needs_mask_matches_the_elementwise_rules(seed):
 
 def test_launch_plan_rule_and_forcing():
     """The measured choice: masks skipped where a tile needs none without a causal mask or window, the
-    longest-first launch off; forcing it is allowed where its kernel can run it."""
-    assert driver_bwd.launch_plan(False, False, False, dense_k=True) == dict(lpt=False, mask_where_needed=True)
-    assert driver_bwd.launch_plan(False, False, True, dense_k=False) == dict(lpt=False, mask_where_needed=True)
+    longest-first launch, the wide dQ adds and the package's step for plain calls off; forcing is allowed
+    where the kernel can run it."""
+    off = dict(lpt=False, dq_wide_adds=False, own_step=False)
+    assert driver_bwd.launch_plan(False, False, False, dense_k=True) == dict(off, mask_where_needed=True)
+    assert driver_bwd.launch_plan(False, False, True, dense_k=False) == dict(off, mask_where_needed=True)
     for causal, local in [(True, False), (False, True)]:
-        assert driver_bwd.launch_plan(causal, local, False, dense_k=True) == dict(lpt=False, mask_where_needed=False)
+        assert driver_bwd.launch_plan(causal, local, False, dense_k=True) == dict(off, mask_where_needed=False)
     with driver_bwd.force_launch_plan(lpt=True, mask_where_needed=True):
-        assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(lpt=True, mask_where_needed=True)
+        assert driver_bwd.launch_plan(True, False, False, dense_k=True) == dict(off, lpt=True, mask_where_needed=True)
+    with driver_bwd.force_launch_plan(dq_wide_adds=True):
+        for causal, local, det, dense in itertools.product((False, True), repeat=4):
+            assert driver_bwd.launch_plan(causal, local, det, dense_k=dense)["dq_wide_adds"] is True
     for causal, local, det, dense in [(False, False, False, True), (True, True, False, True),
                                       (True, False, True, True), (True, False, False, False)]:
         with driver_bwd.force_launch_plan(lpt=True), pytest.raises(ValueError, match="lpt needs a causal"):

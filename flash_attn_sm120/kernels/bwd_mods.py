@@ -17,8 +17,9 @@ Algorithm, per m_block of one CTA's n_block (FlashAttention-2's backward, as bwd
     dS'   = P * (dP - dPsum)
     dS    = score_mod_bwd(dS', scale * S, b, h, q_idx, kv_idx)   (dL/d(scale * S); the postprocess
                                                                   multiplies dQ and dK by scale)
-    dV += P^T dO,  dK += dS^T Q,  dQ += dS K  (atomics into the fp32 accumulator; deterministic with
-                                                dq_fixed_point: 64-bit fixed point, bwd_fixed_point.py)
+    dV += P^T dO,  dK += dS^T Q,  dQ += dS K  (atomics into the fp32 accumulator, 16 bytes at a time with
+                                                dq_wide_adds; deterministic with dq_fixed_point: 64-bit
+                                                fixed point, bwd_fixed_point.py)
 
 Every element's (q_idx, kv_idx) comes from `thr_mma.partition_C` of an identity tensor offset by the
 tile's origin, so it is right for any warp layout of the S/dP product. Indices are sequence-local
@@ -55,6 +56,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cute.nvgpu import warp
 from flash_attn.cute import ampere_helpers as sm80_utils
+from flash_attn.cute import copy_utils
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.mask import call_mask_mod
 from flash_attn.cute.softmax import apply_score_mod_bwd_inner, apply_score_mod_inner
@@ -62,7 +64,7 @@ from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
 from flash_attn_sm120.kernels import bwd_fixed_point, bwd_mask
-from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.bwd_sm120 import DQ_WIDE_ELEMS, FlashAttentionBackwardSm120Tuned
 
 
 def mod_vec_size(score_mod: Optional[Callable], has_aux_tensors: bool) -> int:
@@ -296,7 +298,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
     @cute.jit
     def _dq_adds(self, acc_dQ: cute.Tensor, m_block: Int32, gmem_copy_params) -> None:
         """dQ_accum[m_block] += acc_dQ with fp32 atomics (m_block: the accumulator tile; with dq_split
-        offset to this CTA's accumulator)."""
+        offset to this CTA's accumulator), 16 bytes per reduction with dq_wide_adds."""
         acc_dQ_atomic = gmem_copy_params.gmem_thr_copy_dQaccum.retile(acc_dQ)
         tdQgdQaccum = gmem_copy_params.tdQgdQaccum[None, None, m_block]
         if const_expr(self.dq_fixed_point):  # deterministic: 64-bit fixed-point adds (bwd_fixed_point.py)
@@ -304,6 +306,11 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
             for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
                 address = bwd_fixed_point.int64_address(fa_utils.elem_pointer(tdQgdQaccum, i).toint(), base)
                 bwd_fixed_point.red_add_fixed(address, acc_dQ_atomic[i], scale)
+        elif const_expr(self.dq_wide_adds):  # runs of four consecutive floats (bwd_sm120._setup_attributes)
+            for j in cutlass.range(cute.size(acc_dQ_atomic) // DQ_WIDE_ELEMS, unroll_full=True):
+                i = j * DQ_WIDE_ELEMS
+                copy_utils.atomic_add_fp32x4(acc_dQ_atomic[i], acc_dQ_atomic[i + 1], acc_dQ_atomic[i + 2],
+                                             acc_dQ_atomic[i + 3], fa_utils.elem_pointer(tdQgdQaccum, i))
         else:
             for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):
                 fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))

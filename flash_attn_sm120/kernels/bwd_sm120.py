@@ -32,6 +32,9 @@ This module adds, by subclassing upstream's `FlashAttentionBackwardSm120`:
     (`bwd_mask.where_needed`; driver_bwd.launch_plan uses it without a causal mask or window);
   * `lpt`: causal CTAs launched longest first (`LongestFirstNBlockScheduler`), an option the launch
     plan leaves off (it measured slower on 3 of the 4 causal seed problems, emulated).
+  * `dq_wide_adds`: dQ added with 16-byte reductions (`red.global.add.v4.f32`, the modifier step's
+    `_dq_adds`) into an accumulator whose tile holds four consecutive elements per thread
+    (`DQ_WIDE_ELEMS`); this package's postprocess reads that layout (kernels/bwd_postprocess.py).
 Everything else (mainloop, atomics, GQA accumulation, varlen) is upstream's.
 """
 
@@ -46,6 +49,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from flash_attn.cute import copy_utils
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_bwd_sm120 import FlashAttentionBackwardSm120
@@ -60,6 +64,7 @@ from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 _HDIM_MULTIPLE = 32  # upstream pads the backward's head dims to a multiple of 32
 _SMEM_ALIGN = 1024  # sK, sV, sQ, sdO are 1 KB aligned
 _SMALL_ALIGN = 128  # sLSE, sdPsum, sP, sdS are 128 B aligned
+DQ_WIDE_ELEMS = 4  # fp32 elements per dQ reduction with dq_wide_adds (16 bytes)
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,13 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
     return None
 
 
+def dq_wide_fits(cfg: BwdConfig, head_dim: int) -> bool:
+    """Whether a dQ accumulator tile (m_block x padded head dim) splits into DQ_WIDE_ELEMS-element pieces
+    over every thread, as the wide dQ adds and their postprocess partition it. Always, for a config that
+    bwd_config_error admits: its dQ MMA tiles the tile with 16x16 per warp, 8 elements per thread."""
+    return cfg.m_block * _round_up(head_dim, _HDIM_MULTIPLE) % (DQ_WIDE_ELEMS * cfg.num_threads) == 0
+
+
 LPT_L2_BYTES = 32 * 1024 * 1024  # the working set the longest-first launch keeps to (a fraction of L2)
 
 
@@ -316,6 +328,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         lpt: bool = False,
         mask_where_needed: bool = False,
         dq_fixed_point: bool = False,
+        dq_wide_adds: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if deterministic and is_local and not dq_fixed_point:
@@ -350,7 +363,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         # (kernels/bwd_mods.py) option, this package's own step; upstream's cannot reorder them
         own_step = type(self)._one_m_block is not FlashAttentionBackwardSm120Tuned._one_m_block
         for name, on in (("late_dq_adds", late_dq_adds), ("dq_split", dq_split), ("fused_turns", fused_turns),
-                         ("dq_fixed_point", dq_fixed_point)):
+                         ("dq_fixed_point", dq_fixed_point), ("dq_wide_adds", dq_wide_adds)):
             if on and not own_step:
                 raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
         if config.pds_in_regs and not own_step:
@@ -393,10 +406,23 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                              "deterministic (whose orderings fix the launch order)")
         self.lpt = lpt
         self.mask_where_needed = mask_where_needed  # mask only tiles with a masked element (bwd_mask.where_needed)
+        if dq_wide_adds and not dq_wide_fits(config, head_dim):
+            raise ValueError(f"dq_wide_adds: a {config.m_block}x{_round_up(head_dim, _HDIM_MULTIPLE)} dQ tile does not "
+                             f"split into {DQ_WIDE_ELEMS}-element pieces over {config.num_threads} threads")
+        self.dq_wide_adds = dq_wide_adds  # 16-byte dQ reductions, the accumulator in their layout
         # filled in at trace time, read by the occupancy check, the codegen report and the tests
         self.smem_bytes_unpadded: Optional[int] = None
         self.smem_bytes_launched: Optional[int] = None
         self.launch_threads: Optional[int] = None
+
+    def _setup_attributes(self):
+        super()._setup_attributes()
+        if self.dq_wide_adds:
+            # each thread's dQ accumulator elements in runs of four consecutive floats (thread t's run j at
+            # (j * threads + t) * 4), which one 16-byte reduction adds; upstream's GQA dK/dV copies, made
+            # from the one-element dQ copy above, keep their layout (upstream's postprocess reads them)
+            self.gmem_tiled_copy_dQaccum = copy_utils.tiled_copy_1d(cutlass.Float32, self.num_threads,
+                                                                     DQ_WIDE_ELEMS)
 
     def _get_shared_storage_cls(self):
         storage = super()._get_shared_storage_cls()
