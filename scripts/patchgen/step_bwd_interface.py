@@ -208,9 +208,10 @@ def check_plan_call() -> None:
     # the interface passes mask_where_needed=not causal and not local and no lpt: the package's launch_plan
     for causal, local, det, dense in itertools.product((False, True), repeat=4):
         plan = pkg_driver_bwd.launch_plan(causal, local, det, dense_k=dense)
-        if plan != dict(lpt=False, mask_where_needed=not causal and not local):
+        if plan != dict(lpt=False, mask_where_needed=not causal and not local, dq_wide_adds=False, own_step=False):
             raise AnchorError(f"flash_attn_sm120/driver_bwd.py: launch_plan{(causal, local, det, dense)} = {plan}; "
-                              "the patched interface passes mask_where_needed=not causal and not local, no lpt")
+                              "the patched interface passes mask_where_needed=not causal and not local, no lpt, "
+                              "no dq_wide_adds (upstream's postprocess reads the accumulator), no own_step")
     if "**launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k)" not in backward:
         raise AnchorError("flash_attn_sm120/driver_bwd.py: backward() no longer takes launch_plan's flags")
     kwargs = inspect.signature(pkg_bwd.FlashAttentionBackwardSm120Tuned.__init__).parameters

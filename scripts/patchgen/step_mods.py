@@ -81,22 +81,34 @@ _MODULE_EDITS = (  # on the package module's whole source: wording inside upstre
      "    tile_needs_mask,\n"
      ")\n"),
     ("\n\nfrom flash_attn_sm120.kernels import bwd_fixed_point, bwd_mask\n"
-     "from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned\n", "\n"),
+     "from flash_attn_sm120.kernels.bwd_sm120 import DQ_WIDE_ELEMS, FlashAttentionBackwardSm120Tuned\n", "\n"),
     # the fixed-point dQ adds stay in the package (the patched interface allocates no int64 accumulator)
     ("        if const_expr(self.dq_fixed_point):  # deterministic: 64-bit fixed-point adds (bwd_fixed_point.py)\n"
      "            base, scale = self._dq_fixed\n"
      "            for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):\n"
      "                address = bwd_fixed_point.int64_address(fa_utils.elem_pointer(tdQgdQaccum, i).toint(), base)\n"
      "                bwd_fixed_point.red_add_fixed(address, acc_dQ_atomic[i], scale)\n"
+     "        elif const_expr(self.dq_wide_adds):  # runs of four consecutive floats (bwd_sm120._setup_attributes)\n"
+     "            for j in cutlass.range(cute.size(acc_dQ_atomic) // DQ_WIDE_ELEMS, unroll_full=True):\n"
+     "                i = j * DQ_WIDE_ELEMS\n"
+     "                copy_utils.atomic_add_fp32x4(acc_dQ_atomic[i], acc_dQ_atomic[i + 1], acc_dQ_atomic[i + 2],\n"
+     "                                             acc_dQ_atomic[i + 3], fa_utils.elem_pointer(tdQgdQaccum, i))\n"
      "        else:\n"
      "            for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):\n"
      "                fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))\n",
      "        if const_expr(self.dq_fixed_point):\n"
      "            raise NotImplementedError(\"dq_fixed_point: the int64 dQ accumulator is not allocated here\")\n"
+     "        if const_expr(self.dq_wide_adds):\n"
+     "            raise NotImplementedError(\"dq_wide_adds: upstream's postprocess reads one float per thread\")\n"
      "        for i in cutlass.range(cute.size(acc_dQ_atomic), unroll_full=True):\n"
      "            fa_utils.atomic_add_fp32(acc_dQ_atomic[i], fa_utils.elem_pointer(tdQgdQaccum, i))\n"),
-    ("                                                dq_fixed_point: 64-bit fixed point, bwd_fixed_point.py)\n",
+    ("  (atomics into the fp32 accumulator, 16 bytes at a time with\n"
+     "                                                dq_wide_adds; deterministic with dq_fixed_point: 64-bit\n"
+     "                                                fixed point, bwd_fixed_point.py)\n",
+     "  (atomics into the fp32 accumulator; dq_wide_adds and\n"
      "                                                dq_fixed_point: not in this module)\n"),
+    ("offset to this CTA's accumulator), 16 bytes per reduction with dq_wide_adds.",
+     "offset to this CTA's accumulator)."),
 )
 _PACKAGE_NAMES = ("bwd_mask", "bwd_sm120.py", "bwd_deterministic", "bwd_block_sparse", "driver_bwd", "this package")  # none may be left
 _LIFTED = ("mod_vec_size", "FlashAttentionBackwardSm120Mods")  # the definitions the module must still hold
