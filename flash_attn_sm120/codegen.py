@@ -104,6 +104,27 @@ def parse_sass_histogram(text: str, full: bool = False) -> dict:
     return dict(sorted(counts.items()))
 
 
+_SASS_LINE_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_BACK_BRANCH_RE = re.compile(r"(?:^|\s)(?:U?P\w+,\s*)?0x([0-9a-f]+)")
+_LDSM_BYTES = {"4": 512, "2": 256}  # ldmatrix .x4 / .x2 per warp; .x1 reads 128 B
+
+
+def main_loop_ldsm_bytes(text: str) -> int:
+    """ldmatrix bytes one warp reads per pass of a kernel's longest loop (the span of its longest backward
+    branch in `cuobjdump --dump-sass`): the mainloop's shared-memory operand traffic, without the prologue's."""
+    lines = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS_LINE_RE.finditer(text)]
+    loops = []
+    for addr, op, args in lines:
+        target = _BACK_BRANCH_RE.search(args) if op.split(".")[0] == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        raise ValueError("no loop (backward branch) in this SASS")
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    return sum(_LDSM_BYTES.get(op.rsplit(".", 1)[-1], 128) for addr, op, _ in lines
+               if lo <= addr <= hi and op.startswith("LDSM"))
+
+
 def inspect_cubin(cubin: bytes) -> tuple[dict, dict, str]:
     """(resource usage, opcode histogram, raw SASS) of a cubin."""
     cuobjdump = find_tool("cuobjdump")

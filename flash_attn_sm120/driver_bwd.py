@@ -244,8 +244,8 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
         return FlashAttentionBackwardSm120BlockSparse(
             *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
             kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
-    # options of the modifier step (this package's own step), P/dS in registers among them
-    if mods.user or config.pds_in_regs or own_step or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):
+    # options of the modifier step (this package's own step), P/dS and V in registers among them
+    if mods.user or config.pds_in_regs or config.v_in_regs or own_step or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
                                                has_aux_tensors=mods.aux_tensors is not None, **kwargs)
     return FlashAttentionBackwardSm120Tuned(*args, **kwargs)

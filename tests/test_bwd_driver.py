@@ -28,7 +28,7 @@ def test_shipped_table_parses():
 @pytest.mark.parametrize("change,match", [
     (dict(head_dim=100), "not a bucket"), (dict(mask="sliding"), "mask"),
     (dict(atom_m_sdp=8), "S/dP"), (dict(provenance={"gpu": "g"}), "provenance"),
-    (dict(num_threads=None), "missing"), (dict(v_in_regs=True), "v_in_regs"),
+    (dict(num_threads=None), "missing"), (dict(sdp_swapab=True), "sdp_swapab"),
 ])
 def test_bad_rows_are_named(change, match):
     row = {**ROW, **change}

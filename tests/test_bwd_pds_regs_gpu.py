@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import flash_attn_sm120  # noqa: E402
+import bwd_config_checks  # noqa: E402
 from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
 from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error  # noqa: E402
 from flash_attn_sm120.testing import AttnCase, AttnProblem  # noqa: E402
@@ -86,22 +86,7 @@ def test_features(label, name, case, problem):
 def test_position_dependent_modifiers(name, d):
     """score_mod / score_mod_bwd and mask_mod see (q_idx, kv_idx) from the transposed tile: a swap would
     change both the scores and the mask (prefix-LM is not symmetric)."""
-    from test_mods_bwd_gpu import _inputs, check_against_ref, position_scale_ref
-
-    from flash_attn_sm120.testing_mods import PREFIX, position_scale, position_scale_bwd, prefix_lm
-
-    q, k, v, dout = _inputs(2, 200, 333, 4, 2, d, seed=d + 5)
-    with driver_bwd.force_config(RS[name][0]):
-        check_against_ref(q, k, v, dout, dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd),
-                          dict(score_fn=position_scale_ref))
-        q, k, v, dout = _inputs(1, 300, 300, 4, 4, d, seed=d + 6)
-        check_against_ref(q, k, v, dout, dict(mask_mod=prefix_lm),
-                          dict(keep_fn=lambda b, h, qi, ki: (ki <= qi) | (ki < PREFIX)))
-
-
-def _grads(q, k, v, g, **kw):
-    out, _ = flash_attn_sm120.flash_attn_func(q, k, v, **kw)
-    return torch.autograd.grad(out, (q, k, v), g)
+    bwd_config_checks.check_position_dependent_modifiers(RS[name][0], d)
 
 
 @pytest.mark.parametrize("name,d,causal,window", [
@@ -110,17 +95,4 @@ def _grads(q, k, v, g, **kw):
     ("w4-32x64-q1do1-a142", 96, False, (64, 16)),  # fixed point (a window)
 ])
 def test_deterministic_bitwise_and_correct(name, d, causal, window):
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    mk = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)  # noqa: E731
-    q, k, v = mk(2, 700, 8, d), mk(2, 700, 2, d), mk(2, 700, 2, d)
-    g = torch.randn(2, 700, 8, d, generator=gen, device="cuda").to(torch.bfloat16)
-    kw = dict(causal=causal, window_size=window if window else (None, None))
-    with driver_bwd.force_config(RS[name][0]):
-        runs = [_grads(q, k, v, g, deterministic=True, **kw) for _ in range(3)]
-        plain = _grads(q, k, v, g, **kw)
-    for other in runs[1:]:
-        for a, c in zip(runs[0], other):
-            assert torch.equal(a, c)
-    for name_, a, p in zip(("dq", "dk", "dv"), runs[0], plain):  # the non-deterministic RS gradients, fp32 sums
-        assert a.isfinite().all(), name_
-        assert (a.float() - p.float()).abs().max().item() <= 2e-2 * p.float().abs().max().item() + 1e-3, name_
+    bwd_config_checks.check_deterministic(RS[name][0], d, causal, window)

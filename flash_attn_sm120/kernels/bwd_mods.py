@@ -44,6 +44,10 @@ rows are exactly its rows of dK and dV. Then:
                 sdS^T: the exact inverse of the ldmatrix.trans that partition was made for;
     indices     (mask, score_mod, mask_mod) come from the transposed identity tile.
 The price: each warp reads all of Q and dO (m_block rows) from shared memory for S^T and dP^T.
+
+V in registers (`BwdConfig.v_in_regs`): dP = dO V^T takes V from the registers the SM80 kernel's
+prologue filled (its V_in_regs copy), never from sV, whose memory then holds Q. The SM80 step omits
+that and reads Q there as V.
 """
 
 from __future__ import annotations
@@ -205,7 +209,7 @@ class FlashAttentionBackwardSm120Mods(FlashAttentionBackwardSm120Tuned):
         sm80_utils.gemm(
             thr_mma, acc_dP, mma_params.tdPrdO, mma_params.tdPrV, smem_copy_params.tdPsdO[None, None, None, do_stage],
             smem_copy_params.tdPsV, smem_copy_params.smem_thr_copy_QdO, smem_copy_params.smem_thr_copy_KV,
-            hook_fn=load_Q_next if const_expr(self.num_stages_Q > 1) else None, swap_AB=rs,
+            hook_fn=load_Q_next if const_expr(self.num_stages_Q > 1) else None, B_in_regs=self.V_in_regs, swap_AB=rs,
         )
         tLSErdPsum = cute.make_fragment_like(smem_copy_params.tSsdPsumMma[None, 0])
         cute.autovec_copy(smem_copy_params.tSsdPsumMma[None, do_stage], tLSErdPsum)

@@ -13,7 +13,11 @@ output dtype after it.
 
 The three products' warp layouts are free: `atom_m_sdp` warps along M for S/dP (the rest along N),
 `atom_n_dkv` along N for dK/dV, `atom_m_dq` along M for dQ, each optionally swapped (swapAB)
-so that the other operand is the A operand. With `v_in_regs` the kernel keeps V in registers.
+so that the other operand is the A operand. With `v_in_regs` the modifier step
+(FlashAttentionBackwardSm120Mods) keeps V in registers for dP = dO V^T: the SM80 kernel copies V
+there once, in its prologue, and lends V's shared memory to Q, but its own step re-reads V from
+that memory for every dP (wrong dQ and dK once Q has overwritten it); the modifier step reads the
+registers, and the sV field, which nothing reads then, shrinks to one element.
 With S/dP swapped and every warp along the keys (`BwdConfig.pds_in_regs`), P and dS stay in
 registers for the dK/dV products (the modifier step, FlashAttentionBackwardSm120Mods, runs it).
 
@@ -118,15 +122,16 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
 
     sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
     column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
-    V in registers upstream still allocates sV and sizes sQ as max(sQ, sV). With P/dS in registers
-    (`pds_in_regs`) nothing is stored to sP: it shrinks to one element (the kernel's `_get_shared_storage_cls`).
+    V in registers sQ is sized max(sQ, sV) (V's prologue copy lands there) and the unused sV field is one
+    element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
+    element (both: the kernel's `_get_shared_storage_cls`).
     """
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     q = cfg.m_block * hd * cfg.stages_q * elem_bytes
     v = cfg.n_block * hdv * elem_bytes
     fields = [
         (cfg.n_block * hd * elem_bytes, _SMEM_ALIGN),  # sK
-        (v, _SMEM_ALIGN),  # sV
+        *([] if cfg.v_in_regs else [(v, _SMEM_ALIGN)]),  # sV
         (max(q, v) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
         (cfg.m_block * hdv * cfg.stages_do * elem_bytes, _SMEM_ALIGN),  # sdO
     ]
@@ -134,6 +139,8 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     fields += [(lse, _SMALL_ALIGN), (lse, _SMALL_ALIGN)]  # sLSE, sdPsum
     p = elem_bytes if cfg.pds_in_regs else cfg.m_block * cfg.n_block * elem_bytes
     fields += [(p, _SMALL_ALIGN), (cfg.m_block * cfg.n_block * elem_bytes, _SMALL_ALIGN)]  # sP, sdS
+    if cfg.v_in_regs:
+        fields.append((elem_bytes, _SMALL_ALIGN))  # sV, one element
     offset = 0
     for size, align in fields:
         offset = _round_up(offset, align) + size
@@ -192,10 +199,9 @@ def bwd_config_error(head_dim: int, head_dim_v: int, cfg: BwdConfig) -> Optional
         # the modifier step (FlashAttentionBackwardSm120Mods) runs swapped S/dP only to keep P and dS in registers
         return (f"sdp_swapab runs only with P/dS in registers: atom_m_sdp=1 and atom_n_dkv=num_warps "
                 f"({cfg.num_warps}), got atom_m_sdp={cfg.atom_m_sdp}, atom_n_dkv={cfg.atom_n_dkv}")
-    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives
-    # wrong dQ at 4 and 8 warps, and dq_swapab fails to build when the padded head dim is not a multiple of 64
-    if cfg.v_in_regs:
-        return "v_in_regs gives wrong dQ in upstream's SM80/SM120 mainloop (measured); not offered"
+    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): dq_swapab fails to build
+    # when the padded head dim is not a multiple of 64. (V in registers, wrong dQ in upstream's step there,
+    # runs on this package's step: FlashAttentionBackwardSm120Tuned refuses it on upstream's.)
     if cfg.dq_swapab and _round_up(head_dim, _HDIM_MULTIPLE) % 64:
         return f"dq_swapab needs the padded head dim ({_round_up(head_dim, _HDIM_MULTIPLE)}) to be a multiple of 64"
     if preprocess_multiple(head_dim_v, cfg.m_block) is None:
@@ -368,6 +374,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                 raise ValueError(f"{name} needs the modifier step (FlashAttentionBackwardSm120Mods)")
         if config.pds_in_regs and not own_step:
             raise ValueError("P/dS in registers (sdp_swapab) needs the modifier step (FlashAttentionBackwardSm120Mods)")
+        if config.v_in_regs and not own_step:
+            # upstream's step re-reads V from its shared memory, which Q's loads overwrite with V_in_regs
+            raise ValueError("v_in_regs needs the modifier step (FlashAttentionBackwardSm120Mods): upstream's step "
+                             "reads V from the shared memory it lends to Q")
         self.late_dq_adds = deterministic and late_dq_adds
         # dq_groups() dQ accumulators (the driver allocates and sums them), and the
         # turns' wait and release on the step's own barriers
@@ -428,6 +438,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         storage = super()._get_shared_storage_cls()
         if self.config.pds_in_regs:  # P never reaches shared memory: the kernel's sP views keep one element
             storage = _without_sp(storage, self.dtype)
+        if self.config.v_in_regs:  # V lands in sQ's memory (upstream's shared Q/V); its own field is unused
+            storage = _without_sv(storage, self.dtype)
         return emulation_storage(self, storage, self.num_threads)
 
     @property
@@ -652,6 +664,15 @@ def _without_sp(storage, dtype):
     fields = dict(storage._annotations)
     fields["sP"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
     return cute.struct(type("SharedStorageNoP", (), {"__annotations__": fields}))
+
+
+def _without_sv(storage, dtype):
+    """The SharedStorage struct with its sV field one element, moved last (upstream's kernel makes sV a view
+    of sQ's memory when V is in registers and never reads the field; last, it costs no 1 KB alignment)."""
+    fields = dict(storage._annotations)
+    del fields["sV"]
+    fields["sV"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
+    return cute.struct(type("SharedStorageNoV", (), {"__annotations__": fields}))
 
 
 def _shifted_load(load, shift):

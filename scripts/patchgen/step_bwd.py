@@ -98,8 +98,8 @@ _BODY_EDITS = (  # on the package module's code after its imports
     ("        # Upstream's SM80/SM120 mainloop takes no semaphores;", "        # The SM80/SM120 mainloop takes no semaphores;"),
     ("(upstream's FlashAttentionBackwardSm80 parameters)", "(FlashAttentionBackwardSm80's parameters)"),
     ("_HDIM_MULTIPLE = 32  # upstream pads", "_HDIM_MULTIPLE = 32  # the SM80/SM120 backward pads"),
-    ("    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): V in registers gives\n",
-     "    # measured: V in registers gives\n"),
+    ("    # measured on the H200 (configs/measurements/2026-12-01_bwd_first_emulated.md): dq_swapab fails to build\n",
+     "    # measured: dq_swapab fails to build\n"),
     ("    \"\"\"Upstream's SM120 backward with a BwdConfig, SM120 limits and emulation padding.\n"
      "\n"
      "    `emulate_host_smem`: a hardware.EmulationHost when the kernel runs in SM120 emulation on another\n"

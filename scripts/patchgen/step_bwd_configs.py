@@ -194,6 +194,12 @@ def render_plan_adapter() -> str:
 
 def render_bwd_configs_module(table) -> str:
     where = "flash_attn_sm120/config_bwd.py"
+    # the patched interface builds FlashAttentionBackwardSm120Tuned, which refuses both (this package's
+    # step runs them: driver_bwd.kernel_for); a table row with either needs that routing in the interface
+    own_step = [f"{e.head_dim}/{e.mask}" for e in table if e.config.v_in_regs or e.config.pds_in_regs]
+    if own_step:
+        raise AnchorError(f"{where}: table rows {own_step} keep V or P/dS in registers, which only the modifier step "
+                          "runs; the patched interface builds the tuned class (route them in step_bwd_interface.py)")
     code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
     for old, new in _BWD_CONFIG_EDITS:
         code = substitute(code, old, new, where=where)
