@@ -135,7 +135,9 @@ def test_block_sparse_backward_walk_with_windows_and_turns_compiles_for_sm120a(d
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     causal, local = mask == "causal", mask == "local"
-    cfg = replace(select_bwd_config(load_bwd_table(), d, d, causal, local, modifiers=True), stages_q=1, stages_do=1)
+    # as the driver takes the table's config for the walk: one stage each, V in shared memory
+    cfg = replace(select_bwd_config(load_bwd_table(), d, d, causal, local, modifiers=True), stages_q=1, stages_do=1,
+                  v_in_regs=False)
     kernels = []
     cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, local=local, deterministic=det, qhead_per_kvhead=gqa,
                                          block_sparse=(*subtiles, full), kernel_out=kernels,

@@ -642,10 +642,10 @@ _BS_INTERFACE_EDITS = (
     ),
     (
         "SM120 builds the block-sparse class",
-        "            if sm120_mods or deterministic:\n"
+        "            if sm120_mods or deterministic or sm120_bwd_cfg.v_in_regs:\n"
         "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
         "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n",
-        "            if sm120_mods or deterministic:\n"
+        "            if sm120_mods or deterministic or sm120_bwd_cfg.v_in_regs:\n"
         "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
         "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n"
         "            if use_block_sparsity:\n"

@@ -408,8 +408,10 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             "the previous 4x1 layout had. With 2 warps along N, dQ errors were of order 1. The tuned "
             "class masks by each element's own (row, col) (layout_free) whenever the layout has more "
             "than one warp along N.",
-            "V in registers (V_in_regs) gives wrong dQ at 4 and 8 warps (measured): bwd_config_error "
-            "refuses it, and no table entry uses it.",
+            "V in registers (V_in_regs) gives wrong dQ at 4 and 8 warps (measured): the kernel copies V "
+            "to registers and lends sV to Q, but the step re-reads V from sV for every dP. The tuned "
+            "class refuses it; table entries measured with it (on the modifier step of the next patch, "
+            "which reads the registers) run here with V in shared memory.",
             "Varlen GQA: the epilogue adds dK/dV into the fp32 accumulators from offset_k + batch * "
             "n_block while the postprocess reads them from that offset rounded down to n_block; they "
             "differ whenever a sequence starts off a tile boundary (wrong dK/dV). The tuned epilogue "

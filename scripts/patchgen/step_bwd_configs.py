@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from flash_attn_sm120 import config_bwd as pkg_config_bwd
@@ -51,6 +51,23 @@ def _config_literal(c) -> str:
     return f"Sm120BwdConfig({args})"
 
 
+# above an entry measured with V in registers, which this patch's interface cannot run (the tuned class
+# runs upstream's step); the modifier patch (step_mods.py) turns it on and routes such entries to its class
+VREG_MARK = "    #   measured with V in registers (the modifier step); V in shared memory on the tuned step"
+
+
+def table_entry_literal(e, v_in_regs: bool) -> str:
+    """One BwdTableEntry of the lifted table; an entry measured with V in registers carries VREG_MARK and
+    v_in_regs as given (False: what the tuned class runs)."""
+    c = replace(e.config, v_in_regs=v_in_regs and e.config.v_in_regs)
+    lit = _config_literal(c)
+    s, a = lit.index("stages_q"), lit.index("atom_m_sdp")
+    end = ", modifiers=True" if e.modifiers else ""
+    mark = VREG_MARK + "\n" if e.config.v_in_regs else ""
+    return (f'{mark}    BwdTableEntry({e.head_dim}, "{e.mask}", {lit[:s].rstrip()}\n'
+            f'        {lit[s:a].rstrip()}\n        {lit[a:]}{end}),')
+
+
 def _table_literal(table) -> str:
     lines = ["SM120_BWD_TABLE: tuple[BwdTableEntry, ...] = ("]
     for e in table:
@@ -66,11 +83,7 @@ def _table_literal(table) -> str:
         lines.append(f"    #   {perf}; {p['gpu']}, {p['mode']}, {p['date']}")
         if p.get("note"):
             lines += [f"    #   {line}" for line in textwrap.wrap(str(p["note"]), 92)]
-        lit = _config_literal(e.config)
-        s, a = lit.index("stages_q"), lit.index("atom_m_sdp")
-        end = ", modifiers=True" if e.modifiers else ""
-        lines.append(f'    BwdTableEntry({e.head_dim}, "{e.mask}", {lit[:s].rstrip()}\n'
-                     f'        {lit[s:a].rstrip()}\n        {lit[a:]}{end}),')
+        lines.append(table_entry_literal(e, v_in_regs=False))
     lines.append(")")
     commands = sorted({str(e.provenance["command"]) for e in table})
     head = ["# The measured SM120 backward configs, one per (head-dim bucket, mask kind).", "#"]
@@ -194,12 +207,13 @@ def render_plan_adapter() -> str:
 
 def render_bwd_configs_module(table) -> str:
     where = "flash_attn_sm120/config_bwd.py"
-    # the patched interface builds FlashAttentionBackwardSm120Tuned, which refuses both (this package's
-    # step runs them: driver_bwd.kernel_for); a table row with either needs that routing in the interface
-    own_step = [f"{e.head_dim}/{e.mask}" for e in table if e.config.v_in_regs or e.config.pds_in_regs]
+    # the patched interface builds FlashAttentionBackwardSm120Tuned, which refuses P/dS in registers (this
+    # package's step runs it: driver_bwd.kernel_for); V in registers is lifted off (table_entry_literal) and
+    # turned back on by the modifier patch, which routes it
+    own_step = [f"{e.head_dim}/{e.mask}" for e in table if e.config.pds_in_regs]
     if own_step:
-        raise AnchorError(f"{where}: table rows {own_step} keep V or P/dS in registers, which only the modifier step "
-                          "runs; the patched interface builds the tuned class (route them in step_bwd_interface.py)")
+        raise AnchorError(f"{where}: table rows {own_step} keep P/dS in registers, which only the modifier step "
+                          "runs; the patched interface builds the tuned class (route them in step_mods.py)")
     code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
     for old, new in _BWD_CONFIG_EDITS:
         code = substitute(code, old, new, where=where)

@@ -33,6 +33,7 @@ from patchgen.core import (
     substitute,
     upstream_wording,
 )
+from patchgen.step_bwd_configs import CONFIGS_REL, VREG_MARK, load_bwd_table, table_entry_literal
 
 WHERE = "flash_attn_sm120/kernels/bwd_mods.py"
 MODS_REL = f"{CUTE}/flash_bwd_sm120_mods.py"
@@ -201,8 +202,9 @@ _MODS_INTERFACE_EDITS = (
         "        if arch // 10 == 12 and sm120_bwd_cfg is not None:\n"
         "            sm120_bwd_cls, sm120_mod_kwargs = FlashAttentionBackwardSm120Tuned, {}\n"
         "            # deterministic: the modifier step places the dQ turns on its own barriers (fused_turns),\n"
-        "            # where the tuned step's CTA-barrier release spills registers on the larger tiles\n"
-        "            if sm120_mods or deterministic:\n"
+        "            # where the tuned step's CTA-barrier release spills registers on the larger tiles; V in\n"
+        "            # registers: only the modifier step takes dP's V from them (the tuned one re-reads sV)\n"
+        "            if sm120_mods or deterministic or sm120_bwd_cfg.v_in_regs:\n"
         "                sm120_bwd_cls = FlashAttentionBackwardSm120Mods\n"
         "                sm120_mod_kwargs = dict(mask_mod=mask_mod, has_aux_tensors=aux_tensors is not None)\n"
         "            fa_bwd_obj = sm120_bwd_cls(\n",
@@ -237,11 +239,25 @@ def session_facts(path: Path = DEFAULT_SESSION_RECORD) -> dict:
     )
 
 
+VREG_ON_MARK = "    #   measured with V in registers, which the modifier step runs (interface.py routes it)"
+
+
+def enable_vreg_entries(configs_text: str, table) -> str:
+    """The lifted table's entries measured with V in registers, turned on (the previous patch lifts them
+    off: its tuned class runs upstream's step, which re-reads V from shared memory)."""
+    for e in table:
+        if e.config.v_in_regs:
+            new = table_entry_literal(e, v_in_regs=True).replace(VREG_MARK, VREG_ON_MARK)
+            configs_text = substitute(configs_text, table_entry_literal(e, v_in_regs=False), new, where=CONFIGS_REL)
+    return configs_text
+
+
 def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) -> str:
     """Patch 5: the SM120 backward applies score_mod, score_mod_bwd and mask_mod at each element's indices."""
     ctx.write(MODS_REL, render_mods_module())
     rel = f"{CUTE}/interface.py"
     ctx.write(rel, apply_edits(ctx.read(rel), _MODS_INTERFACE_EDITS, rel))
+    ctx.write(CONFIGS_REL, enable_vreg_entries(ctx.read(CONFIGS_REL), load_bwd_table()))
     rule = inspect.getsource(pkg_driver_bwd.Mods)  # the rule the interface restates (sm120_mods)
     if "not self.from_softcap" not in rule or "self.aux_tensors is not None" not in rule:
         raise AnchorError("flash_attn_sm120/driver_bwd.py: Mods.user changed; revisit sm120_mods in step_mods.py")
