@@ -295,8 +295,12 @@ def step_sm120_mods(ctx: Context, record_path: Path = DEFAULT_SESSION_RECORD) ->
             "builds the modifier class too, with sm120_bwd_deterministic_plan(modifier_step=True): "
             "the dQ turns on the step's own barriers (fused_turns), as the package's driver runs "
             "them; the tuned step's CTA-barrier release spills 88-104 B of registers at the 8-warp "
-            "32x128 d128 tile (sm_120a, cuobjdump), the fused turns none. Other archs are "
-            "unchanged; SM8x still refuses a user score_mod.",
+            "32x128 d128 tile (sm_120a, cuobjdump), the fused turns none. V in registers: the "
+            "class's step takes dP's V from the registers the kernel's prologue fills (the SM80 step "
+            "re-reads it from sV, whose memory the prologue lends to Q); the table entries measured "
+            "with it, which the previous patch lifts with V in shared memory, are turned on "
+            "(flash_bwd_sm120_configs.py) and run on this class. Other archs are unchanged; SM8x "
+            "still refuses a user score_mod.",
         ],
         "Tested:",
         [
