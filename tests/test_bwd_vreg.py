@@ -68,8 +68,10 @@ def test_patch_generation_refuses_a_table_row_the_patched_interface_cannot_run()
     from patchgen.step_bwd_configs import render_bwd_configs_module
 
     table = list(load_bwd_table())
-    table[0] = replace(table[0], config=replace(table[0].config, v_in_regs=True))
-    with pytest.raises(AnchorError, match="keep V or P/dS in registers"):
+    # P/dS in registers (S/dP swapped, every warp along the keys): the tuned class cannot run it
+    table[0] = replace(table[0], config=replace(table[0].config, sdp_swapab=True, atom_m_sdp=1,
+                                                atom_n_dkv=table[0].config.num_warps))
+    with pytest.raises(AnchorError, match="keep P/dS in registers"):
         render_bwd_configs_module(tuple(table))
 
 
