@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attn_sm120 import bwd_traffic, codegen, driver_bwd
+from flash_attn_sm120 import bwd_traffic, codegen, driver_bwd, hardware
 from flash_attn_sm120.config_bwd import load_bwd_table
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_sm120 import (
@@ -22,6 +22,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import (
     FlashAttentionBackwardSm120Tuned,
     _round_up,
     bwd_config_error,
+    shared_qv_bytes,
     smem_bytes,
 )
 
@@ -36,14 +37,32 @@ VREG = {
 
 
 def test_admitted_and_smaller():
-    """sV's memory goes: sQ (sized max(Q, V), V's prologue copy lands there) takes its place."""
+    """sV's memory goes: V's prologue copy lands in sQ and runs on into sdO, so V costs only what it
+    needs beyond Q's and dO's rings."""
     for d, cfg in VREG.items():
         assert bwd_config_error(d, d, cfg) is None
         plain = replace(cfg, v_in_regs=False)
         v = cfg.n_block * _round_up(d, 32) * 2
         q = cfg.m_block * _round_up(d, 32) * cfg.stages_q * 2
-        # the smaller of Q's ring and V, less at most 1 KB where sV's one element rounds the struct up
-        assert smem_bytes(d, d, plain) - smem_bytes(d, d, cfg) in (min(q, v), min(q, v) - 1024)
+        do = cfg.m_block * _round_up(d, 32) * cfg.stages_do * 2
+        saved = v - max(0, v - q - do)  # V's bytes less what sQ grows by to hold it with sdO
+        # less at most 1 KB where sV's one element rounds the struct up
+        assert smem_bytes(d, d, plain) - smem_bytes(d, d, cfg) in (saved, saved - 1024)
+
+
+def test_v_runs_from_sq_into_sdo_only_when_sdo_follows_at_once():
+    assert shared_qv_bytes(8192, 16384, 8192) == 8192  # d128 32x64: V fits Q's and dO's rings
+    assert shared_qv_bytes(8192, 32768, 8192) == 24576  # d128 32x128: sQ grows by what dO cannot hold
+    assert shared_qv_bytes(8192, 4096, 8192) == 8192  # V smaller than Q
+    assert shared_qv_bytes(3584, 16384, 3584) == 16384  # Q's ring off a 1 KB boundary: a gap before sdO
+
+
+def test_d128_four_warp_tile_fits_two_ctas_per_sm():
+    """d128 4 warps 32x64 with V in registers: 41 KB with V across sQ and sdO, two CTAs per SM on SM120
+    (49 KB with V in an sQ of its own size: one)."""
+    cfg = BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=1, atom_n_dkv=2, atom_m_dq=2, v_in_regs=True)
+    assert smem_bytes(128, 128, cfg) == 41 * 1024
+    assert hardware.sm120_occupancy(smem_bytes(128, 128, cfg) + hardware.DSL_STATIC_SMEM, 128).ctas_per_sm == 2
 
 
 def test_upstreams_step_refuses_it_and_the_driver_routes_it():

@@ -1,9 +1,10 @@
 """V in registers (BwdConfig.v_in_regs) on a GPU, against fp32 autograd with NaN-poisoned grads.
 
 With V in registers the kernel's prologue copies V from shared memory to registers and then lends
-V's shared memory to the Q ring; the modifier step takes dP = dO V^T from the registers. A step
-that still read sV would compute dP against Q (wrong dQ and dK, right dV: what upstream's own step
-does), so every case here checks all three gradients. Configs: the table's tiles with V in
+V's shared memory to the Q and dO rings (V's copy lands in sQ and runs on into sdO); the modifier
+step takes dP = dO V^T from the registers. A step that still read sV would compute dP against Q
+(wrong dQ and dK, right dV: what upstream's own step does), so every case here checks all three
+gradients. Configs: the table's tiles with V in
 registers at d64/96/128, a two-stage Q ring sharing V's memory, and V in registers together with
 P/dS in registers (S/dP swapped, V as the A operand). Cases: dense MHA/GQA, causal, windows
 (negative sides), varlen and seqused, softcap with the LSE's gradient, fp16, position-dependent
@@ -27,6 +28,9 @@ VREG = {  # (config, head dims it is spill-free at on sm_120a)
     "w4-32x64-q1do1-a122": (BwdConfig(128, 32, 64, 1, 1, False, False, False, 1, 2, 2, True), (96,)),
     "w8-32x128-q1do1-a142": (BwdConfig(256, 32, 128, 1, 1, False, False, False, 1, 4, 2, True), (128,)),
     "w8-64x64-q2do1-a242": (BwdConfig(256, 64, 64, 2, 1, False, False, False, 2, 4, 2, True), (128,)),
+    # d128 on 4 warps, two CTAs per SM: V's prologue copy runs from sQ into sdO (spill-free in one mask each)
+    "w4-32x64-q1do1-a121": (BwdConfig(128, 32, 64, 1, 1, False, False, False, 1, 2, 1, True), (128,)),
+    "w4-32x64-q1do1-a112": (BwdConfig(128, 32, 64, 1, 1, False, False, False, 1, 1, 2, True), (128,)),
     # with P/dS in registers: S/dP swapped, V the A operand of dP^T
     "w8-64x128-q2do2-a184-rs": (BwdConfig(256, 64, 128, 2, 2, True, False, False, 1, 8, 4, True), (64,)),
     "w4-32x64-q1do1-a142-rs": (BwdConfig(128, 32, 64, 1, 1, True, False, False, 1, 4, 2, True), (96,)),
@@ -51,7 +55,8 @@ def test_dense(name, d):
 
 
 @pytest.mark.parametrize("name,d", [("w8-64x128-q2do2-a242", 64), ("w4-32x64-q1do1-a222", 96),
-                                    ("w8-32x128-q1do1-a142", 128), ("w8-64x64-q2do1-a242", 128)])
+                                    ("w8-32x128-q1do1-a142", 128), ("w8-64x64-q2do1-a242", 128),
+                                    ("w4-32x64-q1do1-a121", 128), ("w4-32x64-q1do1-a112", 128)])
 def test_large_grid(name, d):
     """Many CTAs per SM over time: a Q load landing in V's memory before every warp has copied V out
     would show here."""

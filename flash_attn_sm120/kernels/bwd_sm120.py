@@ -122,18 +122,19 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
 
     sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
     column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
-    V in registers sQ is sized max(sQ, sV) (V's prologue copy lands there) and the unused sV field is one
-    element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
+    V in registers V's prologue copy lands in sQ and runs on into sdO (shared_qv_bytes sizes sQ) and
+    the unused sV field is one element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
     element (both: the kernel's `_get_shared_storage_cls`).
     """
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     q = cfg.m_block * hd * cfg.stages_q * elem_bytes
     v = cfg.n_block * hdv * elem_bytes
+    do = cfg.m_block * hdv * cfg.stages_do * elem_bytes
     fields = [
         (cfg.n_block * hd * elem_bytes, _SMEM_ALIGN),  # sK
         *([] if cfg.v_in_regs else [(v, _SMEM_ALIGN)]),  # sV
-        (max(q, v) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
-        (cfg.m_block * hdv * cfg.stages_do * elem_bytes, _SMEM_ALIGN),  # sdO
+        (shared_qv_bytes(q, v, do) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
+        (do, _SMEM_ALIGN),  # sdO
     ]
     lse = (cfg.m_block + (cfg.stages_q - 1) * _round_up(cfg.m_block, 64)) * 4
     fields += [(lse, _SMALL_ALIGN), (lse, _SMALL_ALIGN)]  # sLSE, sdPsum
@@ -145,6 +146,14 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     for size, align in fields:
         offset = _round_up(offset, align) + size
     return _round_up(offset, _SMEM_ALIGN)
+
+
+def shared_qv_bytes(q: int, v: int, do: int) -> int:
+    """sQ's field with V in registers: V's prologue copy lands at sQ's start and may run on into sdO,
+    the next field, when sQ's ring ends on a 1 KB boundary (so sdO starts right after it): nothing loads Q
+    or dO until every warp holds its V (upstream's prologue: V copied to registers, then a barrier,
+    then the first Q and dO loads). Otherwise sQ is sized max(Q, V), upstream's shared Q/V."""
+    return max(q, v - do) if q % _SMEM_ALIGN == 0 else max(q, v)
 
 
 def _layout_error(what: str, rows: int, cols: int, atom: int, warps: int) -> Optional[str]:
@@ -438,8 +447,9 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         storage = super()._get_shared_storage_cls()
         if self.config.pds_in_regs:  # P never reaches shared memory: the kernel's sP views keep one element
             storage = _without_sp(storage, self.dtype)
-        if self.config.v_in_regs:  # V lands in sQ's memory (upstream's shared Q/V); its own field is unused
-            storage = _without_sv(storage, self.dtype)
+        if self.config.v_in_regs:  # V lands in sQ's memory (and sdO's); its own field is unused
+            storage = _without_sv(storage, self.dtype, *(cute.cosize(layout) for layout in
+                                                         (self.sQ_layout, self.sV_layout, self.sdO_layout)))
         return emulation_storage(self, storage, self.num_threads)
 
     @property
@@ -666,11 +676,18 @@ def _without_sp(storage, dtype):
     return cute.struct(type("SharedStorageNoP", (), {"__annotations__": fields}))
 
 
-def _without_sv(storage, dtype):
+def _without_sv(storage, dtype, q_elems: int, v_elems: int, do_elems: int):
     """The SharedStorage struct with its sV field one element, moved last (upstream's kernel makes sV a view
-    of sQ's memory when V is in registers and never reads the field; last, it costs no 1 KB alignment)."""
+    of sQ's memory when V is in registers and never reads the field; last, it costs no 1 KB alignment),
+    and sQ sized by shared_qv_bytes: V's view may run from sQ on into sdO, which must follow it."""
     fields = dict(storage._annotations)
     del fields["sV"]
+    names = list(fields)
+    if names.index("sdO") != names.index("sQ") + 1:
+        raise AssertionError(f"V's prologue copy runs from sQ into sdO, which must follow it: fields {names}")
+    size = dtype.width // 8
+    q_bytes = shared_qv_bytes(q_elems * size, v_elems * size, do_elems * size)
+    fields["sQ"] = cute.struct.Align[cute.struct.MemRange[dtype, q_bytes // size], _SMEM_ALIGN]
     fields["sV"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
     return cute.struct(type("SharedStorageNoV", (), {"__annotations__": fields}))
 
