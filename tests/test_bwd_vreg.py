@@ -24,6 +24,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import (
     bwd_config_error,
     shared_qv_bytes,
     smem_bytes,
+    v_runs_into_sdo,
 )
 
 cutlass = pytest.importorskip("cutlass")
@@ -37,32 +38,35 @@ VREG = {
 
 
 def test_admitted_and_smaller():
-    """sV's memory goes: V's prologue copy lands in sQ and runs on into sdO, so V costs only what it
-    needs beyond Q's and dO's rings."""
+    """sV's memory goes: V's prologue copy lands in sQ (sized max(Q, V)), so V costs what it needs beyond
+    Q's ring; the table's tiles gain no CTA per SM from running it on into sdO, so they keep that layout."""
     for d, cfg in VREG.items():
         assert bwd_config_error(d, d, cfg) is None
+        assert not v_runs_into_sdo(d, d, cfg)
         plain = replace(cfg, v_in_regs=False)
         v = cfg.n_block * _round_up(d, 32) * 2
         q = cfg.m_block * _round_up(d, 32) * cfg.stages_q * 2
-        do = cfg.m_block * _round_up(d, 32) * cfg.stages_do * 2
-        saved = v - max(0, v - q - do)  # V's bytes less what sQ grows by to hold it with sdO
-        # less at most 1 KB where sV's one element rounds the struct up
-        assert smem_bytes(d, d, plain) - smem_bytes(d, d, cfg) in (saved, saved - 1024)
+        # the smaller of Q's ring and V, less at most 1 KB where sV's one element rounds the struct up
+        assert smem_bytes(d, d, plain) - smem_bytes(d, d, cfg) in (min(q, v), min(q, v) - 1024)
 
 
 def test_v_runs_from_sq_into_sdo_only_when_sdo_follows_at_once():
-    assert shared_qv_bytes(8192, 16384, 8192) == 8192  # d128 32x64: V fits Q's and dO's rings
-    assert shared_qv_bytes(8192, 32768, 8192) == 24576  # d128 32x128: sQ grows by what dO cannot hold
-    assert shared_qv_bytes(8192, 4096, 8192) == 8192  # V smaller than Q
-    assert shared_qv_bytes(3584, 16384, 3584) == 16384  # Q's ring off a 1 KB boundary: a gap before sdO
+    assert shared_qv_bytes(8192, 16384, 8192, True) == 8192  # d128 32x64: V fits Q's and dO's rings
+    assert shared_qv_bytes(8192, 32768, 8192, True) == 24576  # d128 32x128: sQ grows by what dO cannot hold
+    assert shared_qv_bytes(8192, 4096, 8192, True) == 8192  # V smaller than Q
+    assert shared_qv_bytes(3584, 16384, 3584, True) == 16384  # Q's ring off a 1 KB boundary: a gap before sdO
+    assert shared_qv_bytes(8192, 16384, 8192, False) == 16384  # upstream's shared Q/V
 
 
 def test_d128_four_warp_tile_fits_two_ctas_per_sm():
-    """d128 4 warps 32x64 with V in registers: 41 KB with V across sQ and sdO, two CTAs per SM on SM120
-    (49 KB with V in an sQ of its own size: one)."""
+    """d128 4 warps 32x64 with V in registers: 41 KB with V across sQ and sdO, two CTAs per SM on SM120;
+    49 KB with V in an sQ of its own size: one."""
     cfg = BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=1, atom_n_dkv=2, atom_m_dq=2, v_in_regs=True)
-    assert smem_bytes(128, 128, cfg) == 41 * 1024
-    assert hardware.sm120_occupancy(smem_bytes(128, 128, cfg) + hardware.DSL_STATIC_SMEM, 128).ctas_per_sm == 2
+    assert v_runs_into_sdo(128, 128, cfg)
+    assert smem_bytes(128, 128, cfg) == 41 * 1024 and smem_bytes(128, 128, cfg, v_into_sdo=False) == 49 * 1024
+    for into in (True, False):
+        occupancy = hardware.sm120_occupancy(smem_bytes(128, 128, cfg, v_into_sdo=into) + hardware.DSL_STATIC_SMEM, 128)
+        assert occupancy.ctas_per_sm == (2 if into else 1)
 
 
 def test_upstreams_step_refuses_it_and_the_driver_routes_it():
@@ -92,6 +96,16 @@ def test_patch_generation_refuses_a_table_row_the_patched_interface_cannot_run()
                                                 atom_n_dkv=table[0].config.num_warps))
     with pytest.raises(AnchorError, match="keep P/dS in registers"):
         render_bwd_configs_module(tuple(table))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
+def test_sm120a_traced_storage_with_v_across_sq_and_sdo(sm120a):
+    """The traced struct of a tile whose V runs into sdO equals smem_bytes (41 KB)."""
+    cfg = BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=1, atom_n_dkv=2, atom_m_dq=2, v_in_regs=True)
+    kernels = []
+    _, smem = codegen.compile_bwd_cubin(cfg, 128, kernel_out=kernels)
+    assert smem == kernels[0].smem_bytes_unpadded == smem_bytes(128, 128, cfg) == 41 * 1024
 
 
 @pytest.fixture(scope="module")

@@ -117,15 +117,18 @@ def upstream_bwd_config(head_dim: int) -> BwdConfig:
     return BwdConfig(128, 64, 64, stages, stages, False, False, False, 4, 4, 4, False)
 
 
-def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int = 2) -> int:
+def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int = 2,
+               v_into_sdo: Optional[bool] = None) -> int:
     """Dynamic shared memory of one CTA, as upstream's SharedStorage lays it out (field order kept).
 
     sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
     column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
-    V in registers V's prologue copy lands in sQ and runs on into sdO (shared_qv_bytes sizes sQ) and
-    the unused sV field is one element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
+    V in registers V's prologue copy lands in sQ, and runs on into sdO where that fits one more CTA per
+    SM (v_runs_into_sdo; shared_qv_bytes sizes sQ), and the unused sV field is one element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
     element (both: the kernel's `_get_shared_storage_cls`).
     """
+    if v_into_sdo is None:
+        v_into_sdo = v_runs_into_sdo(head_dim, head_dim_v, cfg, elem_bytes)
     hd, hdv = _round_up(head_dim, _HDIM_MULTIPLE), _round_up(head_dim_v, _HDIM_MULTIPLE)
     q = cfg.m_block * hd * cfg.stages_q * elem_bytes
     v = cfg.n_block * hdv * elem_bytes
@@ -133,7 +136,7 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     fields = [
         (cfg.n_block * hd * elem_bytes, _SMEM_ALIGN),  # sK
         *([] if cfg.v_in_regs else [(v, _SMEM_ALIGN)]),  # sV
-        (shared_qv_bytes(q, v, do) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
+        (shared_qv_bytes(q, v, do, v_into_sdo) if cfg.v_in_regs else q, _SMEM_ALIGN),  # sQ
         (do, _SMEM_ALIGN),  # sdO
     ]
     lse = (cfg.m_block + (cfg.stages_q - 1) * _round_up(cfg.m_block, 64)) * 4
@@ -148,12 +151,29 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     return _round_up(offset, _SMEM_ALIGN)
 
 
-def shared_qv_bytes(q: int, v: int, do: int) -> int:
-    """sQ's field with V in registers: V's prologue copy lands at sQ's start and may run on into sdO,
-    the next field, when sQ's ring ends on a 1 KB boundary (so sdO starts right after it): nothing loads Q
-    or dO until every warp holds its V (upstream's prologue: V copied to registers, then a barrier,
-    then the first Q and dO loads). Otherwise sQ is sized max(Q, V), upstream's shared Q/V."""
-    return max(q, v - do) if q % _SMEM_ALIGN == 0 else max(q, v)
+def shared_qv_bytes(q: int, v: int, do: int, into_sdo: bool) -> int:
+    """sQ's field with V in registers: V's prologue copy lands at sQ's start, as upstream's shared Q/V
+    (sQ sized max(Q, V)). `into_sdo`: it may run on into sdO, the next field, when sQ's ring ends on a
+    1 KB boundary (so sdO starts right after it): nothing loads Q or dO until every warp holds its V
+    (upstream's prologue: V copied to registers, then a barrier, then the first Q and dO loads), and the
+    epilogue's dV staging (over V's view) waits for the main loop's last reads at a barrier."""
+    return max(q, v - do) if into_sdo and q % _SMEM_ALIGN == 0 else max(q, v)
+
+
+def _sm120_ctas_by_smem(dynamic_smem: int) -> int:
+    """CTAs per SM that SM120's shared memory allows: 100 KB per SM, 99 KB per block, 1 KB per CTA held back."""
+    reserved = 1024
+    return (hardware.SMEM_PER_BLOCK_MAX + reserved) // (dynamic_smem + hardware.DSL_STATIC_SMEM + reserved)
+
+
+def v_runs_into_sdo(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int = 2) -> bool:
+    """With V in registers: V's prologue copy runs from sQ on into sdO only where that fits more CTAs
+    per SM on SM120 (d128 on 4 warps, 32x64: 41 KB and two CTAs, against 49 KB and one); elsewhere sQ
+    stays max(Q, V), the layout the earlier measurements ran."""
+    if not cfg.v_in_regs:
+        return False
+    apart, into = (smem_bytes(head_dim, head_dim_v, cfg, elem_bytes, v_into_sdo=f) for f in (False, True))
+    return into < apart and _sm120_ctas_by_smem(into) > _sm120_ctas_by_smem(apart)
 
 
 def _layout_error(what: str, rows: int, cols: int, atom: int, warps: int) -> Optional[str]:
@@ -448,8 +468,10 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         if self.config.pds_in_regs:  # P never reaches shared memory: the kernel's sP views keep one element
             storage = _without_sp(storage, self.dtype)
         if self.config.v_in_regs:  # V lands in sQ's memory (and sdO's); its own field is unused
-            storage = _without_sv(storage, self.dtype, *(cute.cosize(layout) for layout in
-                                                         (self.sQ_layout, self.sV_layout, self.sdO_layout)))
+            into_sdo = v_runs_into_sdo(self.head_dim_padded, self.head_dim_v_padded, self.config,
+                                       self.dtype.width // 8)
+            storage = _without_sv(storage, self.dtype, into_sdo, *(cute.cosize(layout) for layout in
+                                                                   (self.sQ_layout, self.sV_layout, self.sdO_layout)))
         return emulation_storage(self, storage, self.num_threads)
 
     @property
@@ -676,17 +698,17 @@ def _without_sp(storage, dtype):
     return cute.struct(type("SharedStorageNoP", (), {"__annotations__": fields}))
 
 
-def _without_sv(storage, dtype, q_elems: int, v_elems: int, do_elems: int):
+def _without_sv(storage, dtype, into_sdo: bool, q_elems: int, v_elems: int, do_elems: int):
     """The SharedStorage struct with its sV field one element, moved last (upstream's kernel makes sV a view
     of sQ's memory when V is in registers and never reads the field; last, it costs no 1 KB alignment),
     and sQ sized by shared_qv_bytes: V's view may run from sQ on into sdO, which must follow it."""
     fields = dict(storage._annotations)
     del fields["sV"]
     names = list(fields)
-    if names.index("sdO") != names.index("sQ") + 1:
+    if into_sdo and names.index("sdO") != names.index("sQ") + 1:
         raise AssertionError(f"V's prologue copy runs from sQ into sdO, which must follow it: fields {names}")
     size = dtype.width // 8
-    q_bytes = shared_qv_bytes(q_elems * size, v_elems * size, do_elems * size)
+    q_bytes = shared_qv_bytes(q_elems * size, v_elems * size, do_elems * size, into_sdo)
     fields["sQ"] = cute.struct.Align[cute.struct.MemRange[dtype, q_bytes // size], _SMEM_ALIGN]
     fields["sV"] = cute.struct.Align[cute.struct.MemRange[dtype, 1], _SMALL_ALIGN]
     return cute.struct(type("SharedStorageNoV", (), {"__annotations__": fields}))
