@@ -9,7 +9,8 @@ same 128 B/clk) those bytes bound the kernel, so this is a cheap ranking before 
 
 One JSON line per (head dim, config, mask): registers, stack, local loads, dynamic shared memory,
 CTAs per SM on SM120, the mainloop's ldmatrix bytes per warp (from the SASS, and from
-bwd_traffic.ldsm_elems_per_warp) and FLOPs per ldmatrix byte.
+bwd_traffic.ldsm_elems_per_warp) and FLOPs per ldmatrix byte. With --variants local,gqa,fp16,det: one
+line per (spec, variant), the registers and spills of the other calls a causal table entry serves.
 
     python scripts/bwd_ldsm_probe.py --fit RUN.json --candidates CANDIDATES.json [--clock-ghz 1.98]
 
@@ -29,6 +30,31 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# --variants: the calls a table entry serves besides its own mask (a causal entry also serves windows,
+# GQA, float16 and the deterministic path), each compiled with a causal mask
+VARIANTS = {
+    "local": dict(causal=True, local=True),
+    "gqa": dict(causal=True, qhead_per_kvhead=2),
+    "fp16": dict(causal=True, dtype="float16"),
+    "det": dict(causal=True, deterministic=True),
+}
+
+
+def probe_variant(spec_variant: str) -> dict:
+    """Registers and spills of HEAD_DIM:CONFIG@VARIANT (VARIANTS) on sm_120a."""
+    os.environ.update(CUTE_DSL_ARCH="sm_120a", FLASH_ATTENTION_ARCH="sm_120", FLASH_ATTENTION_NUM_SMS="188")
+    sys.path.insert(0, str(ROOT))
+    from flash_attn_sm120 import codegen
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+
+    spec, variant = spec_variant.rsplit("@", 1)
+    dim, name = spec.split(":", 1)
+    cubin, smem = codegen.compile_bwd_cubin(bwd_config_from_name(name), int(dim), **VARIANTS[variant])
+    usage, hist, _ = codegen.inspect_cubin(cubin)
+    return dict(head_dim=int(dim), config=name, variant=variant, regs=usage["regs"], stack=usage["stack"],
+                ldl=hist.get("LDL", 0), smem_dynamic=smem)
 
 
 def probe(spec: str) -> list[dict]:
@@ -112,6 +138,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("specs", nargs="*", help="HEAD_DIM:CONFIG_NAME (BwdConfig.name, e.g. bwd-w8-32x128-q1do1-a142-vreg)")
     ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--variants", default="",
+                    help=f"comma list of {sorted(VARIANTS)}: registers and spills of each spec in those calls instead")
     ap.add_argument("--json", type=Path, help="also write the rows here (JSON lines)")
     ap.add_argument("--fit", type=Path, help="a prepare.py --set bwd JSON run: its rows against the bound")
     ap.add_argument("--candidates", type=Path, help="with --fit: the run's --bwd-configs file")
@@ -128,8 +156,15 @@ def main(argv=None) -> int:
         return 0
     if not args.specs:
         ap.error("give HEAD_DIM:CONFIG specs, or --fit RUN.json")
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown} (known: {sorted(VARIANTS)})")
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = [r for rs in pool.map(probe, args.specs) for r in rs]
+        if variants:
+            rows = list(pool.map(probe_variant, [f"{s}@{v}" for s in args.specs for v in variants]))
+        else:
+            rows = [r for rs in pool.map(probe, args.specs) for r in rs]
     text = "".join(json.dumps(r) + "\n" for r in rows)
     sys.stdout.write(text)
     if args.json:

@@ -178,3 +178,12 @@ def test_fit_reads_a_prepare_run(tmp_path):
     assert [r["impl"] for r in out] == ["upstream_sm120", "cand"]
     assert out[1]["causal"] and out[1]["warps_per_sm"] == 8 and out[0]["warps_per_sm"] == 4
     assert out[0]["of_bound"] == pytest.approx(200.0 / out[0]["bound_tflops"], abs=1e-3)
+
+
+def test_probe_refuses_an_unknown_variant():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bwd_ldsm_probe
+
+    with pytest.raises(SystemExit):
+        bwd_ldsm_probe.main(["128:bwd-w4-32x64-q1do1-a112-vreg", "--variants", "local,sideways"])
+    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det"}
