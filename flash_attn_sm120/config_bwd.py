@@ -5,8 +5,11 @@ a `kernels.bwd_sm120.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layout
 registers) and the provenance of the measurement that chose it (scripts/config_search.py, stage
 bwd-*). An entry marked `modifiers = true` serves only the calls with user modifiers (score_mod,
 mask_mod, aux tensors: the modifier step, kernels/bwd_mods.py, which holds more registers), where the
-plain entry of its key does not suit that step. `select_bwd_config` is a pure function of the table
-and the problem's static properties.
+plain entry of its key does not suit that step. An entry marked `plain_mha_only = true` serves only
+plain MHA calls (`plain_mha`: one query head per KV head, dense, non-deterministic, no window, no
+modifiers or softcap): a tile measured faster there that spills on sm_120a in the other calls its key
+serves; those take the key's other entry. `select_bwd_config` is a pure function of the table and the
+problem's static properties.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class BwdTableEntry:
     config: BwdConfig
     provenance: dict = field(default_factory=dict, compare=False, hash=False)
     modifiers: bool = False  # an entry for calls with user modifiers only (the modifier step)
+    plain_mha_only: bool = False  # an entry for plain MHA calls only (dense, MHA, no window, modifiers or determinism)
 
 
 def config_from_row(raw: dict) -> BwdConfig:
@@ -96,18 +100,23 @@ def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
         except KeyError as e:
             raise ValueError(f"{where}: missing key(s) {e}") from None
         check_entry_key(where, head_dim, mask)
-        modifiers = raw.get("modifiers", False)
-        if not isinstance(modifiers, bool):
-            raise ValueError(f"{where}: modifiers must be true or false, got {modifiers!r}")
+        modifiers, plain_mha_only = raw.get("modifiers", False), raw.get("plain_mha_only", False)
+        for key, value in (("modifiers", modifiers), ("plain_mha_only", plain_mha_only)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+        if modifiers and plain_mha_only:
+            raise ValueError(f"{where}: an entry serves calls with modifiers or plain MHA calls, not both")
+        if plain_mha_only and mask == "local":
+            raise ValueError(f"{where}: plain_mha_only excludes windows; a local entry would serve no call")
         err = bwd_config_error(head_dim, head_dim, cfg)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
         prov = checked_provenance(where, raw)
-        if (head_dim, mask, modifiers) in seen:
-            kind = ", modifiers" if modifiers else ""
+        if (head_dim, mask, modifiers, plain_mha_only) in seen:
+            kind = ", modifiers" if modifiers else ", plain_mha_only" if plain_mha_only else ""
             raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}{kind})")
-        seen.add((head_dim, mask, modifiers))
-        entries.append(BwdTableEntry(head_dim, mask, cfg, prov, modifiers=modifiers))
+        seen.add((head_dim, mask, modifiers, plain_mha_only))
+        entries.append(BwdTableEntry(head_dim, mask, cfg, prov, modifiers=modifiers, plain_mha_only=plain_mha_only))
     return entries
 
 
@@ -124,18 +133,22 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
 
 @lru_cache(maxsize=1024)
 def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool,
-                      modifiers: bool = False) -> BwdConfig:
+                      modifiers: bool = False, plain_mha: bool = False) -> BwdConfig:
     """The table's config for this problem, else the first fallback that runs; pure.
 
     Lookup order as the forward's: exact (bucket, mask); local tries causal; then the bucket's
     non-causal entry; then BWD_FALLBACKS. With `modifiers` (a call with user modifiers), each key's
-    modifier entry comes before its plain one. A config that cannot run the actual head dims is skipped.
+    modifier entry comes before its plain one; with `plain_mha` (one query head per KV head, dense,
+    non-deterministic, no window, modifiers or softcap), the exact key's plain_mha_only entry does. A
+    config that cannot run the actual head dims is skipped.
     """
     bucket = head_dim_bucket(head_dim, head_dim_v)
     kind = mask_kind(causal, local)
-    by_key = {(e.head_dim, e.mask, e.modifiers): e.config for e in table}
+    by_key = {(e.head_dim, e.mask, e.modifiers, e.plain_mha_only): e.config for e in table}
     for m in [kind] + (["causal"] if kind == "local" else []) + ["none"]:
-        for cfg in [by_key.get((bucket, m, True))] * modifiers + [by_key.get((bucket, m, False))]:
+        first = [by_key.get((bucket, m, True, False))] * modifiers
+        first += [by_key.get((bucket, m, False, True))] * (plain_mha and not modifiers and m == kind)
+        for cfg in first + [by_key.get((bucket, m, False, False))]:
             if cfg is not None and bwd_config_error(head_dim, head_dim_v, cfg) is None:
                 return cfg
     for cfg in BWD_FALLBACKS:

@@ -84,8 +84,8 @@ def _shipped_bwd():
     from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table
 
     # a modifier entry (modifiers = true) is compiled with the modifier step it serves (codegen.report_mods)
-    out = [(f"table-d{e.head_dim}-{e.mask}{'-mods' if e.modifiers else ''}", e.config, e.head_dim, e.mask)
-           for e in load_bwd_table()]
+    out = [(f"table-d{e.head_dim}-{e.mask}{'-mods' if e.modifiers else ''}{'-mha' if e.plain_mha_only else ''}",
+            e.config, e.head_dim, e.mask) for e in load_bwd_table()]
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
         out += [(f"fallback{i}-d{d}-{m}", cfg, d, m) for m in ("none", "causal")]

@@ -73,33 +73,75 @@ def test_modifier_entries_serve_only_calls_with_user_modifiers():
         parse_bwd_table({"schema": 1, "bwd": [{**ROW, "modifiers": "yes"}]})
 
 
+def test_plain_mha_entries_serve_only_plain_mha_calls_of_their_key():
+    """An entry with plain_mha_only = true is tried first by plain MHA calls of its exact key; a window
+    (local -> causal), modifiers or any other call takes the key's other entry."""
+    causal_row = {**ROW, "mask": "causal", "stages_q": 2}
+    mha_row = {**causal_row, "plain_mha_only": True, "num_threads": 128, "m_block": 32, "atom_m_sdp": 1,
+               "atom_n_dkv": 1, "atom_m_dq": 2, "stages_q": 1}
+    mods_row = {**causal_row, "modifiers": True, "atom_m_dq": 4}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row, mha_row, mods_row]}))
+    assert [e.plain_mha_only for e in table] == [False, False, True, False]
+    assert select_bwd_config(table, 128, 128, True, False, plain_mha=True) == table[2].config
+    assert select_bwd_config(table, 128, 128, True, False) == table[1].config
+    assert select_bwd_config(table, 128, 128, True, True, plain_mha=True) == table[1].config  # local -> causal
+    assert select_bwd_config(table, 128, 128, True, False, modifiers=True, plain_mha=True) == table[3].config
+    assert select_bwd_config(table, 128, 128, False, False, plain_mha=True) == table[0].config  # no such key
+    with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, plain_mha_only\\)"):
+        parse_bwd_table({"schema": 1, "bwd": [mha_row, mha_row]})
+    with pytest.raises(ValueError, match="not both"):
+        parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "modifiers": True}]})
+    with pytest.raises(ValueError, match="would serve no call"):
+        parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "mask": "local"}]})
+    with pytest.raises(ValueError, match="plain_mha_only must be true or false"):
+        parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "plain_mha_only": 1}]})
+
+
+def test_the_shipped_plain_mha_entry_spills_nowhere_it_serves_and_its_key_has_another():
+    """The shipped plain-MHA entries: each key keeps an entry for the other calls, and the patch leaves
+    them out (the patched interface never asks for one)."""
+    shipped = config_bwd.load_bwd_table()
+    for e in (e for e in shipped if e.plain_mha_only):
+        others = [o for o in shipped
+                  if (o.head_dim, o.mask, o.modifiers, o.plain_mha_only) == (e.head_dim, e.mask, False, False)]
+        assert len(others) == 1, e
+        causal = e.mask == "causal"
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False, plain_mha=True) == e.config
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False) == others[0].config
+
+
 class _Chosen(Exception):
     pass
 
 
-@pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse"])
+@pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse", "gqa",
+                                  "deterministic", "window"])
 def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
     """backward() asks for the modifier entries for user modifiers (Mods.user) and for the block-sparse
-    walk, not for a plain or softcap call (upstream's step)."""
+    walk, not for a plain or softcap call (upstream's step); for the plain-MHA entries only for a plain
+    call (not GQA, deterministic=True, a window, softcap, modifiers or lists)."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
 
-    def spy(*args, modifiers=False):
-        seen.append(modifiers)
+    def spy(*args, modifiers=False, plain_mha=False):
+        seen.append((modifiers, plain_mha))
         raise _Chosen
 
     monkeypatch.setattr(driver_bwd, "choose_config", spy)
     kw = dict(softcap=30.0) if kind == "softcap" else dict(mask_mod=prefix_lm) if kind == "mask_mod" else \
         dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd) if kind == "score_mod" else \
         dict(aux_tensors=[torch.zeros(4)]) if kind == "aux" else \
-        dict(block_sparse_tensors=object()) if kind == "block_sparse" else {}
+        dict(block_sparse_tensors=object()) if kind == "block_sparse" else \
+        dict(deterministic=True) if kind == "deterministic" else {}
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    kv = q[:, :, :1] if kind == "gqa" else q
     lse = torch.zeros(1, 2, 64)
+    window = (32, 0) if kind == "window" else (None, None)
     with pytest.raises(_Chosen):
-        driver_bwd.backward(q, q, q, q, q, lse, softmax_scale=None, causal=False, window_size_left=None,
-                            window_size_right=None, **kw)
-    assert seen == [kind not in ("plain", "softcap")]
+        driver_bwd.backward(q, kv, kv, q, q, lse, softmax_scale=None, causal=False, window_size_left=window[0],
+                            window_size_right=window[1], **kw)
+    assert seen == [(kind not in ("plain", "softcap", "gqa", "deterministic", "window"), kind == "plain")]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)
