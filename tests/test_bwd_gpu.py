@@ -84,6 +84,11 @@ FEATURES = [
     ("d224-gqa", AttnCase("bfloat16", 224, 224, 2, None, "causal"), AttnProblem((300,), (300,), nheads_kv=2, seed=11)),
     ("d200", AttnCase("float16", 200, 200, 1, None, "none"), AttnProblem((1100,), (700,), nheads_kv=3, seed=12)),
     ("d80-dv64", AttnCase("float16", 80, 64, 1, None, "none"), AttnProblem((70,), (90,), nheads_kv=2, seed=10)),
+    # plain MHA calls at d128 causal take the table's plain_mha_only entry (4 warps, V across sQ and sdO)
+    ("plain-mha-d128-causal", AttnCase("bfloat16", 128, 128, 1, None, "causal"),
+     AttnProblem((1000, 1000), (1000, 1000), nheads_kv=3, seed=13)),
+    ("plain-mha-d128-causal-fp16", AttnCase("float16", 128, 128, 1, None, "causal"),
+     AttnProblem((700,), (900,), nheads_kv=2, seed=14)),
 ]
 
 
