@@ -117,7 +117,7 @@ def fit(run: Path, candidates: Optional[Path], clock_ghz: float, mma_tflops: flo
         d = int(shape.group(1))
         cfg = upstream_bwd_config(d) if r["impl"] == "upstream_sm120" else configs.get(r["impl"])
         if r["impl"] == TABLE and table_from_repo:  # the run timed this checkout's table (`--table-is-current`)
-            cfg = select_bwd_config(load_bwd_table(), d, d, bool(shape.group(2)), False)
+            cfg = select_bwd_config(load_bwd_table(), d, d, bool(shape.group(2)), False, plain_mha=True)  # dense MHA
         if cfg is None:
             continue
         bound = bwd_traffic.smem_bound_tflops(cfg, d, d, data["num_sms"], clock_ghz, mma_tflops)

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         p = bench.Problem(1, args.seqlen, args.seqlen, args.heads, args.heads, d, args.causal)
         x = prepare_bwd.forward_state(p, info)
         ref, pt = prepare_bwd.reference_grads(p, x)
-        chosen = cfg or driver_bwd.choose_config(d, d, args.causal, False, None)
+        chosen = cfg or driver_bwd.choose_config(d, d, args.causal, False, None, plain_mha=True)  # dense MHA
         grads = [torch.full_like(x[n], float("nan")) for n in ("q", "k", "v")]
         out = driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None,
                                   causal=args.causal, window_size_left=None, window_size_right=None,
