@@ -86,6 +86,9 @@ def _shipped_bwd():
     # a modifier entry (modifiers = true) is compiled with the modifier step it serves (codegen.report_mods)
     out = [(f"table-d{e.head_dim}-{e.mask}{'-mods' if e.modifiers else ''}{'-mha' if e.plain_mha_only else ''}",
             e.config, e.head_dim, e.mask) for e in load_bwd_table()]
+    # a plain-MHA entry also serves float16 calls (its tile sits at 255 registers)
+    out += [(f"table-d{e.head_dim}-{e.mask}-mha-fp16", e.config, e.head_dim, e.mask)
+            for e in load_bwd_table() if e.plain_mha_only]
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
         out += [(f"fallback{i}-d{d}-{m}", cfg, d, m) for m in ("none", "causal")]
@@ -96,7 +99,9 @@ def _shipped_bwd():
 @pytest.mark.parametrize("name,cfg,d,mask", _shipped_bwd(), ids=[x[0] for x in _shipped_bwd()])
 def test_shipped_backward_configs_do_not_spill_on_sm120a(name, cfg, d, mask):
     mods = codegen.report_mods() if name.endswith("-mods") else None
-    res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(cfg, d, causal=mask == "causal", mods=mods)[0])
+    dtype = "float16" if name.endswith("-fp16") else "bfloat16"
+    res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(cfg, d, causal=mask == "causal", mods=mods,
+                                                                   dtype=dtype)[0])
     assert hist.get("HMMA", 0) > 0
     if d > 192:
         # d > 192, the one exception, and why: no 8-warp tile fits 99 KB, so 4 warps hold the dK/dV/dQ

@@ -21,6 +21,7 @@ from flash_attn_sm120.kernels.bwd_sm120 import (
     BwdConfig,
     FlashAttentionBackwardSm120Tuned,
     _round_up,
+    _sm120_ctas_by_smem,
     bwd_config_error,
     shared_qv_bytes,
     smem_bytes,
@@ -67,6 +68,11 @@ def test_d128_four_warp_tile_fits_two_ctas_per_sm():
     for into in (True, False):
         occupancy = hardware.sm120_occupancy(smem_bytes(128, 128, cfg, v_into_sdo=into) + hardware.DSL_STATIC_SMEM, 128)
         assert occupancy.ctas_per_sm == (2 if into else 1)
+
+
+def test_the_layout_rule_counts_ctas_as_the_occupancy_model_does():
+    for smem in range(0, hardware.SMEM_PER_BLOCK_MAX - hardware.DSL_STATIC_SMEM + 1, 512):
+        assert _sm120_ctas_by_smem(smem) == hardware.sm120_occupancy(smem + hardware.DSL_STATIC_SMEM, 128).by_smem
 
 
 def test_upstreams_step_refuses_it_and_the_driver_routes_it():

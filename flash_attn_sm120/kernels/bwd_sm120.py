@@ -124,8 +124,9 @@ def smem_bytes(head_dim: int, head_dim_v: int, cfg: BwdConfig, elem_bytes: int =
     sK, sV, sQ (stages_q), sdO (stages_do): 1 KB aligned; sLSE and sdPsum (fp32, (m, stages_q) with a
     column stride rounded to 64); sP and sdS (m x n): 128 B aligned; the struct rounds to 1 KB. With
     V in registers V's prologue copy lands in sQ, and runs on into sdO where that fits one more CTA per
-    SM (v_runs_into_sdo; shared_qv_bytes sizes sQ), and the unused sV field is one element, moved last. With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one
-    element (both: the kernel's `_get_shared_storage_cls`).
+    SM (v_runs_into_sdo; shared_qv_bytes sizes sQ), and the unused sV field is one element, moved last.
+    With P/dS in registers (`pds_in_regs`) nothing is stored to sP: it shrinks to one element (both: the
+    kernel's `_get_shared_storage_cls`).
     """
     if v_into_sdo is None:
         v_into_sdo = v_runs_into_sdo(head_dim, head_dim_v, cfg, elem_bytes)
@@ -161,7 +162,9 @@ def shared_qv_bytes(q: int, v: int, do: int, into_sdo: bool) -> int:
 
 
 def _sm120_ctas_by_smem(dynamic_smem: int) -> int:
-    """CTAs per SM that SM120's shared memory allows: 100 KB per SM, 99 KB per block, 1 KB per CTA held back."""
+    """CTAs per SM that SM120's shared memory allows: 100 KB per SM, 99 KB per block, 1 KB per CTA held back.
+    The occupancy model's shared-memory limit, written with the two constants patch generation maps
+    into upstream (this module is lifted); a test pins the two equal."""
     reserved = 1024
     return (hardware.SMEM_PER_BLOCK_MAX + reserved) // (dynamic_smem + hardware.DSL_STATIC_SMEM + reserved)
 
