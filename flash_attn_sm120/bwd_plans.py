@@ -12,7 +12,7 @@ passes them to the kernel as keywords, kernels/bwd_sm120.py):
 
 from __future__ import annotations
 
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 
 _LAUNCH_FLAGS = ("lpt", "mask_where_needed", "dq_wide_adds", "own_step")

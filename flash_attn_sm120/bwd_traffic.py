@@ -20,7 +20,8 @@ SM-clock, so this bound is looser there.
 
 from __future__ import annotations
 
-from flash_attn_sm120.kernels.bwd_sm120 import _HDIM_MULTIPLE, BwdConfig, _round_up
+from flash_attn_sm120.kernels.fwd_cpasync import _round_up
+from flash_attn_sm120.kernels.bwd_tiling import _HDIM_MULTIPLE, BwdConfig
 
 SMEM_BYTES_PER_CLK = 128  # per SM, NVIDIA's shared-memory bandwidth since Volta (32 banks x 4 B)
 

@@ -308,7 +308,7 @@ def bwd_report_row(
     block_sparse: Optional[tuple] = None,
     mods=None,
 ) -> CodegenResult:
-    """The sm_120a codegen row of one backward kernel (a kernels.bwd_sm120.BwdConfig); block_sparse:
+    """The sm_120a codegen row of one backward kernel (a kernels.bwd_tiling.BwdConfig); block_sparse:
     (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py); mods: a
     driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v

@@ -1,7 +1,7 @@
 """Backward kernel configs: the TOML table in flash_attn_sm120/configs/sm120_bwd.toml and a pure selection rule.
 
 Mirrors config.py for the backward. The table is data: one entry per (head_dim bucket, mask kind) with
-a `kernels.bwd_sm120.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layouts, swapAB flags, V in
+a `kernels.bwd_tiling.BwdConfig` (warps, m/n tiles, Q/dO stages, warp atom layouts, swapAB flags, V in
 registers) and the provenance of the measurement that chose it (scripts/config_search.py, stage
 bwd-*). An entry marked `modifiers = true` serves only the calls with user modifiers (score_mod,
 mask_mod, aux tensors: the modifier step, kernels/bwd_mods.py, which holds more registers), where the
@@ -33,7 +33,7 @@ from flash_attn_sm120.config import (
     head_dim_bucket,
     mask_kind,
 )
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
 BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)

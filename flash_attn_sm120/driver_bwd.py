@@ -62,13 +62,8 @@ from flash_attn_sm120.kernels import bwd_fixed_point
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_postprocess import postprocess_dq_wide
-from flash_attn_sm120.kernels.bwd_sm120 import (
-    BwdConfig,
-    FlashAttentionBackwardSm120Tuned,
-    bwd_config_error,
-    preprocess_multiple,
-    upstream_bwd_config,
-)
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, preprocess_multiple, upstream_bwd_config
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     from flash_attn_sm120 import block_sparse, driver, driver_bwd
     from flash_attn_sm120.config import config_from_name
     from flash_attn_sm120.config_bwd import bwd_config_from_name
-    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
+    from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error
 
     forced = [config_from_name(n) for n in args.sparse_configs.split(",") if n]
     if forced and args.bwd:

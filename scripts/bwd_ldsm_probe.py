@@ -62,7 +62,7 @@ def probe(spec: str) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from flash_attn_sm120 import bwd_traffic, codegen, hardware
     from flash_attn_sm120.config_bwd import bwd_config_from_name
-    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
+    from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error
 
     dim, name = spec.split(":", 1)
     d = int(dim)
@@ -104,7 +104,7 @@ def fit(run: Path, candidates: Optional[Path], clock_ghz: float, mma_tflops: flo
 
     from flash_attn_sm120 import bwd_traffic, hardware
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
-    from flash_attn_sm120.kernels.bwd_sm120 import smem_bytes, upstream_bwd_config
+    from flash_attn_sm120.kernels.bwd_tiling import smem_bytes, upstream_bwd_config
 
     data = json.loads(run.read_text())
     configs = {n: c for n, (c, _, _) in read_bwd_candidates(candidates).items()} if candidates else {}

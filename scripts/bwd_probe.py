@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_case(text: str):
-    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+    from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
     dim, _, spec = text.partition(":")
     if spec in ("", "fallback"):

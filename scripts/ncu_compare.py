@@ -212,7 +212,7 @@ def _backward_call(impl: str, p, x, info):
     import torch
 
     from flash_attn_sm120 import driver, driver_bwd
-    from flash_attn_sm120.kernels.bwd_sm120 import upstream_bwd_config
+    from flash_attn_sm120.kernels.bwd_tiling import upstream_bwd_config
 
     kind = impl.split(":", 1)[1]
     if kind.startswith("sparse:"):

@@ -89,7 +89,7 @@ def _autograd_impl(name: str, forward: Callable, supports) -> BwdImpl:
 def reference_bwd_impls(info) -> list[BwdImpl]:
     import torch
 
-    from flash_attn_sm120.kernels.bwd_sm120 import upstream_bwd_config
+    from flash_attn_sm120.kernels.bwd_tiling import upstream_bwd_config
 
     refs = [sm120_bwd_impl("upstream_sm120", lambda p: upstream_bwd_config(max(p.head_dim, p.dv)), info, "reference")]
     try:
@@ -304,7 +304,7 @@ def read_bwd_candidates(path) -> dict:
     import json
     from pathlib import Path
 
-    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+    from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
     raw = json.loads(Path(path).read_text())
     return {n: (BwdConfig(**{k: v for k, v in c.items() if k not in CANDIDATE_EXTRAS}), c.get("head_dims"),
@@ -314,7 +314,7 @@ def read_bwd_candidates(path) -> dict:
 def config_candidates(info, configs: dict, deterministic: bool = False) -> list[BwdImpl]:
     """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
     dim the config can run); with `deterministic`, through driver_bwd.deterministic_plan's ordering."""
-    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error
+    from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error
 
     out = []
     for name, (cfg, dims) in configs.items():

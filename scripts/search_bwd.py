@@ -4,7 +4,7 @@ Called by scripts/config_search.py (`--stage bwd-enumerate|bwd-prune|bwd-time|bw
 
   1. enumerate: per head dim, the grid of threads (4 or 8 warps), m/n tiles, Q and dO stages, warp
      atom layouts, one swapAB flag at a time, and V in registers, kept where
-     `kernels.bwd_sm120.bwd_config_error` accepts it (layouts divide, <= 101,376 B of shared memory);
+     `kernels.bwd_tiling.bwd_config_error` accepts it (layouts divide, <= 101,376 B of shared memory);
   2. prune (CPU): compile each for sm_120a and keep those with no spills (no stack, no LDL/STL) and at
      least one CTA per SM. Upstream's own SM120 config is always kept: it is the reference;
   3. time (GPU, emulation or SM120): each survivor's full backward (preprocess, main kernel,
@@ -30,7 +30,7 @@ else:  # pragma: no cover
 from config_search import read_rows, run_prune
 from prepare_bwd import read_bwd_candidates
 
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, upstream_bwd_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -63,7 +63,7 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
     fallbacks at the largest head dim each serves, and upstream's own SM120 backward at d=128."""
     from flash_attn_sm120.codegen import bwd_report_row, report_mods
     from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table
-    from flash_attn_sm120.kernels.bwd_sm120 import bwd_config_error, upstream_bwd_config
+    from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error, upstream_bwd_config
 
     jobs = []
     if include_upstream:

@@ -9,7 +9,7 @@ import torch
 
 import flash_attn_sm120
 from flash_attn_sm120 import driver_bwd
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 
 def check_position_dependent_modifiers(cfg: BwdConfig, d: int) -> None:

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from flash_attn_sm120 import codegen, hardware
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, smem_bytes, upstream_bwd_config
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, smem_bytes, upstream_bwd_config
 
 pytestmark = pytest.mark.skipif(codegen.find_tool("cuobjdump") is None, reason="needs cuobjdump")
 

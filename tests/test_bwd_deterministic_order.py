@@ -14,7 +14,7 @@ import pytest
 from flash_attn_sm120 import codegen, driver_bwd
 from flash_attn_sm120.kernels.bwd_deterministic import (dq_groups, group_of, hook_plan, rotated_m_block, rotated_turn_of,
                                                        step_points)
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 DQ_GROUPS = dq_groups(True)
 SHAPES = [(m, n) for m in range(1, 41) for n in range(1, m + 1)] + [(128, 128), (128, 17), (300, 188)]

@@ -13,10 +13,10 @@ import pytest
 
 from flash_attn_sm120 import codegen, driver_bwd
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
-from flash_attn_sm120.kernels.bwd_sm120 import (
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.bwd_tiling import (
     DQ_WIDE_ELEMS,
     BwdConfig,
-    FlashAttentionBackwardSm120Tuned,
     bwd_config_error,
     dq_wide_fits,
     upstream_bwd_config,

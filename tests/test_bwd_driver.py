@@ -13,7 +13,7 @@ from flash_attn_sm120 import config_bwd, driver_bwd, interface
 from flash_attn_sm120.config_bwd import BWD_FALLBACKS, parse_bwd_table, select_bwd_config
 from flash_attn_sm120.device import DeviceInfo
 from flash_attn_sm120.hardware import EmulationHost
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 ROW = dict(head_dim=128, mask="none", num_threads=256, m_block=64, n_block=64, stages_q=1, stages_do=1,
            sdp_swapab=False, dkv_swapab=False, dq_swapab=False, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=2,
@@ -165,7 +165,7 @@ def test_the_preprocess_pass_is_widened_for_short_tiles(d, dv, m_block, multiple
     at b1 s4096 h16 d96, measured). The driver runs it at the smallest head-dim multiple whose pass fits
     the tile (preprocess_multiple; a wider k-block covers fewer rows), so no tile of 16+ rows is refused.
     The rule keys on head_dim_v, the preprocess's O/dO width."""
-    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_multiple, preprocess_rows
+    from flash_attn_sm120.kernels.bwd_tiling import preprocess_multiple, preprocess_rows
 
     assert [preprocess_rows(x) for x in (64, 96, 128, 160, 192, 224, 256)] == [32, 64, 16, 64, 32, 64, 16]
     assert [preprocess_rows(x, multiple=128) for x in (64, 96, 160, 224)] == [16] * 4

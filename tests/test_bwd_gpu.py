@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
 from flash_attn_sm120.config_bwd import BWD_FALLBACKS, load_bwd_table  # noqa: E402
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error, upstream_bwd_config  # noqa: E402
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, upstream_bwd_config  # noqa: E402
 from flash_attn_sm120.testing import AttnCase, AttnProblem  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,7 @@ def test_tiles_shorter_than_the_preprocess_pass_on_a_large_grid(layout, mask):
     the driver widens the pass (preprocess_multiple) and zeroes dQaccum itself. At b1 s4096 h16 the
     unwidened pass zeroed the next head's first dPsum rows (wrong dQ/dK/dV, session 15); varlen runs the
     padded per-sequence offsets."""
-    from flash_attn_sm120.kernels.bwd_sm120 import preprocess_multiple
+    from flash_attn_sm120.kernels.bwd_tiling import preprocess_multiple
 
     cfg = BwdConfig(128, 32, 64, 1, 1, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
     assert bwd_config_error(96, 96, cfg) is None and preprocess_multiple(96, 32) == 64

@@ -105,7 +105,8 @@ def test_launch_plan_rule_and_forcing():
 def test_kernel_refuses_lpt_where_the_plan_would_not_use_it():
     import cutlass
 
-    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned, upstream_bwd_config
+    from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+    from flash_attn_sm120.kernels.bwd_tiling import upstream_bwd_config
 
     for kw in (dict(is_causal=False), dict(is_causal=True, deterministic=True), dict(is_local=True)):
         with pytest.raises(ValueError, match="lpt"):

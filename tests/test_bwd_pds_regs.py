@@ -6,7 +6,8 @@ import pytest
 from flash_attn_sm120 import codegen
 from flash_attn_sm120.driver_bwd import Mods, kernel_for
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned, bwd_config_error
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 RS_D64 = BwdConfig(256, 64, 128, 2, 2, True, False, False, 1, 8, 4)
 SMEM_D64 = BwdConfig(256, 64, 128, 2, 2, False, False, False, 1, 8, 4)  # the same tile through shared memory

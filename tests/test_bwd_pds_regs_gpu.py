@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import bwd_config_checks  # noqa: E402
 from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, bwd_config_error  # noqa: E402
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error  # noqa: E402
 from flash_attn_sm120.testing import AttnCase, AttnProblem  # noqa: E402
 
 pytestmark = pytest.mark.gpu

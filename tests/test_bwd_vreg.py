@@ -17,16 +17,16 @@ import pytest
 from flash_attn_sm120 import bwd_traffic, codegen, driver_bwd, hardware
 from flash_attn_sm120.config_bwd import load_bwd_table
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
-from flash_attn_sm120.kernels.bwd_sm120 import (
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
+from flash_attn_sm120.kernels.bwd_tiling import (
     BwdConfig,
-    FlashAttentionBackwardSm120Tuned,
-    _round_up,
     _sm120_ctas_by_smem,
     bwd_config_error,
     shared_qv_bytes,
     smem_bytes,
     v_runs_into_sdo,
 )
+from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 
 cutlass = pytest.importorskip("cutlass")
 

@@ -266,7 +266,7 @@ def test_bwd_write_merges_and_keeps_an_entry_the_table_wins(tmp_path):
 
     search_bwd = _load("search_bwd")
     from flash_attn_sm120.config_bwd import BWD_TABLE_PATH, parse_bwd_table, tomllib
-    from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+    from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
     toml = tmp_path / "bwd.toml"
     shutil.copy(BWD_TABLE_PATH, toml)

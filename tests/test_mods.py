@@ -15,7 +15,8 @@ from flash_attn_sm120 import codegen, compile_ops, driver_bwd, interface, valida
 from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config  # noqa: E402
 from flash_attn_sm120.driver_bwd import Mods  # noqa: E402
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods, mod_vec_size  # noqa: E402
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig, FlashAttentionBackwardSm120Tuned  # noqa: E402
+from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned  # noqa: E402
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig  # noqa: E402
 
 
 from flash_attn_sm120.testing_mods import (  # noqa: E402

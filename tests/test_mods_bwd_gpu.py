@@ -18,7 +18,7 @@ import cutlass.cute as cute  # noqa: E402
 
 import flash_attn_sm120  # noqa: E402
 from flash_attn_sm120 import driver_bwd, testing  # noqa: E402
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig  # noqa: E402
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

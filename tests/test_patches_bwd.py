@@ -211,7 +211,7 @@ assert flash_attn.cute.__file__.startswith(site), f"imported {flash_attn.cute.__
 from flash_attn.cute import flash_bwd_sm120_configs as configs
 from flash_attn.cute.flash_bwd_sm120_tuned import Sm120BwdConfig
 from flash_attn_sm120 import driver_bwd
-from flash_attn_sm120.kernels.bwd_sm120 import BwdConfig
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 
 def outcome(fn):

@@ -27,7 +27,7 @@ from flash_attn.cute.flash_bwd_postprocess import FlashAttentionBackwardPostproc
 from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _compute_tile_cumsum, make_fake_bwd_tensors
 from quack.compile_utils import make_fake_tensor
 
-from flash_attn_sm120.kernels.bwd_sm120 import DQ_WIDE_ELEMS
+from flash_attn_sm120.kernels.bwd_tiling import DQ_WIDE_ELEMS
 
 POSTPROCESS_ARCH = 120  # the SM80/SM120 branch of upstream's postprocess (mma.sync accumulator layout)
 

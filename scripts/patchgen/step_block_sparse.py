@@ -34,7 +34,7 @@ from flash_attn_sm120 import block_sparse as pkg_block_sparse
 from flash_attn_sm120 import config as pkg_config
 from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
 from flash_attn_sm120.kernels import bwd_block_sparse as pkg_bwd_block_sparse
-from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd_sm120
+from flash_attn_sm120.kernels import bwd_tiling as pkg_bwd_tiling
 
 from patchgen.core import (
     CUTE,
@@ -272,10 +272,10 @@ _PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sp
 def bwd_default_config():
     """SM120's earlier default backward tile (the package's upstream_bwd_config) with one Q/dO stage:
     the same for every head dim once the stages are one."""
-    one = {replace(pkg_bwd_sm120.upstream_bwd_config(d), stages_q=1, stages_do=1, v_in_regs=False)
+    one = {replace(pkg_bwd_tiling.upstream_bwd_config(d), stages_q=1, stages_do=1, v_in_regs=False)
            for d in (32, 64, 96, 128, 192, 256)}
     if len(one) != 1:
-        raise AnchorError("flash_attn_sm120/kernels/bwd_sm120.py: upstream_bwd_config's tile now depends on the head "
+        raise AnchorError("flash_attn_sm120/kernels/bwd_tiling.py: upstream_bwd_config's tile now depends on the head "
                           "dim; revisit sm120_bwd_block_sparse_config in step_block_sparse.py")
     return one.pop()
 

@@ -1,6 +1,7 @@
 """Patch 0004: the SM120 backward from a measured table, and its deterministic path.
 
-Lifts the package's backward (`flash_attn_sm120/kernels/bwd_sm120.py` with the layout-free mask of
+Lifts the package's backward (`flash_attn_sm120/kernels/bwd_sm120.py`, its tiling rules of `bwd_tiling.py`
+ahead of it, with the layout-free mask of
 `bwd_mask.py` and the semaphore ordering of `bwd_deterministic.py`) as upstream's
 `flash_bwd_sm120_tuned.py`, without what only the package needs (SM120 emulation padding, the
 driver's occupancy bookkeeping); renders the backward table (`flash_attn_sm120/configs/sm120_bwd.toml`)
@@ -26,6 +27,7 @@ from pathlib import Path
 from flash_attn_sm120.kernels import bwd_deterministic as pkg_bwd_det
 from flash_attn_sm120.kernels import bwd_mask as pkg_bwd_mask
 from flash_attn_sm120.kernels import bwd_sm120 as pkg_bwd
+from flash_attn_sm120.kernels import bwd_tiling as pkg_bwd_tiling
 
 from patchgen.core import (
     CUTE,
@@ -144,7 +146,7 @@ _DET_DOC_EDITS = (  # on its docstring, the section's comment: the package's mod
     ("(kernels/bwd_sm120.py, compute_one_m_block)", "(compute_one_m_block, below)"),
 )
 # the package's module names: none may be left in the upstream module (comments included)
-_PACKAGE_MODULES = re.compile(r"\bdriver_bwd\b|\bkernels/|(?<![\w.])(bwd_sm120|bwd_deterministic|bwd_mask|bwd_mods)\b")
+_PACKAGE_MODULES = re.compile(r"\bdriver_bwd\b|\bkernels/|(?<![\w.])(bwd_sm120|bwd_tiling|bwd_deterministic|bwd_mask|bwd_mods)\b")
 # the mask module's definitions lifted next to the kernel (all of them)
 MASK_DEFS = ("layout_free", "apply_mask_any_layout", "tile_needs_mask", "where_needed", "_apply_where_needed")
 _DROP = ("upstream_bwd_config",)  # package-only: the benchmark's "before" config
@@ -160,6 +162,7 @@ _REPLACED_IMPORTS = {  # package module -> what upstream imports instead (None: 
     "flash_attn_sm120": None,
     "flash_attn_sm120.kernels": None,
     "flash_attn_sm120.kernels.emulation": None,  # the padding goes with _get_shared_storage_cls
+    "flash_attn_sm120.kernels.bwd_tiling": None,  # lifted ahead of the kernel module's code
     "flash_attn_sm120.kernels.fwd_cpasync": ("flash_attn.cute.flash_fwd_sm120",
                                              ("SM120_SMEM_PER_BLOCK_MAX", "SM120_STATIC_SMEM", "_round_up")),
 }
@@ -207,7 +210,7 @@ def _render_imports(parts: list[dict]) -> str:
     future = ["from __future__ import annotations\n\n"] if "__future__" in merged else []
     plain = [f"import {n}\n" for n in merged.pop("", [])]
     merged.pop("__future__", None)
-    std = [m for m in merged if m.split(".")[0] in ("dataclasses", "functools", "typing")]
+    std = sorted(m for m in merged if m.split(".")[0] in ("dataclasses", "functools", "typing"))
     rest = [m for m in merged if m not in std]
     fmt = lambda m: f"from {m} import {', '.join(sorted(merged[m], key=str.lower))}\n"  # noqa: E731
     return "".join(future + [fmt(m) for m in std] + ["\n"] + [p for p in plain] + [fmt(m) for m in rest])
@@ -248,7 +251,9 @@ def _det_names() -> list[str]:
 
 def render_tuned_module() -> str:
     """flash_bwd_sm120_tuned.py: the package's backward, mask and deterministic modules in upstream's names."""
+    imp_tiling, _doc_tiling, body_tiling = _imports_and_body(pkg_bwd_tiling)
     imp_bwd, doc_bwd, body = _imports_and_body(pkg_bwd)
+    body = body_tiling.rstrip("\n") + "\n\n\n" + body  # one module upstream: the tiling rules, then the kernel
     imp_mask, doc_mask, _ = _imports_and_body(pkg_bwd_mask)
     imp_det, doc_det, _ = _imports_and_body(pkg_bwd_det)
     algorithm = doc_bwd.split("\nThis module adds")[0]
@@ -278,7 +283,7 @@ def render_tuned_module() -> str:
     cls_at = body.index("class FlashAttentionBackwardSm120Tuned(")
     text = (
         _TUNED_DOC.format(algorithm=upstream_wording(algorithm.strip()))
-        + "\n" + _render_imports([imp_bwd, imp_mask, imp_det]) + "\n"
+        + "\n" + _render_imports([imp_tiling, imp_bwd, imp_mask, imp_det]) + "\n"
         + body[:cls_at].rstrip("\n") + "\n\n\n"
         + _doc_as_comment(doc_mask, "causal / local mask for any warp layout (layout_free)") + "\n\n"
         + upstream_wording(mask_defs).rstrip("\n") + "\n\n\n"
@@ -346,7 +351,7 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
     bench = json.loads(Path(bench_path).read_text()) if bench_path and Path(bench_path).exists() else None
     det_bench = json.loads(DEFAULT_DET_BENCH.read_text()) if DEFAULT_DET_BENCH.exists() else None
     modes = sorted({str(e.provenance["mode"]) for e in table} | ({str(bench["mode"])} if bench else set()))
-    before = pkg_bwd.upstream_bwd_config(128)
+    before = pkg_bwd_tiling.upstream_bwd_config(128)
     measured = []
     if table:
         measured = [
