@@ -271,6 +271,11 @@ LAUNCH_VARIANTS = {
     "launch_before": dict(lpt=False, mask_where_needed=False),  # as before both (session 16's kernels)
     "launch_no_lpt": dict(lpt=False),
     "launch_mask_always": dict(mask_where_needed=False),
+    # causal problems only (--subset causal): the longest-first launch and the per-tile mask test, each
+    # and together, on the table's current tiles (two CTAs per SM on the d64 / d96 / plain d128 entries)
+    "launch_lpt": dict(lpt=True),
+    "launch_mask_where_needed": dict(mask_where_needed=True),
+    "launch_lpt_where_needed": dict(lpt=True, mask_where_needed=True),
     # dQ added 16 bytes at a time (on this package's step), and this package's step alone (what it is worth)
     "launch_dq_wide": dict(dq_wide_adds=True),
     "launch_own_step": dict(own_step=True),

@@ -80,6 +80,22 @@ def test_tile_needs_mask_matches_the_elementwise_rules(seed):
         assert tile_needs_mask(mask, m_block, n_block, True, False, True)  # local windows mask every tile
 
 
+def test_benchmark_launch_variants_are_plans_the_kernel_runs():
+    """prepare.py --launch-variants: every forced plan is one launch_plan accepts for the problems it is
+    meant for (the lpt variants: causal, dense, deterministic=False; the rest: any dense call)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from prepare_bwd import LAUNCH_VARIANTS
+
+    for name, flags in LAUNCH_VARIANTS.items():
+        for causal in ((True,) if flags.get("lpt") else (False, True)):
+            with driver_bwd.force_launch_plan(**flags):
+                plan = driver_bwd.launch_plan(causal, False, False, dense_k=True)
+            assert all(plan[k] == v for k, v in flags.items()), name
+
+
 def test_launch_plan_rule_and_forcing():
     """The measured choice: masks skipped where a tile needs none without a causal mask or window, the
     longest-first launch, the wide dQ adds and the package's step for plain calls off; forcing is allowed
@@ -118,14 +134,16 @@ def sm120a():
     os.environ.update(CUTE_DSL_ARCH="sm_120a", FLASH_ATTENTION_ARCH="sm_120", FLASH_ATTENTION_NUM_SMS="188")
 
 
-@pytest.mark.parametrize("d,causal", [(64, True), (96, True), (128, True), (128, False), (96, False)])
-def test_table_entries_with_each_launch_option_compile_spill_free(sm120a, d, causal):
-    """The table's kernels with the plan's choice and with each option forced on (the longest-first scheduler
-    where causal, the mask branch) build for sm_120a without local memory and with the same tensor-core work."""
+@pytest.mark.parametrize("d,causal,plain_mha", [(64, True, False), (96, True, False), (128, True, False),
+                                                (128, True, True), (128, False, False), (96, False, False)])
+def test_table_entries_with_each_launch_option_compile_spill_free(sm120a, d, causal, plain_mha):
+    """The table's kernels (plain_mha: the entry plain MHA calls take) with the plan's choice and with each
+    option forced on (the longest-first scheduler where causal, the mask branch) build for sm_120a without
+    local memory and with the same tensor-core work."""
     from flash_attn_sm120 import codegen
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    cfg = select_bwd_config(load_bwd_table(), d, d, causal, False)
+    cfg = select_bwd_config(load_bwd_table(), d, d, causal, False, plain_mha=plain_mha)
     rows = {}
     for name, ordering in (("plan", None), ("on", dict(lpt=causal, mask_where_needed=True)),
                            ("off", dict(lpt=False, mask_where_needed=False))):
