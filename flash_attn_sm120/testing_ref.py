@@ -17,8 +17,8 @@ import torch
 from flash_attn_sm120 import bench
 from flash_attn_sm120.validation import window_bounds
 
-if TYPE_CHECKING:  # the case types live in testing.py, which imports this module
-    from flash_attn_sm120.testing import AttnCase, AttnProblem, Inputs
+if TYPE_CHECKING:  # the case types (testing_inputs.py)
+    from flash_attn_sm120.testing_inputs import AttnCase, AttnProblem, Inputs
 
 def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> Optional[torch.Tensor]:
     """(sq, sk) bool, True = masked (`bench.window_mask`); None if nothing can be masked."""
