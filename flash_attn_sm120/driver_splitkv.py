@@ -55,7 +55,8 @@ from flash_attn_sm120.decode import (
     select_prefill_config,
 )
 from flash_attn_sm120.driver import FwdStatics, build_statics, quiet_compile
-from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV, paged_tile_error
+from flash_attn_sm120.kernels.fwd_splitkv import FlashAttentionForwardSm120SplitKV
+from flash_attn_sm120.kernels.fwd_splitkv_paged import paged_tile_error
 
 
 @dataclass(frozen=True)

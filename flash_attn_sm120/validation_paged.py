@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from flash_attn_sm120 import validation
-from flash_attn_sm120.kernels.fwd_splitkv import MAX_PAGE_SIZE, PAGE_SIZE_MULTIPLE, paged_head_dim_error
+from flash_attn_sm120.kernels.fwd_splitkv_paged import MAX_PAGE_SIZE, PAGE_SIZE_MULTIPLE, paged_head_dim_error
 
 
 def check_page_size(page_size: int) -> None:

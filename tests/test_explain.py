@@ -99,7 +99,7 @@ def test_paged_prefill_reports_a_config_the_splitkv_family_cannot_take():
 
 def test_paged_prefill_at_d112_reports_a_tile_the_page_gathers_can_fill():
     """At d=112 the page gathers move 64 rows per pass with 4 warps: the 48-key d128 entries give way."""
-    from flash_attn_sm120.kernels.fwd_splitkv import paged_tile_error
+    from flash_attn_sm120.kernels.fwd_splitkv_paged import paged_tile_error
 
     q = torch.empty(2, 512, 32, 112, **META)
     pool = torch.empty(2 * 8, 64, 8, 112, **META)

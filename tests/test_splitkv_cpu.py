@@ -594,7 +594,7 @@ def test_paged_tile_rule_matches_the_gather_layout_and_every_paged_choice_obeys_
     """PagedKVManager copies num_threads / (gcd(head dims, 64) / 8) rows per pass (2-byte dtypes): the
     rule reproduces the measured cases (8 warps x 48 keys wrong at d=128; 8 warps x 32 / 64 and 4
     warps x 48 right) and kernel_config(paged=True) never picks a tile it refuses, at any head dim."""
-    from flash_attn_sm120.kernels.fwd_splitkv import paged_tile_error
+    from flash_attn_sm120.kernels.fwd_splitkv_paged import paged_tile_error
 
     assert "32 rows per pass" in paged_tile_error(256, 48, 128, 128)
     for ok in ((256, 32, 128, 128), (256, 64, 128, 128), (128, 48, 128, 128), (256, 64, 96, 96), (128, 64, 112, 112)):

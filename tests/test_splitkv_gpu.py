@@ -184,7 +184,7 @@ def test_paged_prefill_matches_reference(page_size, mask):
 def test_paged_prefill_at_head_dims_whose_gathers_limit_tile_n(d, mask):
     """Paged prefill runs kernel_config(paged=True)'s tile: at d=80 / 112 the page gathers move 64
     rows per pass with 4 warps (128 with 8), so the table's 48-key and 8-warp tiles must give way
-    (fwd_splitkv.paged_tile_error); at d=128 the 48-key entries stay. Lengths are not tile multiples."""
+    (fwd_splitkv_paged.paged_tile_error); at d=128 the 48-key entries stay. Lengths are not tile multiples."""
     rng = random.Random(d)
     q, pk, pv, pt, used, lens = _paged_problem(rng, batch=2, seqlen_q=300, hk=2, group=4, d=d, page_size=64,
                                                max_len=1000, min_len=300)

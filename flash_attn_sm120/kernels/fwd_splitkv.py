@@ -34,7 +34,6 @@ only, so the combine counts it once per row.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -44,7 +43,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cute.nvgpu import warp
 
 from quack import layout_utils
@@ -56,7 +54,6 @@ from flash_attn.cute.block_sparsity import BlockSparseTensors
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.pack_gqa import PackGQA, pack_gqa_layout
-from flash_attn.cute.paged_kv import PagedKVManager
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.softmax import Softmax
 from flash_attn.cute.tile_scheduler import SingleTileScheduler, SingleTileVarlenScheduler, TileSchedulerArguments
@@ -64,40 +61,10 @@ from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120.kernels import sink_fold
 from flash_attn_sm120.kernels.fwd_cpasync import FlashAttentionForwardSm120CpAsync
-
-# PagedKVManager's layout flag for "V pages laid out like K pages" (see the module docstring)
-_PAGED_V_LIKE_K = 90
-MAX_PAGE_SIZE = 512
-PAGE_SIZE_MULTIPLE = 16
+from flash_attn_sm120.kernels.fwd_splitkv_paged import KVTileLoaders
 
 
-def paged_tile_error(num_threads: int, tile_n: int, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> Optional[str]:
-    """Why upstream's PagedKVManager cannot gather a tile_n-row K/V tile, or None.
-
-    Its tiled copy moves num_threads / threads_per_row rows per pass, threads_per_row being
-    gcd(head dims, 128 B) / 16 B; a tile_n that is not a multiple of that row count makes the last
-    pass run past the tile. Measured (2026-11-29, H200 at SM120 occupancy, d=128: 32 rows per pass
-    with 8 warps, 16 with 4): 8 warps with tile_n 48 gave errors of 0.3-0.5 against the fp32
-    reference; 8 warps with tile_n 32 / 64 and 4 warps with tile_n 48 were right.
-    """
-    block = math.gcd(-(-head_dim // 16) * 16, -(-head_dim_v // 16) * 16, 128 // elem_bytes)
-    rows_per_pass = num_threads // (block // (16 // elem_bytes))
-    if tile_n % rows_per_pass:
-        return (
-            f"paged KV gathers {rows_per_pass} rows per pass with {num_threads} threads at head dims "
-            f"({head_dim}, {head_dim_v}); tile_n={tile_n} is not a multiple of it"
-        )
-    return None
-
-
-def paged_head_dim_error(head_dim: int, head_dim_v: int) -> Optional[str]:
-    """The paged gather copies whole 16-column chunks with no column predicate."""
-    if head_dim % 16 or head_dim_v % 16:
-        return f"paged KV needs head dims that are multiples of 16, got ({head_dim}, {head_dim_v})"
-    return None
-
-
-class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
+class FlashAttentionForwardSm120SplitKV(KVTileLoaders, FlashAttentionForwardSm120CpAsync):
     """cp.async forward with a split axis (fp32 partial O/LSE) and paged K/V gathers.
 
     `is_split_kv`: compile-time; with it `mO` is the fp32 partial (num_splits, b, s, h, dv) (or
@@ -476,61 +443,6 @@ class FlashAttentionForwardSm120SplitKV(FlashAttentionForwardSm120CpAsync):
                 step(next_block - i, read, write, mask_fn=partial(mask_fn, mask_seqlen=False))
                 read = self.advance_pipeline(read)
                 write = self.advance_pipeline(write)
-
-    def make_kv_loaders(
-        self, mK, mV, mPageTable, sK, sV, seqlen, head_idx_kv, batch_idx, gmem_tiled_copy_K, gmem_tiled_copy_V, tidx,
-    ):
-        """(load_K, load_V, fetch_pages): dense tile loads, or paged row gathers.
-
-        load_K / load_V(block, smem_stage, need_predicates) issue one tile's cp.async. Paged, the rows'
-        pages come from `fetch_pages(block)` (page-table reads into registers), which the mainloop
-        issues before the QK^T MMAs so that their latency hides behind them; K and V of a block
-        share one fetch, because the pipeline always loads V[b] right after K[b] and before
-        K[b - 1]. Dense, fetch_pages is None.
-        """
-        stage_of = (lambda s: s) if const_expr(self.num_stages > 1) else (lambda s: 0)
-        if const_expr(mPageTable is not None):
-            pages = PagedKVManager.create(
-                mPageTable, mK, mV, FastDivmodDivisorV2(mK.shape[0]), batch_idx, head_idx_kv, tidx, seqlen.seqlen_k,
-                0,  # leftpad_k
-                self.tile_n, self.tile_hdim, self.tile_hdimv, self.num_threads, self.dtype,
-                arch=_PAGED_V_LIKE_K,
-            )
-
-            def load_paged(sX, which, block, smem_pipe_write, need_predicates=False):
-                # rows past the sequence are zero-filled by the gather itself: need_predicates is implied
-                pages.load_KV(block, sX[None, None, stage_of(smem_pipe_write)], which)
-
-            return partial(load_paged, sK, "K"), partial(load_paged, sV, "V"), pages.load_page_table
-
-        if const_expr(not seqlen.has_cu_seqlens_k):
-            mK_cur = mK[None, None, head_idx_kv, batch_idx]
-            mV_cur = mV[None, None, head_idx_kv, batch_idx]
-        else:
-            mK_cur = cute.domain_offset((seqlen.offset_k, 0), mK[None, None, head_idx_kv])
-            mV_cur = cute.domain_offset((seqlen.offset_k, 0), mV[None, None, head_idx_kv])
-        gK = cute.local_tile(mK_cur, (self.tile_n, self.tile_hdim), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, self.tile_hdimv), (None, 0))
-        thr_K = gmem_tiled_copy_K.get_slice(tidx)
-        thr_V = gmem_tiled_copy_V.get_slice(tidx)
-        cK = cute.make_identity_tensor((self.tile_n, self.tile_hdim))
-        tKcK, t0KcK = thr_K.partition_S(cK), gmem_tiled_copy_K.get_slice(0).partition_S(cK)
-        if const_expr(self.tile_hdim == self.tile_hdimv):
-            tVcV, t0VcV = tKcK, t0KcK
-        else:
-            cV = cute.make_identity_tensor((self.tile_n, self.tile_hdimv))
-            tVcV, t0VcV = thr_V.partition_S(cV), gmem_tiled_copy_V.get_slice(0).partition_S(cV)
-        tKpK = utils.predicate_k(tKcK, limit=mK.shape[1])
-        tVpV = tKpK if const_expr(self.same_hdim_kv) else utils.predicate_k(tVcV, limit=mV.shape[1])
-        load_K = partial(
-            self.load_K, gmem_tiled_copy_K, thr_K.partition_S(gK), thr_K.partition_D(sK), tKcK, t0KcK, tKpK,
-            seqlen=seqlen.seqlen_k,
-        )
-        load_V = partial(
-            self.load_V, gmem_tiled_copy_V, thr_V.partition_S(gV), thr_V.partition_D(sV), tVcV, t0VcV, tVpV,
-            seqlen=seqlen.seqlen_k,
-        )
-        return load_K, load_V, None
 
     @cute.jit
     def compute_one_n_block_split(

@@ -1,7 +1,8 @@
 """Patch 0002: SplitKV, paged KV and the decode table for the SM120 forward.
 
 Lifts whole modules: `flash_attn_sm120/kernels/fwd_splitkv.py` becomes upstream's
-`flash_fwd_sm120_splitkv.py`, `splitkv.py` with the occupancy model of `hardware.py` becomes
+`flash_fwd_sm120_splitkv.py` (its paged K/V loaders and rules, `fwd_splitkv_paged.py`, become
+`flash_fwd_sm120_paged.py`), `splitkv.py` with the occupancy model of `hardware.py` becomes
 `flash_fwd_sm120_splits.py`, and `decode.py` with `flash_attn_sm120/configs/sm120_decode.toml` becomes
 `SM120_DECODE_TABLE` in `flash_fwd_sm120_configs.py`; `interface.py` loses its "not supported on
 SM 12.0" asserts for paged KV and SplitKV.
@@ -16,6 +17,7 @@ from flash_attn_sm120 import decode as pkg_decode
 from flash_attn_sm120 import hardware
 from flash_attn_sm120 import splitkv as pkg_splitkv
 from flash_attn_sm120.kernels import fwd_splitkv as pkg_fwd_splitkv
+from flash_attn_sm120.kernels import fwd_splitkv_paged as pkg_fwd_splitkv_paged
 from flash_attn_sm120.kernels import sink_fold as pkg_sink_fold
 
 from patchgen.core import (
@@ -54,6 +56,8 @@ _SPLITKV_MODULE_EDITS = (
      "FlashAttentionForwardSm120CpAsync\n",
      "from flash_attn.cute import flash_fwd_sm120_sink as sink_fold\n"
      "from flash_attn.cute.flash_fwd_sm120 import FlashAttentionForwardSm120\n"),
+    ("from flash_attn_sm120.kernels.fwd_splitkv_paged import KVTileLoaders\n",
+     "from flash_attn.cute.flash_fwd_sm120_paged import KVTileLoaders\n"),
     ('    family = "splitkv"\n\n', ""),
 )
 
@@ -110,6 +114,15 @@ def render_splitkv_module() -> str:
     text = rename(text, "FlashAttentionForwardSm120CpAsync", "FlashAttentionForwardSm120", where=where)
     text = upstream_wording(text)
     check_no_package_refs(text, where)
+    return text
+
+
+def render_paged_module() -> str:
+    """flash_fwd_sm120_paged.py: the splitkv kernel's K/V tile loaders (dense or paged) and the paged rules."""
+    where = "flash_attn_sm120/kernels/fwd_splitkv_paged.py"
+    text = upstream_wording(inspect.getsource(pkg_fwd_splitkv_paged))
+    check_no_package_refs(text, where)
+    compile(text, "flash_fwd_sm120_paged.py", "exec")
     return text
 
 
@@ -213,13 +226,13 @@ _SPLITKV_INTERFACE_EDITS = (
         "imports of the SM120 SplitKV kernel and split rule",
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n",
         "from flash_attn.cute.flash_fwd_sm120_configs import sm120_fwd_config\n"
-        "from flash_attn.cute.flash_fwd_sm120_splitkv import (\n"
+        "from flash_attn.cute.flash_fwd_sm120_paged import (\n"
         "    MAX_PAGE_SIZE as SM120_MAX_PAGE_SIZE,\n"
         "    PAGE_SIZE_MULTIPLE as SM120_PAGE_SIZE_MULTIPLE,\n"
-        "    FlashAttentionForwardSm120SplitKV,\n"
         "    paged_head_dim_error,\n"
         "    paged_tile_error,\n"
         ")\n"
+        "from flash_attn.cute.flash_fwd_sm120_splitkv import FlashAttentionForwardSm120SplitKV\n"
         "from flash_attn.cute.flash_fwd_sm120_splits import sm120_num_splits\n",
     ),
     (
@@ -324,6 +337,7 @@ def decode_measurement_table(bench: dict) -> tuple[str, list[str]]:
 def step_sm120_splitkv_paged(ctx: Context) -> str:
     """Patch 2: SplitKV, paged KV and decode configs for the SM120 forward."""
     ctx.write(f"{CUTE}/flash_fwd_sm120_sink.py", render_sink_module())
+    ctx.write(f"{CUTE}/flash_fwd_sm120_paged.py", render_paged_module())
     ctx.write(f"{CUTE}/flash_fwd_sm120_splitkv.py", render_splitkv_module())
     ctx.write(f"{CUTE}/flash_fwd_sm120_splits.py", render_splits_module())
     patch_configs_for_decode(ctx)
@@ -372,6 +386,9 @@ def step_sm120_splitkv_paged(ctx: Context) -> str:
             "through the page table with PagedKVManager into the same swizzled smem tile (16-byte "
             "cp.async, rows past the sequence zero-filled), so any page size that is a multiple of 16 "
             "up to 512 works.",
+            "flash_fwd_sm120_paged.py (new): the SplitKV kernel's K/V tile loaders (dense tiles or "
+            "page gathers) and the rules for paged calls (page sizes, head dims, tiles the gather "
+            "divides).",
             "flash_fwd_sm120_splits.py (new): the split count for num_splits < 1. It counts CTA slots "
             "as SMs x CTAs per SM (an SM120 occupancy model: 100 KB of shared memory per SM, 1 KB "
             "reserved per CTA, 1536 threads) and takes the fewest splits within 95% of the best wave "
