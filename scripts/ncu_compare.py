@@ -15,7 +15,8 @@ Implementations: `table` (the shipped config table, what flash_attn_func runs), 
 SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
 for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1), `sparse:<density>` (the
 public API with random block-sparse lists: that share of the 128 x 128 blocks, all full). Backward: `bwd:table`,
-`bwd:deterministic` (the same with deterministic=True), `bwd:upstream` (the main backward kernel) or
+`bwd:deterministic` (the same with deterministic=True), `bwd:upstream` (the main backward kernel),
+`bwd:config:<name>` (one backward tile by config_bwd's name, e.g. bwd-w4-64x64-q1do1-a242-vreg) or
 `bwd:sparse:<density>` (autograd.grad of the block-sparse call, with the lists' Q-direction twins).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/ncu_compare.py --problem b4s2048h32d64 [--causal]
@@ -52,6 +53,8 @@ METRICS = (
     ("smem bank conflicts, loads", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"),
     ("smem bank conflicts, stores", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"),
     ("L2 throughput (%)", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("L2 hit rate (%)", "lts__t_sector_hit_rate.pct"),
+    ("global reductions (requests)", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"),
     ("DRAM throughput (%)", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("registers / thread", "launch__registers_per_thread"),
     ("smem / block, static (B)", "launch__shared_mem_per_block_static"),
@@ -214,17 +217,22 @@ def _backward_call(impl: str, p, x, info):
     from flash_attn_sm120 import driver, driver_bwd
     from flash_attn_sm120.kernels.bwd_tiling import upstream_bwd_config
 
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+
     kind = impl.split(":", 1)[1]
     if kind.startswith("sparse:"):
         return _sparse_backward_call(float(kind.split(":", 1)[1]), p, x)
-    if kind not in ("table", "deterministic", "upstream"):
+    if kind not in ("table", "deterministic", "upstream") and not kind.startswith("config:"):
         raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream, "
-                         "bwd:sparse:<density>)")
+                         "bwd:config:<config name>, bwd:sparse:<density>)")
     out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal, window_size_left=None,
                               window_size_right=None, softcap=None, pack_gqa=None, need_lse=True,
                               emulate_host_smem=info.emulate_host_smem)
     dout = torch.randn_like(out)
     config = upstream_bwd_config(max(p.head_dim, p.dv)) if kind == "upstream" else None
+    if kind.startswith("config:"):
+        # one tile on any problem, e.g. a causal entry's tile on its non-causal twin
+        config = bwd_config_from_name(kind.split(":", 1)[1])
 
     def call():
         return driver_bwd.backward(x["q"], x["k"], x["v"], out, dout, lse, softmax_scale=None, causal=p.causal,
