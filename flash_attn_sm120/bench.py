@@ -136,6 +136,18 @@ def _bwd() -> list[Problem]:
     return [replace_tag(p, "bwd") for p in _seed()]
 
 
+def _bwd_real() -> list[Problem]:
+    """Training shapes for the backward: GQA as LLMs train it, both masks at the shape of NVIDIA's cuDNN
+    SDPA training benchmark (llama3.1: B2, 64:8 heads, d128, s8k), and d64 / d192 with GQA. The seed
+    `bwd` set (MHA) is what issue 16's gates read; this set shows what a trainer's call gets."""
+    out = [Problem(2, 8192, 8192, 64, 8, 128, causal=c, tag="bwd_real") for c in (True, False)]
+    out += [Problem(b, s, s, h, hk, d, causal=True, tag="bwd_real")
+            for b, s, h, hk, d in ((8, 2048, 32, 8, 128), (2, 8192, 32, 8, 128), (8, 2048, 16, 4, 64),
+                                   (8, 2048, 16, 4, 192))]
+    out.append(Problem(4, 4096, 4096, 32, 8, 128, causal=False, tag="bwd_real"))
+    return out
+
+
 def replace_tag(p: Problem, tag: str) -> Problem:
     d = asdict(p)
     d["tag"] = tag
@@ -147,12 +159,14 @@ PROBLEM_SETS: dict[str, Callable[[], list[Problem]]] = {
     "real": _real,
     "decode": _decode,
     "bwd": _bwd,
+    "bwd_real": _bwd_real,
 }
+_NOT_IN_ALL = ("bwd_real",)  # backward-only shapes: `all` times every problem forward too
 
 
 def problem_set(name: str) -> list[Problem]:
     if name == "all":
-        return [p for fn in PROBLEM_SETS.values() for p in fn()]
+        return [p for name, fn in PROBLEM_SETS.items() if name not in _NOT_IN_ALL for p in fn()]
     if name not in PROBLEM_SETS:
         raise ValueError(f"unknown problem set {name!r}; choose from {sorted(PROBLEM_SETS) + ['all']}")
     return PROBLEM_SETS[name]()

@@ -159,14 +159,14 @@ def clear_cache() -> None:
 
 
 def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig],
-                  modifiers: bool = False, plain_mha: bool = False) -> BwdConfig:
+                  modifiers: bool = False, plain_mha: bool = False, plain: bool = False) -> BwdConfig:
     """The given or forced config (refused with the reason if SM120 cannot run it), else the table's
-    (its modifier entries for a call with user modifiers: `Mods.user`; its plain-MHA entries for a
-    plain MHA call: config_bwd)."""
+    (its modifier entries for a call with user modifiers: `Mods.user`; its plain-MHA and plain entries
+    for a plain MHA / plain call: config_bwd)."""
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
-        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers, plain_mha)
+        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers, plain_mha, plain)
     err = bwd_config_error(head_dim, head_dim_v, config)
     if err is not None:
         raise ValueError(f"SM120 backward config {config.name} not implementable: {err}")
@@ -410,10 +410,11 @@ def backward(
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     # the table's modifier entries where the modifier step runs for the call (the block-sparse walk is one)
     dense = all(t is None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_sparse_tensors))
-    plain_mha = (qhead_per_kvhead == 1 and dense and not deterministic and not local
-                 and mods.score_mod is None and not mods.user)  # softcap's pair is a score_mod
+    # softcap's pair is a score_mod
+    plain = dense and not deterministic and not local and mods.score_mod is None and not mods.user
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
-                        modifiers=mods.user or block_sparse_tensors is not None, plain_mha=plain_mha)
+                        modifiers=mods.user or block_sparse_tensors is not None,
+                        plain_mha=plain and qhead_per_kvhead == 1, plain=plain)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:

@@ -52,15 +52,15 @@ def kernel_times(run, calls: int) -> dict[str, float]:
     return per_call_times(prof.events(), calls)
 
 
-def select_problems(names: str) -> list:
+def select_problems(names: str, problem_set: str = "bwd") -> list:
     """The bwd set's problems named in a comma list (all for ""); SystemExit naming the unknown ones."""
     from flash_attn_sm120 import bench
 
-    problems = bench.problem_set("bwd")
+    problems = bench.problem_set(problem_set)
     wanted = [n for n in names.split(",") if n]
     unknown = sorted(set(wanted) - {p.name for p in problems})
     if unknown:
-        raise SystemExit(f"bwd_kernel_times.py: unknown problems {unknown}; the bwd set has "
+        raise SystemExit(f"bwd_kernel_times.py: unknown problems {unknown}; the {problem_set} set has "
                          f"{[p.name for p in problems]}")
     return [p for p in problems if not wanted or p.name in wanted]
 
@@ -68,7 +68,8 @@ def select_problems(names: str) -> list:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--emulate", action="store_true", help="SM120 kernels in emulation (FLASH_ATTN_SM120_EMULATE)")
-    ap.add_argument("--problems", default="", help="comma-separated names of the bwd set (default: all)")
+    ap.add_argument("--set", default="bwd", help="the problem set: bwd (the seed problems) or bwd_real (GQA training shapes)")
+    ap.add_argument("--problems", default="", help="comma-separated names of that set (default: all)")
     ap.add_argument("--det-variants", default="", help="prepare_bwd.DET_VARIANTS names, comma-separated")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--json", type=Path)
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     from flash_attn_sm120.device import device_info
     from flash_attn_sm120.harness import git_commit
 
-    problems = select_problems(args.problems)  # (names checked before any device work)
+    problems = select_problems(args.problems, args.set)  # (names checked before any device work)
     variants = set(filter(None, args.det_variants.split(",")))
     unknown = sorted(variants - set(prepare_bwd.DET_VARIANTS))
     if unknown:

@@ -279,7 +279,7 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     """Entry point for prepare.py itself and for experiment.py: parse args, time, print, save."""
     ap = argparse.ArgumentParser(description=description or __doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--set", default="seed", help="seed | real | decode | bwd | all")
+    ap.add_argument("--set", default="seed", help="seed | real | decode | bwd | bwd_real | all")
     ap.add_argument("--baseline", action="store_true", help="time the references only")
     ap.add_argument("--no-references", action="store_true", help="time the candidates only")
     ap.add_argument("--references", default="all", help="comma-separated reference names, or all")
@@ -311,7 +311,7 @@ def run(candidates: Callable[[object], list[Impl]], argv=None, description: str 
     info = detect(args.emulate)
     print(f"mode: {info.mode} -- {info.label()}")
     ceiling = run_ceiling(args, info) if args.ceiling else None
-    if args.set == "bwd":
+    if args.set in ("bwd", "bwd_real"):
         return _run_bwd(args, problems, info, ceiling)
     impls = [] if args.baseline else candidates(info)
     if not args.no_references or args.baseline:

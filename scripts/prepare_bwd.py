@@ -113,28 +113,37 @@ def reference_bwd_impls(info) -> list[BwdImpl]:
     return refs
 
 
+def reference_chunks(p: Problem, heads_per_chunk: int = 4) -> list[tuple[int, int, int, int, int]]:
+    """(batch, h0, h1, hk0, hk1) pieces whose gradients are independent of each other: one batch entry
+    and whole KV groups (the query heads [h0, h1) and their KV heads [hk0, hk1)), at least
+    heads_per_chunk query heads each. A KV head's dK/dV sum over its group, so a group is never split;
+    one batch entry at a time keeps fp32 scores of the long GQA shapes in memory."""
+    ratio = p.nheads // p.nheads_kv
+    groups = max(1, -(-heads_per_chunk // ratio))  # KV heads per piece
+    return [(b, hk0 * ratio, min(hk0 + groups, p.nheads_kv) * ratio, hk0, min(hk0 + groups, p.nheads_kv))
+            for b in range(p.batch) for hk0 in range(0, p.nheads_kv, groups)]
+
+
 def reference_grads(p: Problem, x: dict, heads_per_chunk: int = 4):
-    """fp32 and input-precision autograd gradients of the reference attention, in head chunks (MHA: a
-    head's gradients depend on that head only), so long sequences fit."""
+    """fp32 and input-precision autograd gradients of the reference attention, piece by piece
+    (reference_chunks), so long sequences and many heads fit."""
     import torch
 
     from flash_attn_sm120 import testing
 
-    chunk = heads_per_chunk if p.nheads == p.nheads_kv else p.nheads
     out = {}
     for upcast in (True, False):
         grads = [torch.empty(x[n].shape, dtype=torch.float32 if upcast else x[n].dtype, device="cuda")
                  for n in ("q", "k", "v")]
-        for h0 in range(0, p.nheads, chunk):
-            hk0, hk1 = (h0, h0 + chunk) if chunk != p.nheads else (0, p.nheads_kv)
-            leaves = [x["q"][:, :, h0:h0 + chunk], x["k"][:, :, hk0:hk1], x["v"][:, :, hk0:hk1]]
+        for b, h0, h1, hk0, hk1 in reference_chunks(p, heads_per_chunk):
+            leaves = [x["q"][b:b + 1, :, h0:h1], x["k"][b:b + 1, :, hk0:hk1], x["v"][b:b + 1, :, hk0:hk1]]
             leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in leaves]
             o, _ = testing.attention_ref(*leaves, causal=p.causal, window=p.window, upcast=upcast,
                                          reorder_ops=not upcast)
-            g = torch.autograd.grad(o, leaves, x["dout"][:, :, h0:h0 + chunk].to(o.dtype))
-            grads[0][:, :, h0:h0 + chunk] = g[0]
-            grads[1][:, :, hk0:hk1] = g[1]
-            grads[2][:, :, hk0:hk1] = g[2]
+            g = torch.autograd.grad(o, leaves, x["dout"][b:b + 1, :, h0:h1].to(o.dtype))
+            grads[0][b:b + 1, :, h0:h1] = g[0]
+            grads[1][b:b + 1, :, hk0:hk1] = g[1]
+            grads[2][b:b + 1, :, hk0:hk1] = g[2]
             del o, g, leaves
         out["ref" if upcast else "pt"] = grads
     return out["ref"], out["pt"]

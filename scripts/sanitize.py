@@ -79,6 +79,9 @@ BWD_SHAPES = (
     # d128 without a mask: the 8-warp 32x128 entry (10 m_blocks, 3 n_blocks); d224: the 4-warp 64x32 fallback
     ("bwd-d128-none-gqa", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, False, "dense", "dense", True),
      AttnProblem((300,), (270,), nheads_kv=2, seed=18)),
+    # d128 causal GQA: the plain_only entry (8 warps 32x128, V in registers; 10 m_blocks, 3 n_blocks)
+    ("bwd-d128-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense", True),
+     AttnProblem((300,), (300,), nheads_kv=2, seed=20)),
     ("bwd-d224-gqa", AttnCase("bfloat16", 224, 224, 2, None, "none", 0.0, False, "dense", "dense", True),
      AttnProblem((100,), (130,), nheads_kv=1, seed=19)),
     # the modifier step (kernels/bwd_mods.py): a mask_mod over an aux tensor with a score_mod pair, varlen

@@ -89,7 +89,7 @@ def test_plain_mha_entries_serve_only_plain_mha_calls_of_their_key():
     assert select_bwd_config(table, 128, 128, False, False, plain_mha=True) == table[0].config  # no such key
     with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, plain_mha_only\\)"):
         parse_bwd_table({"schema": 1, "bwd": [mha_row, mha_row]})
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="one of them"):
         parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "modifiers": True}]})
     with pytest.raises(ValueError, match="would serve no call"):
         parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "mask": "local"}]})
@@ -97,16 +97,45 @@ def test_plain_mha_entries_serve_only_plain_mha_calls_of_their_key():
         parse_bwd_table({"schema": 1, "bwd": [{**mha_row, "plain_mha_only": 1}]})
 
 
+def test_plain_entries_serve_plain_calls_of_any_head_ratio_after_the_plain_mha_entry():
+    """An entry with plain_only = true is tried by plain calls (GQA included) of its exact key, after the
+    key's plain_mha_only entry for plain MHA calls; deterministic, windowed or modifier calls skip it."""
+    causal_row = {**ROW, "mask": "causal", "stages_q": 2}
+    mha_row = {**causal_row, "plain_mha_only": True, "num_threads": 128, "m_block": 32, "atom_m_sdp": 1,
+               "atom_n_dkv": 1, "atom_m_dq": 2, "stages_q": 1}
+    plain_row = {**causal_row, "plain_only": True, "m_block": 32, "n_block": 128, "atom_m_sdp": 1, "stages_q": 1,
+                 "v_in_regs": True}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row, plain_row, mha_row]}))
+    assert [e.plain_only for e in table] == [False, False, True, False]
+    assert select_bwd_config(table, 128, 128, True, False, plain=True) == table[2].config  # plain GQA
+    assert select_bwd_config(table, 128, 128, True, False, plain_mha=True, plain=True) == table[3].config
+    assert select_bwd_config(table, 128, 128, True, False) == table[1].config  # e.g. deterministic
+    assert select_bwd_config(table, 128, 128, True, True, plain=True) == table[1].config  # local -> causal
+    assert select_bwd_config(table, 128, 128, True, False, modifiers=True, plain=True) == table[1].config
+    assert select_bwd_config(table, 128, 128, False, False, plain=True) == table[0].config  # no such key
+    no_mha = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row, plain_row]}))
+    assert select_bwd_config(no_mha, 128, 128, True, False, plain_mha=True) == no_mha[2].config  # MHA is plain
+    with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, plain_only\\)"):
+        parse_bwd_table({"schema": 1, "bwd": [plain_row, plain_row]})
+    with pytest.raises(ValueError, match="one of them"):
+        parse_bwd_table({"schema": 1, "bwd": [{**plain_row, "plain_mha_only": True}]})
+    with pytest.raises(ValueError, match="plain_only excludes windows"):
+        parse_bwd_table({"schema": 1, "bwd": [{**plain_row, "mask": "local"}]})
+    with pytest.raises(ValueError, match="plain_only must be true or false"):
+        parse_bwd_table({"schema": 1, "bwd": [{**plain_row, "plain_only": "yes"}]})
+
+
 def test_the_shipped_plain_mha_entry_spills_nowhere_it_serves_and_its_key_has_another():
     """The shipped plain-MHA entries: each key keeps an entry for the other calls, and the patch leaves
     them out (the patched interface never asks for one)."""
     shipped = config_bwd.load_bwd_table()
-    for e in (e for e in shipped if e.plain_mha_only):
-        others = [o for o in shipped
-                  if (o.head_dim, o.mask, o.modifiers, o.plain_mha_only) == (e.head_dim, e.mask, False, False)]
+    for e in (e for e in shipped if e.plain_mha_only or e.plain_only):
+        others = [o for o in shipped if (o.head_dim, o.mask, o.modifiers, o.plain_mha_only, o.plain_only)
+                  == (e.head_dim, e.mask, False, False, False)]
         assert len(others) == 1, e
         causal = e.mask == "causal"
-        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False, plain_mha=True) == e.config
+        flags = dict(plain_mha=True, plain=True) if e.plain_mha_only else dict(plain=True)
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False, **flags) == e.config
         assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False) == others[0].config
 
 
@@ -119,13 +148,14 @@ class _Chosen(Exception):
 def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
     """backward() asks for the modifier entries for user modifiers (Mods.user) and for the block-sparse
     walk, not for a plain or softcap call (upstream's step); for the plain-MHA entries only for a plain
-    call (not GQA, deterministic=True, a window, softcap, modifiers or lists)."""
+    call (not GQA, deterministic=True, a window, softcap, modifiers or lists); for the plain entries for
+    those plain calls and plain GQA ones."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
 
-    def spy(*args, modifiers=False, plain_mha=False):
-        seen.append((modifiers, plain_mha))
+    def spy(*args, modifiers=False, plain_mha=False, plain=False):
+        seen.append((modifiers, plain_mha, plain))
         raise _Chosen
 
     monkeypatch.setattr(driver_bwd, "choose_config", spy)
@@ -141,7 +171,8 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
     with pytest.raises(_Chosen):
         driver_bwd.backward(q, kv, kv, q, q, lse, softmax_scale=None, causal=False, window_size_left=window[0],
                             window_size_right=window[1], **kw)
-    assert seen == [(kind not in ("plain", "softcap", "gqa", "deterministic", "window"), kind == "plain")]
+    assert seen == [(kind not in ("plain", "softcap", "gqa", "deterministic", "window"), kind == "plain",
+                     kind in ("plain", "gqa"))]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)

@@ -27,7 +27,8 @@ EXTRA = [
 ]
 CONFIGS = ([("upstream", upstream_bwd_config(64)), ("upstream", upstream_bwd_config(128))]
            + [(f"fallback{i}", c) for i, c in enumerate(BWD_FALLBACKS)]
-           + [(f"table-d{e.head_dim}-{e.mask}{'-mha' if e.plain_mha_only else ''}", e.config) for e in load_bwd_table()]
+           + [(f"table-d{e.head_dim}-{e.mask}{'-mha' if e.plain_mha_only else ''}{'-plain' if e.plain_only else ''}",
+               e.config) for e in load_bwd_table()]
            + [("extra", c) for c in EXTRA])
 
 
@@ -89,6 +90,11 @@ FEATURES = [
      AttnProblem((1000, 1000), (1000, 1000), nheads_kv=3, seed=13)),
     ("plain-mha-d128-causal-fp16", AttnCase("float16", 128, 128, 1, None, "causal"),
      AttnProblem((700,), (900,), nheads_kv=2, seed=14)),
+    # plain GQA calls at d128 causal take the plain_only entry (8 warps 32x128, V in registers)
+    ("plain-gqa-d128-causal", AttnCase("bfloat16", 128, 128, 4, None, "causal"),
+     AttnProblem((1000, 1000), (1000, 1000), nheads_kv=2, seed=15)),
+    ("plain-gqa-d128-causal-fp16", AttnCase("float16", 128, 128, 8, None, "causal"),
+     AttnProblem((900,), (1100,), nheads_kv=1, seed=16)),
 ]
 
 

@@ -39,3 +39,33 @@ def test_select_problems_names_the_unknown_ones():
 def test_unknown_variants_are_refused_before_any_device_work():
     with pytest.raises(SystemExit, match="unknown --det-variants \\['det_nope'\\]"):
         bwd_kernel_times.main(["--det-variants", "det_fixed_point,det_nope"])
+
+
+def test_bwd_real_set_holds_the_training_shapes_and_stays_out_of_all():
+    from flash_attn_sm120 import bench
+
+    names = [p.name for p in bench.problem_set("bwd_real")]
+    # NVIDIA's cuDNN SDPA training benchmark shape (llama3.1), both masks
+    assert "b2s8192h64k8d128-causal" in names and "b2s8192h64k8d128" in names
+    assert all(p.nheads > p.nheads_kv and not p.is_varlen for p in bench.problem_set("bwd_real"))
+    assert all(p.tag != "bwd_real" for p in bench.problem_set("all"))
+    chosen = bwd_kernel_times.select_problems("b8s2048h16k4d64-causal", "bwd_real")
+    assert [p.name for p in chosen] == ["b8s2048h16k4d64-causal"]
+    with pytest.raises(SystemExit, match="bwd_real"):
+        bwd_kernel_times.select_problems("b4s2048h32d64", "bwd_real")
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,per_chunk", [(1, 16, 16, 4), (4, 32, 32, 4), (2, 64, 8, 4),
+                                                             (3, 16, 4, 4), (2, 12, 4, 8), (1, 6, 1, 4)])
+def test_reference_chunks_cover_every_head_once_and_never_split_a_kv_group(batch, heads, kv_heads, per_chunk):
+    import prepare_bwd
+    from flash_attn_sm120.bench import Problem
+
+    p = Problem(batch, 256, 256, heads, kv_heads, 64)
+    chunks = prepare_bwd.reference_chunks(p, per_chunk)
+    ratio = heads // kv_heads
+    seen = [(b, h) for b, h0, h1, _, _ in chunks for h in range(h0, h1)]
+    assert sorted(seen) == [(b, h) for b in range(batch) for h in range(heads)]  # each (batch, head) once
+    for _, h0, h1, hk0, hk1 in chunks:
+        assert (h0, h1) == (hk0 * ratio, hk1 * ratio)  # a piece's query heads are exactly its KV heads' groups
+        assert h1 - h0 >= min(per_chunk, heads) or hk1 == kv_heads

@@ -214,9 +214,9 @@ def render_bwd_configs_module(table) -> str:
     if own_step:
         raise AnchorError(f"{where}: table rows {own_step} keep P/dS in registers, which only the modifier step "
                           "runs; the patched interface builds the tuned class (route them in step_mods.py)")
-    # a plain_mha_only row runs a tile only this package's routing takes for plain MHA calls (with V in
-    # registers on the modifier step); the patched interface never asks for one, so the row stays here
-    table = tuple(e for e in table if not e.plain_mha_only)
+    # a plain_mha_only / plain_only row runs a tile only this package's routing takes for plain (MHA) calls
+    # (with V in registers on the modifier step); the patched interface never asks for one, so the row stays here
+    table = tuple(e for e in table if not (e.plain_mha_only or e.plain_only))
     code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
     for old, new in _BWD_CONFIG_EDITS:
         code = substitute(code, old, new, where=where)
