@@ -138,13 +138,18 @@ def _bwd() -> list[Problem]:
 
 def _bwd_real() -> list[Problem]:
     """Training shapes for the backward: GQA as LLMs train it, both masks at the shape of NVIDIA's cuDNN
-    SDPA training benchmark (llama3.1: B2, 64:8 heads, d128, s8k), and d64 / d192 with GQA. The seed
+    SDPA training benchmark (llama3.1: B2, 64:8 heads, d128, s8k), d64 / d192 with GQA, and packed
+    documents of unequal lengths (varlen, causal). The seed
     `bwd` set (MHA) is what issue 16's gates read; this set shows what a trainer's call gets."""
     out = [Problem(2, 8192, 8192, 64, 8, 128, causal=c, tag="bwd_real") for c in (True, False)]
     out += [Problem(b, s, s, h, hk, d, causal=True, tag="bwd_real")
             for b, s, h, hk, d in ((8, 2048, 32, 8, 128), (2, 8192, 32, 8, 128), (8, 2048, 16, 4, 64),
                                    (8, 2048, 16, 4, 192))]
     out.append(Problem(4, 4096, 4096, 32, 8, 128, causal=False, tag="bwd_real"))
+    # packed documents (varlen, 16k tokens): GQA and MHA at d128, GQA at d64
+    docs = (4096, 1024, 2500, 512, 3000, 1800, 2048, 1404)
+    out += [Problem(len(docs), 0, 0, h, hk, d, causal=True, seqlens_q=docs, seqlens_k=docs, tag="bwd_real")
+            for h, hk, d in ((32, 8, 128), (16, 16, 128), (16, 4, 64))]
     return out
 
 

@@ -515,6 +515,7 @@ def compile_bwd_cubin(
     mods=None,
     block_sparse: Optional[tuple] = None,
     ordering: Optional[dict] = None,
+    varlen: bool = False,
 ) -> tuple[bytes, int]:
     """Compile one backward kernel (kernels/bwd_sm120.py, a BwdConfig) for `arch` with upstream's fake
     backward tensors; returns (cubin, launched dynamic smem). With GQA, dK/dV are fp32 accumulators;
@@ -523,7 +524,7 @@ def compile_bwd_cubin(
     (score_mod / score_mod_bwd / mask_mod; aux tensors as fake cute tensors) for the modifier step.
     ordering: the deterministic ordering's other kernel flags (dq_rotated, reverse_n_blocks, fetch_early,
     barrier_release; driver_bwd.deterministic_plan) and the launch plan's (driver_bwd.launch_plan, its
-    dense-call choice by default)."""
+    dense-call choice by default). varlen: packed Q and K/V with cu_seqlens_q / cu_seqlens_k."""
     import cutlass
     from flash_attn.cute.interface import make_fake_bwd_tensors
     from flash_attn.cute.utils import AuxData
@@ -536,7 +537,7 @@ def compile_bwd_cubin(
     mods = Mods() if mods is None else mods
     # the driver's launch plan for a dense call (masks only where needed without a causal mask or window)
     # unless `ordering` sets its flags
-    launch = launch_plan(causal, local, deterministic, dense_k=True)
+    launch = launch_plan(causal, local, deterministic, dense_k=not varlen)
     # the non-deterministic list walk launches its K/V tiles longest first, as the driver's does
     ordered = block_sparse is not None and not deterministic
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
@@ -547,7 +548,7 @@ def compile_bwd_cubin(
     aux = AuxData(list(mods.aux_tensors) if mods.aux_tensors else None, mods.aux_scalars)
     gqa = qhead_per_kvhead > 1
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
-     _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=False, varlen_k=False)
+     _scale) = make_fake_bwd_tensors(cdtype, has_gqa=gqa, varlen_q=varlen, varlen_k=varlen)
     window = cutlass.Int32(0) if local else None
     sems = (None, None)
     import cutlass.cute as cute
@@ -574,10 +575,12 @@ def compile_bwd_cubin(
         from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 
         aux = with_tile_order(aux, make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1))
+    cu_seqlens = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), divisibility=1) if varlen else None
+                  for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_bwd_kernel(  # the driver's own call convention
             kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv,
-            None, None, None, None, window, window, *sems,
+            *cu_seqlens, None, None, window, window, *sems,
             options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={arch}", aux=aux, blocksparse=sparse,
         )
         cubin = cubin_of(compiled)

@@ -39,6 +39,8 @@ VARIANTS = {
     "gqa": dict(causal=True, qhead_per_kvhead=2),
     "fp16": dict(causal=True, dtype="float16"),
     "det": dict(causal=True, deterministic=True),
+    "varlen": dict(causal=True, varlen=True),
+    "varlen_gqa": dict(causal=True, qhead_per_kvhead=4, varlen=True),
 }
 
 

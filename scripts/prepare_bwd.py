@@ -44,10 +44,17 @@ def forward_state(p: Problem, info, seed: int = 0) -> dict:
     x = bench.make_inputs(p, seed=seed)
     out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal,
                               window_size_left=p.window[0], window_size_right=p.window[1], softcap=None,
-                              pack_gqa=None, need_lse=True, emulate_host_smem=info.emulate_host_smem)
+                              pack_gqa=None, need_lse=True, emulate_host_smem=info.emulate_host_smem,
+                              **_varlen_args(x, with_max=False))
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     x.update(out=out, lse=lse, dout=torch.randn(out.shape, generator=g, device="cuda").to(out.dtype))
     return x
+
+
+def _varlen_args(x: dict, with_max: bool = True) -> dict:
+    """A varlen problem's cu_seqlens (and max_seqlen) arguments from its inputs; {} for a dense one."""
+    names = ("cu_seqlens_q", "cu_seqlens_k") + (("max_seqlen_q", "max_seqlen_k") if with_max else ())
+    return {n: x[n] for n in names if n in x}
 
 
 def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kind: str = "candidate",
@@ -62,9 +69,10 @@ def sm120_bwd_impl(name: str, config_for: Callable[[Problem], object], info, kin
         return driver_bwd.backward(
             x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None, causal=p.causal,
             window_size_left=p.window[0], window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
-            config=config_for(p), deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
+            config=config_for(p), deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
+            **_varlen_args(x))
 
-    return BwdImpl(name, run, kind, supports=lambda p: not p.is_varlen)
+    return BwdImpl(name, run, kind)
 
 
 def _autograd_impl(name: str, forward: Callable, supports) -> BwdImpl:
@@ -115,9 +123,9 @@ def reference_bwd_impls(info) -> list[BwdImpl]:
 
 def reference_chunks(p: Problem, heads_per_chunk: int = 4) -> list[tuple[int, int, int, int, int]]:
     """(batch, h0, h1, hk0, hk1) pieces whose gradients are independent of each other: one batch entry
-    and whole KV groups (the query heads [h0, h1) and their KV heads [hk0, hk1)), at least
-    heads_per_chunk query heads each. A KV head's dK/dV sum over its group, so a group is never split;
-    one batch entry at a time keeps fp32 scores of the long GQA shapes in memory."""
+    (a varlen problem: one sequence) and whole KV groups (the query heads [h0, h1) and their KV heads
+    [hk0, hk1)), at least heads_per_chunk query heads each. A KV head's dK/dV sum over its group, so a
+    group is never split; one batch entry at a time keeps fp32 scores of the long GQA shapes in memory."""
     ratio = p.nheads // p.nheads_kv
     groups = max(1, -(-heads_per_chunk // ratio))  # KV heads per piece
     return [(b, hk0 * ratio, min(hk0 + groups, p.nheads_kv) * ratio, hk0, min(hk0 + groups, p.nheads_kv))
@@ -133,20 +141,31 @@ def reference_grads(p: Problem, x: dict, heads_per_chunk: int = 4):
 
     out = {}
     for upcast in (True, False):
-        grads = [torch.empty(x[n].shape, dtype=torch.float32 if upcast else x[n].dtype, device="cuda")
-                 for n in ("q", "k", "v")]
+        # NaN until a piece writes it: a row no piece covers fails every comparison
+        grads = [torch.full(x[n].shape, float("nan"), dtype=torch.float32 if upcast else x[n].dtype,
+                            device=x[n].device) for n in ("q", "k", "v")]
         for b, h0, h1, hk0, hk1 in reference_chunks(p, heads_per_chunk):
-            leaves = [x["q"][b:b + 1, :, h0:h1], x["k"][b:b + 1, :, hk0:hk1], x["v"][b:b + 1, :, hk0:hk1]]
+            rows_q, rows_k = _rows(x, "cu_seqlens_q", b), _rows(x, "cu_seqlens_k", b)
+            piece = lambda t, rows, lo, hi: t[rows][..., lo:hi, :].reshape(1, -1, hi - lo, t.shape[-1])  # noqa: E731
+            leaves = [piece(x["q"], rows_q, h0, h1), piece(x["k"], rows_k, hk0, hk1), piece(x["v"], rows_k, hk0, hk1)]
             leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in leaves]
             o, _ = testing.attention_ref(*leaves, causal=p.causal, window=p.window, upcast=upcast,
                                          reorder_ops=not upcast)
-            g = torch.autograd.grad(o, leaves, x["dout"][b:b + 1, :, h0:h1].to(o.dtype))
-            grads[0][b:b + 1, :, h0:h1] = g[0]
-            grads[1][b:b + 1, :, hk0:hk1] = g[1]
-            grads[2][b:b + 1, :, hk0:hk1] = g[2]
+            g = torch.autograd.grad(o, leaves, piece(x["dout"], rows_q, h0, h1).to(o.dtype))
+            grads[0][rows_q][..., h0:h1, :] = g[0].reshape(grads[0][rows_q][..., h0:h1, :].shape)
+            grads[1][rows_k][..., hk0:hk1, :] = g[1].reshape(grads[1][rows_k][..., hk0:hk1, :].shape)
+            grads[2][rows_k][..., hk0:hk1, :] = g[2].reshape(grads[2][rows_k][..., hk0:hk1, :].shape)
             del o, g, leaves
         out["ref" if upcast else "pt"] = grads
     return out["ref"], out["pt"]
+
+
+def _rows(x: dict, cu_name: str, b: int) -> slice:
+    """Batch entry b's rows of a tensor: its slice of the packed tokens (varlen), else of the batch."""
+    if cu_name in x:
+        cu = x[cu_name]
+        return slice(int(cu[b]), int(cu[b + 1]))
+    return slice(b, b + 1)
 
 
 def grad_bound(ref, pt) -> float:
@@ -333,7 +352,7 @@ def config_candidates(info, configs: dict, deterministic: bool = False) -> list[
     out = []
     for name, (cfg, dims) in configs.items():
         impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info, deterministic=deterministic)
-        impl.supports = lambda p, _c=cfg, _d=dims: (not p.is_varlen and (_d is None or p.head_dim in _d)
+        impl.supports = lambda p, _c=cfg, _d=dims: ((_d is None or p.head_dim in _d)
                                                   and bwd_config_error(p.head_dim, p.dv, _c) is None)
         out.append(impl)
     return out
