@@ -408,14 +408,19 @@ def backward(
     num_heads_kv, head_dim_v = v.shape[-2:]
     qhead_per_kvhead = num_heads // num_heads_kv
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    # the table's modifier entries where the modifier step runs for the call (the block-sparse walk is one)
-    dense = all(t is None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_sparse_tensors))
-    # softcap's pair is a score_mod
-    plain = dense and not deterministic and not local and mods.score_mod is None and not mods.user
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    # the table's modifier entries where the modifier step runs for the call (the block-sparse walk is one);
+    # its plain entries for plain calls (softcap's pair is a score_mod). Packed GQA calls (cu_seqlens) are
+    # plain: the plain_only tile is spill-free with cu_seqlens and ran +4.4% over the key's entry on packed
+    # GQA d128 causal, but -2% on packed MHA (2026-12-06_bwd_varlen_emulated.json); the plain-MHA tile spills
+    # 8 B with cu_seqlens (scripts/bwd_ldsm_probe.py --variants varlen,varlen_gqa). seqused and lists are not.
+    packed_only = block_sparse_tensors is None and seqused_q is None and seqused_k is None
+    varlen = varlen_q or varlen_k
+    plain = (packed_only and not deterministic and not local and mods.score_mod is None and not mods.user
+             and (not varlen or qhead_per_kvhead > 1))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
-                        plain_mha=plain and qhead_per_kvhead == 1, plain=plain)
-    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+                        plain_mha=plain and qhead_per_kvhead == 1 and not varlen, plain=plain)
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None

@@ -82,6 +82,10 @@ BWD_SHAPES = (
     # d128 causal GQA: the plain_only entry (8 warps 32x128, V in registers; 10 m_blocks, 3 n_blocks)
     ("bwd-d128-causal-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense", True),
      AttnProblem((300,), (300,), nheads_kv=2, seed=20)),
+    # the same entry on packed sequences (cu_seqlens: a plain call too)
+    ("bwd-d128-causal-gqa-varlen", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "packed", "packed",
+                                            True),
+     AttnProblem((300, 77), (300, 77), nheads_kv=2, seed=21)),
     ("bwd-d224-gqa", AttnCase("bfloat16", 224, 224, 2, None, "none", 0.0, False, "dense", "dense", True),
      AttnProblem((100,), (130,), nheads_kv=1, seed=19)),
     # the modifier step (kernels/bwd_mods.py): a mask_mod over an aux tensor with a score_mod pair, varlen

@@ -144,12 +144,13 @@ class _Chosen(Exception):
 
 
 @pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse", "gqa",
-                                  "deterministic", "window"])
+                                  "deterministic", "window", "varlen", "varlen_gqa", "seqused"])
 def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
     """backward() asks for the modifier entries for user modifiers (Mods.user) and for the block-sparse
     walk, not for a plain or softcap call (upstream's step); for the plain-MHA entries only for a plain
     call (not GQA, deterministic=True, a window, softcap, modifiers or lists); for the plain entries for
-    those plain calls and plain GQA ones."""
+    those plain calls and plain GQA ones, packed GQA (cu_seqlens) included; packed MHA calls take neither
+    (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
@@ -165,14 +166,21 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
         dict(block_sparse_tensors=object()) if kind == "block_sparse" else \
         dict(deterministic=True) if kind == "deterministic" else {}
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
-    kv = q[:, :, :1] if kind == "gqa" else q
     lse = torch.zeros(1, 2, 64)
+    if kind.startswith("varlen"):  # two packed sequences of 24 and 40 tokens
+        q, lse = q[0], lse[0]
+        cu = torch.tensor([0, 24, 64], dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40)
+    elif kind == "seqused":
+        kw = dict(seqused_q=torch.tensor([50], dtype=torch.int32), seqused_k=torch.tensor([50], dtype=torch.int32))
+    kv = q[..., :1, :] if kind.endswith("gqa") else q
     window = (32, 0) if kind == "window" else (None, None)
     with pytest.raises(_Chosen):
         driver_bwd.backward(q, kv, kv, q, q, lse, softmax_scale=None, causal=False, window_size_left=window[0],
                             window_size_right=window[1], **kw)
-    assert seen == [(kind not in ("plain", "softcap", "gqa", "deterministic", "window"), kind == "plain",
-                     kind in ("plain", "gqa"))]
+    plain_kinds = ("plain", "gqa", "varlen_gqa")
+    assert seen == [(kind not in plain_kinds + ("varlen", "softcap", "deterministic", "window", "seqused"),
+                     kind == "plain", kind in plain_kinds)]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)

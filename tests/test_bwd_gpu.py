@@ -95,6 +95,13 @@ FEATURES = [
      AttnProblem((1000, 1000), (1000, 1000), nheads_kv=2, seed=15)),
     ("plain-gqa-d128-causal-fp16", AttnCase("float16", 128, 128, 8, None, "causal"),
      AttnProblem((900,), (1100,), nheads_kv=1, seed=16)),
+    # packed GQA calls (cu_seqlens) take the plain_only entry too; packed MHA calls the key's entry
+    ("plain-mha-d128-causal-varlen", AttnCase("bfloat16", 128, 128, 1, None, "causal", q_layout="packed",
+                                              k_layout="packed"),
+     AttnProblem((500, 77, 1000), (600, 77, 1000), nheads_kv=2, seed=17)),
+    ("plain-gqa-d128-causal-varlen-fp16", AttnCase("float16", 128, 128, 4, None, "causal", q_layout="packed",
+                                                   k_layout="packed"),
+     AttnProblem((33, 1200, 400), (33, 1100, 700), nheads_kv=2, seed=18)),
 ]
 
 
