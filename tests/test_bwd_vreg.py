@@ -192,4 +192,4 @@ def test_probe_refuses_an_unknown_variant():
 
     with pytest.raises(SystemExit):
         bwd_ldsm_probe.main(["128:bwd-w4-32x64-q1do1-a112-vreg", "--variants", "local,sideways"])
-    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det"}
+    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "varlen", "varlen_gqa"}
