@@ -414,13 +414,13 @@ def backward(
     # plain: the plain_only tile is spill-free with cu_seqlens and ran +4.4% over the key's entry on packed
     # GQA d128 causal, but -2% on packed MHA (2026-12-06_bwd_varlen_emulated.json); the plain-MHA tile spills
     # 8 B with cu_seqlens (scripts/bwd_ldsm_probe.py --variants varlen,varlen_gqa). seqused and lists are not.
-    packed_only = block_sparse_tensors is None and seqused_q is None and seqused_k is None
-    varlen = varlen_q or varlen_k
-    plain = (packed_only and not deterministic and not local and mods.score_mod is None and not mods.user
-             and (not varlen or qhead_per_kvhead > 1))
+    packed = varlen_q or varlen_k
+    no_seqused_or_lists = block_sparse_tensors is None and seqused_q is None and seqused_k is None
+    plain = (no_seqused_or_lists and not deterministic and not local and mods.score_mod is None and not mods.user
+             and (not packed or qhead_per_kvhead > 1))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
-                        plain_mha=plain and qhead_per_kvhead == 1 and not varlen, plain=plain)
+                        plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain)
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None

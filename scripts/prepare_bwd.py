@@ -152,9 +152,9 @@ def reference_grads(p: Problem, x: dict, heads_per_chunk: int = 4):
             o, _ = testing.attention_ref(*leaves, causal=p.causal, window=p.window, upcast=upcast,
                                          reorder_ops=not upcast)
             g = torch.autograd.grad(o, leaves, piece(x["dout"], rows_q, h0, h1).to(o.dtype))
-            grads[0][rows_q][..., h0:h1, :] = g[0].reshape(grads[0][rows_q][..., h0:h1, :].shape)
-            grads[1][rows_k][..., hk0:hk1, :] = g[1].reshape(grads[1][rows_k][..., hk0:hk1, :].shape)
-            grads[2][rows_k][..., hk0:hk1, :] = g[2].reshape(grads[2][rows_k][..., hk0:hk1, :].shape)
+            for dst, grad, rows, lo, hi in zip(grads, g, (rows_q, rows_k, rows_k), (h0, hk0, hk0), (h1, hk1, hk1)):
+                view = dst[rows][..., lo:hi, :]  # a view of the buffer: basic slicing only
+                view.copy_(grad.reshape(view.shape))
             del o, g, leaves
         out["ref" if upcast else "pt"] = grads
     return out["ref"], out["pt"]
