@@ -107,12 +107,12 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
                        fixed_point: bool = False, local: bool = False) -> dict:
     """How the deterministic backward orders its dQ additions.
 
-    * Fixed point, for a sliding window (`local`) where the call allows it (`fixed_point`:
-      fixed_point_allowed): no order at all. Each dQ contribution is added as a 64-bit fixed-point
-      integer, whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. The
-      turn orders below refuse windows. Without a window the turns are faster, measured (emulated, same
-      run, H100: fixed point 0.694x the default backward's geomean, fused turns 0.801x), so fixed
-      point serves them only when forced (configs/measurements/gate_2026-12-05_session25/w1).
+    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for a sliding window
+      (`local`) and for varlen calls (cu_seqlens or seqused): no order at all. Each dQ contribution is
+      added as a 64-bit fixed-point integer, whose sum has the same bits in any order
+      (kernels/bwd_fixed_point.py); no CTA waits. The turn orders below refuse windows, and varlen
+      calls can only take ascending turns, which waited 10.1 ms where the kernel runs 3.5 ms on packed
+      documents (session 32, 0.377x the default backward). Dense calls without a window keep the turns.
 
     Otherwise turns (kernels/bwd_deterministic.py):
 
@@ -122,8 +122,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
       every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel
       sharing the GPU stalls it until its SMs free up.
-    * Otherwise (varlen, seqused, more n_blocks than m_blocks or than SMs): ascending turns, as the
-      n_block CTAs launch.
+    * Otherwise (more n_blocks than m_blocks or than SMs; varlen with a user score_mod): ascending turns,
+      as the n_block CTAs launch.
     The shipped plans place the turns on the step's own barriers (fused_turns: thread 0 waits right
     before the barrier ahead of the dQ adds and releases the previous m_block right after the one ahead
     of the dP product), which needs this package's step (kernels/bwd_mods.py). With
@@ -141,7 +141,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
             raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
-    elif fixed_point and local:
+    elif fixed_point and (local or not dense):
         return dict(FIXED_POINT_PLAN)
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)

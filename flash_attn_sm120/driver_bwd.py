@@ -58,7 +58,8 @@ from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, se
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
-from flash_attn_sm120.kernels import bwd_fixed_point
+from flash_attn_sm120.kernels import bwd_fixed_point, bwd_fixed_point_scales
+from flash_attn_sm120.kernels.bwd_fixed_point_post import postprocess_dq_fixed
 from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_postprocess import postprocess_dq_wide
@@ -488,7 +489,8 @@ def backward(
     sems = _semaphores(q, k, statics, batch, seqlen_q, seqlen_k) if deterministic else (None, None, None)
     inverse_scale = None
     if statics.dq_fixed_point:  # the int64 accumulator in dQ's slot, the per-head scales in dV's
-        scale, inverse_scale = bwd_fixed_point.dq_scales(k, v, dout)
+        scale, inverse_scale = (bwd_fixed_point_scales.fixed_point_scales(k, v, dout)
+                                or bwd_fixed_point.dq_scales(k, v, dout))  # (one launch; torch where it can't)
         sems = (dq_accum_fixed, sems[1], scale)
     if statics not in _verified_keys:
         _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods,
@@ -497,14 +499,16 @@ def backward(
     _compile_cache[statics](*tensors, softmax_scale, *index, window_size_left, window_size_right,
                             *sems, aux, None if sparse is None else block_sparse.launch_tuple(sparse[0]), None)
     post = dict(fake_mode=False, hdim_multiple_of=HDIM_MULTIPLE)
-    if statics.dq_fixed_point:  # back to fp32 in upstream's layout for its postprocess
-        dq_accum = bwd_fixed_point.dequantize(dq_accum_fixed, inverse_scale)
     if statics.dq_split:  # the groups' accumulators, summed in group order (deterministic)
         groups = dq_accum.view(*dq_accum.shape[:-1], dq_groups(True), -1).unbind(-2)
         dq_accum = groups[0] + groups[1]  # a new contiguous tensor in upstream's layout
         for g in groups[2:]:
             dq_accum += g
-    if statics.dq_wide_adds:  # the accumulator in the wide adds' layout: this package's postprocess reads it
+    if statics.dq_fixed_point:  # int64 -> fp32 * 2^-k_h -> dQ in one pass (same bits as dequantize + upstream's)
+        postprocess_dq_fixed(dq_accum_fixed, inverse_scale, dq, softmax_scale, cu_seqlens_q, seqused_q, cute_dtype,
+                             head_dim, cfg.m_block, cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab,
+                             hdim_multiple_of=HDIM_MULTIPLE)
+    elif statics.dq_wide_adds:  # the accumulator in the wide adds' layout: this package's postprocess reads it
         postprocess_dq_wide(dq_accum, dq, softmax_scale, cu_seqlens_q, seqused_q, cute_dtype, head_dim, cfg.m_block,
                             cfg.num_threads, cfg.atom_m_dq, cfg.dq_swapab, hdim_multiple_of=HDIM_MULTIPLE)
     else:

@@ -272,7 +272,11 @@ DET_VARIANTS = {
     "det_deferred_fetch_relaxed": _walk(**_DEFERRED, fetch_early=True, fetch_relaxed=True),
     # no turns: dQ added in 64-bit fixed point (kernels/bwd_fixed_point.py), the same bits in any order
     "det_fixed_point": {"causal": dict(dq_fixed_point=True), "none": dict(dq_fixed_point=True)},
+    # the turns in launch order (what varlen calls took before fixed point served them)
+    "det_ascending": {"causal": dict(fused_turns=True), "none": dict(fused_turns=True)},
 }
+# the variants whose order needs no dense grid (no rotated walk, descending turns or reversed launch)
+_VARLEN_VARIANTS = ("det_fixed_point", "det_ascending")
 
 
 def deterministic_variants(info, names=None) -> list[BwdImpl]:
@@ -289,7 +293,9 @@ def deterministic_variants(info, names=None) -> list[BwdImpl]:
             with driver_bwd.force_deterministic_plan(**_flags["causal" if p.causal else "none"]):
                 return _inner.run(p, x, poisoned)
 
-        out.append(BwdImpl(name, run, "candidate", supports=lambda p: not p.is_varlen and p.window == (None, None)))
+        dense_only = name not in _VARLEN_VARIANTS
+        out.append(BwdImpl(name, run, "candidate", supports=lambda p, _dense=dense_only: (
+            not (_dense and p.is_varlen) and p.window == (None, None))))
     return out
 
 

@@ -25,7 +25,7 @@ A small memcheck run takes ~20 s on an H200.
   python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
   python scripts/sanitize.py --list                     # the cases, no GPU needed
   python scripts/sanitize.py --shapes bwd-d128-mods-varlen,sink-alibi-gqa   # some shapes only
-  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-local,bwd-d128-det-causal-turns,bwd-d128-det-none-turns,bwd-d64-det-varlen,bwd-d96-det-seqused-causal
+  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-local,bwd-d128-det-causal-turns,bwd-d128-det-none-turns,bwd-d64-det-varlen,bwd-d96-det-seqused-causal,bwd-d128-det-varlen-gqa
   python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
 """
 
@@ -120,6 +120,10 @@ BWD_SHAPES = (
     ("bwd-d64-det-varlen", AttnCase("bfloat16", 64, 64, 2, None, "causal", 0.0, False, "packed", "packed", True,
                                     mods="position", deterministic=True),
      AttnProblem((260, 0, 130), (400, 70, 300), nheads_kv=1, seed=22)),
+    # packed GQA documents without a score_mod: fixed-point dQ (its scales kernel and postprocess)
+    ("bwd-d128-det-varlen-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "packed", "packed", True,
+                                         deterministic=True),
+     AttnProblem((300, 0, 200), (300, 64, 250), nheads_kv=1, seed=24)),
     # seqused, causal: ascending turns (descending ones, counted from the used keys, would miss the grid's
     # n_blocks past them)
     ("bwd-d96-det-seqused-causal", AttnCase("float16", 96, 96, 2, None, "causal", 0.0, False, "padded", "padded",

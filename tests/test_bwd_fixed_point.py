@@ -96,17 +96,21 @@ CFG = select_bwd_config(load_bwd_table(), 128, 128, False, False, False)
 NONE = (None, None, None, None)
 
 
-def test_the_plan_takes_fixed_point_for_windows_where_allowed():
-    """Fixed point is the plan's choice for a sliding window (which the turns refuse) when its bound holds;
-    without a window the turns (faster, measured) stay the default and fixed point is a forced option."""
+def test_the_plan_takes_fixed_point_for_windows_and_varlen_where_allowed():
+    """Fixed point is the plan's choice for a sliding window (which the turns refuse) and for varlen calls
+    (which could only take ascending turns) when its bound holds; dense calls without a window keep the
+    turns and take fixed point only when forced."""
     assert bwd_plans.fixed_point_allowed(False)  # dense, varlen and block-sparse calls alike
     assert not bwd_plans.fixed_point_allowed(True)  # a user's score_mod_bwd: no bound
     for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
         plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True, local=True)
         assert plan["dq_fixed_point"] and sum(plan.values()) == 1 and plan == bwd_plans.FIXED_POINT_PLAN
-        for allowed in (False, True):  # no window: turns
-            turns = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=allowed)
-            assert not turns["dq_fixed_point"] and turns["fused_turns"]
+        for allowed in (False, True):  # no window: turns, except varlen calls where fixed point is allowed
+            plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=allowed)
+            if allowed and index != NONE:
+                assert plan == bwd_plans.FIXED_POINT_PLAN
+            else:
+                assert not plan["dq_fixed_point"] and plan["fused_turns"]
     with driver_bwd.force_deterministic_plan(fused_turns=True):  # forced turns win over fixed point
         assert not driver_bwd.deterministic_plan(132, CFG, True, 512, 512, NONE, fixed_point=True,
                                                  local=True)["dq_fixed_point"]
@@ -134,12 +138,15 @@ def test_the_kernel_refuses_fixed_point_off_its_rules():
     FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, dq_fixed_point=True)
 
 
-@pytest.mark.parametrize("d,causal,local,gqa", [(64, False, False, 1), (64, True, False, 2), (96, False, False, 1),
-                                                (96, True, False, 1), (128, False, False, 1), (128, True, False, 4),
-                                                (128, False, True, 1)])
-def test_sm120a_code_adds_each_element_once_in_64_bits_without_spills(d, causal, local, gqa):
+@pytest.mark.parametrize("d,causal,local,gqa,varlen", [
+    (64, False, False, 1, False), (64, True, False, 2, False), (96, False, False, 1, False),
+    (96, True, False, 1, False), (128, False, False, 1, False), (128, True, False, 4, False),
+    (128, False, True, 1, False),
+    (128, True, False, 4, True), (64, True, False, 1, True), (96, False, False, 2, True),  # varlen: the plan's choice
+])
+def test_sm120a_code_adds_each_element_once_in_64_bits_without_spills(d, causal, local, gqa, varlen):
     cfg = select_bwd_config(load_bwd_table(), d, d, causal, local, False)
-    cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, local=local, qhead_per_kvhead=gqa,
+    cubin, _ = codegen.compile_bwd_cubin(cfg, d, causal=causal, local=local, qhead_per_kvhead=gqa, varlen=varlen,
                                          deterministic=True, ordering={"dq_fixed_point": True})
     res, _, sass = codegen.inspect_cubin(cubin)
     assert res["stack"] == 0 and res["local"] == 0, res
@@ -172,3 +179,89 @@ def test_block_sparse_walk_in_fixed_point_keeps_the_non_deterministic_walk(causa
     two_stages = kernel_for(cutlass.BFloat16, 128, 128, 1, cfg, Mods(), block_sparse_key=(2, 2, True, None),
                             deterministic=True, dq_fixed_point=True, ordered_tiles=True)
     assert not two_stages.turn_lists
+
+
+def _scale_by_python_ints(p_do: int, p_k: int, p_v: int, dtype, head_dim_v: int):
+    """k_h (or None: non-finite) from the 16-bit patterns with Python's exact integers and fractions."""
+    from fractions import Fraction
+
+    mant_bits, bias = fp.FORMATS[dtype]
+    value = Fraction(2 * head_dim_v)
+    for p in (p_do, p_k, p_v):
+        field, mantissa = p >> mant_bits, p & ((1 << mant_bits) - 1)
+        if field == (1 << (15 - mant_bits)) - 1:
+            return None
+        m = mantissa | (1 << mant_bits) if field else mantissa
+        value *= Fraction(m) * Fraction(2) ** (max(field, 1) - bias - mant_bits)
+    low, high = fp.SCALE_LOG2_RANGE
+    if value == 0:
+        return high
+    k = high
+    while k > low and value * Fraction(2) ** k > 2 ** fp.SCALE_LOG2_CEILING:
+        k -= 1
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_from_patterns_are_the_largest_power_of_two_that_fits(dtype):
+    """scales_from_patterns (the kernel's integer arithmetic) against exact rationals on random patterns:
+    normal, subnormal, zero, around the clamp and non-finite; 2^k * 2^-k == 1 and NaN only where non-finite."""
+    gen = torch.Generator().manual_seed(11)
+    patterns = torch.randint(0, 0x8000, (3, 400), generator=gen, dtype=torch.int64)
+    mant_bits = fp.FORMATS[dtype][0]
+    patterns[:, :40] &= (1 << mant_bits) - 1  # subnormal or zero
+    patterns[0, 40:50] = 0
+    head_dim_v = 128
+    scale, inverse = fp.scales_from_patterns(*patterns, dtype, head_dim_v)
+    for i in range(patterns.shape[1]):
+        k = _scale_by_python_ints(*(int(p[i]) for p in patterns), dtype, head_dim_v)
+        if k is None:
+            assert scale[i].isnan() and inverse[i].isnan()
+        else:
+            assert float(scale[i]) == 2.0 ** k and float(inverse[i]) == 2.0 ** -k, (i, k, float(scale[i]))
+
+
+def test_max_patterns_are_the_sign_cleared_bits_of_each_heads_max():
+    x = torch.tensor([[[1.5, -3.0], [0.0, -0.0]], [[-2.0, 0.25], [float("nan"), 1.0]]], dtype=torch.bfloat16)
+    p = fp.max_patterns(x)
+    assert p.tolist() == [int(torch.tensor(3.0, dtype=torch.bfloat16).view(torch.int16)), 0x7FC0]
+
+
+@pytest.mark.parametrize("dtype,d,dv", [("bfloat16", 128, 128), ("float16", 96, 96), ("bfloat16", 64, 64),
+                                        ("bfloat16", 192, 128)])
+def test_sm120a_scales_kernel_reads_16_bytes_per_load_and_adds_nothing_else(dtype, d, dv):
+    """The scales kernel on sm_120a: 16-byte loads, two-halves integer maxima, one red.max per warp and the
+    counter's atomic, no spills."""
+    import tempfile
+
+    from flash_attn_sm120.kernels import bwd_fixed_point_scales as fps
+    from flash_attn_sm120.occupancy import cubin_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, compiled = fps._compile(dtype, d, dv, options=f"--keep-cubin --dump-dir={tmp} --gpu-arch=sm_120a")
+        res, hist, sass = codegen.inspect_cubin(cubin_of(compiled))
+    assert res["stack"] == 0 and res["local"] == 0, res
+    loads = [ln for ln in sass.splitlines() if "LDG" in ln]
+    assert loads and all("LDG.E.128" in ln for ln in loads), loads[:3]
+    assert hist.get("VIMNMX", 0) >= len(loads) * 4  # two halves per 32-bit word, no conversion
+    assert hist.get("REDG", 0) == 1  # one red.max per warp (the counter and the reads are ATOMG)
+
+
+@pytest.mark.parametrize("varlen,swap", [(False, False), (True, False), (False, True)])
+def test_sm120a_fixed_point_postprocess_loads_int64_once_and_converts_each(varlen, swap):
+    import tempfile
+
+    import cutlass
+    from flash_attn_sm120.kernels import bwd_fixed_point_post as post
+    from flash_attn_sm120.occupancy import cubin_of
+
+    tile_m, threads, d = 64, 256, 128
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = post._compile(cutlass.BFloat16, d, tile_m, threads, 4, swap, varlen, False, False, 32,
+                                 options=f"--keep-cubin --dump-dir={tmp} --gpu-arch=sm_120a")
+        res, hist, sass = codegen.inspect_cubin(cubin_of(compiled))
+    assert res["stack"] == 0 and res["local"] == 0, res
+    per_thread = tile_m * d // threads
+    assert len([ln for ln in sass.splitlines() if "LDG.E.64" in ln]) == per_thread
+    assert len([ln for ln in sass.splitlines() if "I2F" in ln and "S64" in ln]) == per_thread
+    assert hist.get("FMUL", 0) == 2 * per_thread  # 2^-k_h, then the softmax scale: upstream's two roundings

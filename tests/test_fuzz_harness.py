@@ -611,9 +611,10 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert c.api == "public" and c.case.backward and (not c.case.local or c.det_order == "fixed")
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
         assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
-        # fixed point: windows and block-sparse lists without a user score_mod; turns everything else
+        # fixed point: windows, varlen layouts and block-sparse lists without a user score_mod; turns the rest
         no_score_mod = testing_mods.spec(c.case.mods).score_mod is None if c.case.mods else True
-        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or bool(c.case.block_sparse)))
+        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or not c.case.is_dense
+                                                              or bool(c.case.block_sparse)))
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
@@ -678,7 +679,10 @@ def test_deterministic_order_names_the_plans_choices():
     causal = dataclasses.replace(case, mask="causal")
     assert order(causal, 2 * m, 3 * n) == "descending+reversed"
     packed = dataclasses.replace(causal, q_layout="packed", k_layout="packed")
-    assert order(packed, 4 * m, 3 * n) == "ascending"  # cu_seqlens_k
+    assert order(packed, 4 * m, 3 * n) == "ascending"  # cu_seqlens_k with a user score_mod: turns
+    for layouts in (("packed", "packed"), ("padded", "padded"), ("dense", "paged")):  # varlen, no score_mod
+        varlen = dataclasses.replace(plain, mask="causal", q_layout=layouts[0], k_layout=layouts[1])
+        assert order(varlen, 4 * 128, 3 * 128) == "fixed", layouts
     padded = dataclasses.replace(case, q_layout="padded", k_layout="padded")
     assert order(padded, 4 * m, 3 * n) == "ascending"  # seqused: not dense
     assert order(dataclasses.replace(padded, mask="causal"), 4 * m, 3 * n) == "ascending"  # seqused_k: ascending

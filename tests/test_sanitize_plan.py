@@ -90,6 +90,7 @@ DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each e
     "bwd-d128-det-none-turns": "rotated",
     "bwd-d64-det-varlen": "ascending",
     "bwd-d96-det-seqused-causal": "ascending",
+    "bwd-d128-det-varlen-gqa": "fixed",
 }
 
 

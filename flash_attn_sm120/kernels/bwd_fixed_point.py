@@ -18,8 +18,10 @@ CTA's n_block, or all of them)
 
 Softcap's derivative is at most 1 and a learnable sink only lowers P's row sum, so neither raises B;
 a user's score_mod_bwd can return anything and is not covered (the ordered backward serves it). Per
-query head h the host computes B_h from three max-abs reductions (`dq_scales`) and a power of two
-2^k_h with B_h * 2^k_h <= 2^59: a 16x margin under int64's 2^63 for the rounding of P, dS and O. The
+query head h, B_h comes from three per-head max |x| (K, V, dO) and k_h is the largest integer with
+B_h * 2^k_h <= 2^59, in exact integer arithmetic on the maxima's bit patterns (`scales_from_patterns`).
+One launch computes both (kernels/bwd_fixed_point_scales.py); `dq_scales` is its torch reference and
+fallback, with the same bits. 2^59 leaves a 16x margin under int64's 2^63 for the rounding of P, dS and O. The
 kernel adds round(x * 2^k_h) with one `red.global.add.u64` per element (`red_add_fixed`); the
 multiplication by a power of two is exact, and rounding drops only what lies below 2^-k_h (about
 2^-59 B_h), far under fp32's own rounding of the larger terms. The host turns the integer sum into
@@ -77,20 +79,54 @@ def _max_abs_per_head(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high.view(heads, dim).amax(dim=1).double(), -low.view(heads, dim).amin(dim=1).double())
 
 
+# (mantissa bits, exponent bias) of the 16-bit input formats: a |value|'s bit pattern is m 2^e exactly
+FORMATS = {torch.bfloat16: (7, 127), torch.float16: (10, 15)}
+
+
+def max_patterns(x: torch.Tensor) -> torch.Tensor:
+    """max |x| per head as its 16-bit pattern (sign cleared; NaN and inf keep their all-ones exponent),
+    int64 (heads,): what kernels/bwd_fixed_point_scales.py computes on the GPU."""
+    return _max_abs_per_head(x).to(x.dtype).view(torch.int16).to(torch.int64) & 0x7FFF
+
+
+def scales_from_patterns(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, dtype: torch.dtype,
+                         head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^k_h, 2^-k_h) per query head from the |max| patterns of dO, K and V (int64, one per query head):
+    k_h = SCALE_LOG2_CEILING - ceil(log2 B_h), the largest power of two with B_h 2^k_h <= 2^59, in exact
+    integer arithmetic (B_h = 2 d_v |dO| |K| |V| = P 2^E, P < 2^42 an integer), clamped to
+    SCALE_LOG2_RANGE; a zero bound takes the range's top, a NaN or inf pattern NaN scales. The kernel's
+    `scale_exponent` does the same operations, so both give the same bits."""
+    mant_bits, bias = FORMATS[dtype]
+    field_max = (1 << (15 - mant_bits)) - 1
+    product = torch.full_like(p_do, head_dim_v)
+    exponent = torch.zeros_like(p_do)
+    nonfinite = torch.zeros_like(p_do, dtype=torch.bool)
+    for pattern in (p_do, p_k, p_v):
+        field, mantissa = (pattern >> mant_bits) & field_max, pattern & ((1 << mant_bits) - 1)
+        nonfinite |= field == field_max
+        normal = field > 0  # else subnormal or zero: no implicit bit, the smallest normal exponent
+        product = product * torch.where(normal, mantissa | (1 << mant_bits), mantissa)
+        exponent = exponent + torch.where(normal, field, 1) - (bias + mant_bits)
+    ceil_log2 = torch.frexp((product - 1).clamp(min=0).double())[1].to(torch.int64)  # exact below 2^53
+    low, high = SCALE_LOG2_RANGE
+    k = torch.where(product == 0, high, (SCALE_LOG2_CEILING - (1 + exponent + ceil_log2)).clamp(low, high))
+    nan = torch.full_like(k, NAN_BITS)
+    scale = torch.where(nonfinite, nan, (k + 127) << 23).to(torch.int32).view(torch.float32)
+    inverse = torch.where(nonfinite, nan, (127 - k) << 23).to(torch.int32).view(torch.float32)
+    return scale.contiguous(), inverse.contiguous()
+
+
+NAN_BITS = 0x7FC00000  # fp32 quiet NaN
+
+
 def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) per query head, fp32 tensors of shape (num_heads,): the bound B_h of the module
     docstring from K, V (per KV head) and dO (per query head); NaN for a head whose bound is not finite.
-    No host synchronization."""
-    num_heads, num_heads_kv = dout.shape[-2], k.shape[-2]
-    ratio = num_heads // num_heads_kv
-    kv = (_max_abs_per_head(k) * _max_abs_per_head(v)).repeat_interleave(ratio)
-    bound = 2.0 * v.shape[-1] * _max_abs_per_head(dout) * kv
-    exponent = torch.floor(SCALE_LOG2_CEILING - torch.log2(bound)).clamp(*SCALE_LOG2_RANGE)
-    finite = torch.isfinite(bound)
-    nan = torch.full_like(exponent, float("nan"))
-    scale = torch.where(finite, torch.exp2(exponent), nan).float()
-    inverse = torch.where(finite, torch.exp2(-exponent), nan).float()
-    return scale.contiguous(), inverse.contiguous()
+    torch's reductions, no host synchronization: the reference and fallback of
+    kernels/bwd_fixed_point_scales.py, which gives the same bits in one launch."""
+    ratio = dout.shape[-2] // k.shape[-2]
+    p_k, p_v = (max_patterns(t).repeat_interleave(ratio) for t in (k, v))
+    return scales_from_patterns(max_patterns(dout), p_k, p_v, dout.dtype, v.shape[-1])
 
 
 def fixed_accumulator(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
