@@ -107,14 +107,15 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
                        fixed_point: bool = False, local: bool = False) -> dict:
     """How the deterministic backward orders its dQ additions.
 
-    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for a sliding window
-      (`local`) and for varlen calls (cu_seqlens or seqused): no order at all. Each dQ contribution is
-      added as a 64-bit fixed-point integer, whose sum has the same bits in any order
-      (kernels/bwd_fixed_point.py); no CTA waits. The turn orders below refuse windows, and varlen
-      calls can only take ascending turns, which waited 10.1 ms where the kernel runs 3.5 ms on packed
-      documents (session 32, 0.377x the default backward). Dense calls without a window keep the turns.
+    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a
+      dense causal one: no order at all. Each dQ contribution is added as a 64-bit fixed-point integer,
+      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured
+      against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default
+      backward against 0.375x (varlen calls can only take ascending turns); dense without a mask
+      +7% to +14% over the rotated turns. The turn orders below refuse windows.
 
-    Otherwise turns (kernels/bwd_deterministic.py):
+    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; calls with a user
+    score_mod_bwd) turns (kernels/bwd_deterministic.py):
 
     * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
       first, so that every wait is for a CTA launched earlier (no residency condition).
@@ -122,8 +123,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
       every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel
       sharing the GPU stalls it until its SMs free up.
-    * Otherwise (more n_blocks than m_blocks or than SMs; varlen with a user score_mod): ascending turns,
-      as the n_block CTAs launch.
+    * Otherwise (more n_blocks than m_blocks or than SMs, varlen): ascending turns, as the n_block CTAs
+      launch.
     The shipped plans place the turns on the step's own barriers (fused_turns: thread 0 waits right
     before the barrier ahead of the dQ adds and releases the previous m_block right after the one ahead
     of the dP product), which needs this package's step (kernels/bwd_mods.py). With
@@ -141,7 +142,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
             raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
-    elif fixed_point and (local or not dense):
+    elif fixed_point and (local or not (causal and dense)):
         return dict(FIXED_POINT_PLAN)
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)

@@ -364,8 +364,8 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
 
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "fixed" (64-bit fixed-point adds, no order: a sliding window, varlen layouts or block-sparse
-    lists, without a user score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
+    forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one, without a user
+    score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
     "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
@@ -383,7 +383,7 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
         return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
     varlen = "packed" in (case.q_layout, case.k_layout) or "padded" in (case.q_layout, case.k_layout) or \
         case.k_layout == "paged"
-    if (local or varlen) and driver_bwd.fixed_point_allowed(user_score_mod):
+    if (local or varlen or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods))  # a MODS entry is a user modifier (Mods.user)

@@ -96,18 +96,17 @@ CFG = select_bwd_config(load_bwd_table(), 128, 128, False, False, False)
 NONE = (None, None, None, None)
 
 
-def test_the_plan_takes_fixed_point_for_windows_and_varlen_where_allowed():
-    """Fixed point is the plan's choice for a sliding window (which the turns refuse) and for varlen calls
-    (which could only take ascending turns) when its bound holds; dense calls without a window keep the
-    turns and take fixed point only when forced."""
+def test_the_plan_takes_fixed_point_for_all_but_dense_causal_calls_where_allowed():
+    """Fixed point is the plan's choice where its bound holds, except for dense causal calls without a window
+    (the descending turns measured faster there), which take it only when forced."""
     assert bwd_plans.fixed_point_allowed(False)  # dense, varlen and block-sparse calls alike
     assert not bwd_plans.fixed_point_allowed(True)  # a user's score_mod_bwd: no bound
     for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
         plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True, local=True)
         assert plan["dq_fixed_point"] and sum(plan.values()) == 1 and plan == bwd_plans.FIXED_POINT_PLAN
-        for allowed in (False, True):  # no window: turns, except varlen calls where fixed point is allowed
+        for allowed in (False, True):  # no window: turns, except where fixed point is allowed and not dense causal
             plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=allowed)
-            if allowed and index != NONE:
+            if allowed and (index != NONE or not causal):
                 assert plan == bwd_plans.FIXED_POINT_PLAN
             else:
                 assert not plan["dq_fixed_point"] and plan["fused_turns"]

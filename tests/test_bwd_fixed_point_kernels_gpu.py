@@ -105,3 +105,22 @@ def test_fixed_point_postprocess_equals_dequantize_then_upstream(varlen, d, tile
     assert got.select(head, 3).isnan().all()  # the NaN head
     assert not got.narrow(head, 0, 3).isnan().any()  # every other element written
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("case_kw,seqlens", [
+    (dict(head_dim=128, head_dim_v=128, qhead_per_kvhead=2, mask="none", mods="document"), ((300,), (300,))),
+    (dict(head_dim=96, head_dim_v=96, qhead_per_kvhead=1, mask="none", dtype="float16"), ((333,), (260,))),
+    (dict(head_dim=64, head_dim_v=64, qhead_per_kvhead=4, mask="causal", q_layout="padded", k_layout="padded"),
+     ((200, 90), (260, 150))),
+])
+def test_the_plans_own_fixed_point_calls_run_twice_bitwise_and_correct(case_kw, seqlens):
+    """Calls the plan now serves in fixed point without forcing (no mask, a mask_mod that replaces the mask,
+    seqused): the harness runs the public backward twice, bit for bit, and against fp32 autograd."""
+    from flash_attn_sm120 import driver_bwd, testing
+
+    case = testing.AttnCase(backward=True, deterministic=True, **case_kw)
+    pad = dict(pad_q=5, pad_k=9) if case.q_layout == "padded" else {}
+    problem = testing.AttnProblem(*seqlens, nheads_kv=2, seed=41, **pad)
+    assert testing.deterministic_order(case, problem) == "fixed"
+    testing.run_case("cpasync-table", "public", case, problem)
+    assert any(s.dq_fixed_point and s.head_dim == case.head_dim and s.deterministic for s in driver_bwd._verified_keys)

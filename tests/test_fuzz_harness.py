@@ -611,9 +611,12 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert c.api == "public" and c.case.backward and (not c.case.local or c.det_order == "fixed")
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
         assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
-        # fixed point: windows, varlen layouts and block-sparse lists without a user score_mod; turns the rest
-        no_score_mod = testing_mods.spec(c.case.mods).score_mod is None if c.case.mods else True
-        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or not c.case.is_dense
+        # fixed point: every call without a user score_mod but a dense causal one (a mask_mod replaces the causal
+        # flag, as upstream resolves it); turns the rest
+        spec = testing_mods.spec(c.case.mods) if c.case.mods else None
+        no_score_mod = spec is None or spec.score_mod is None
+        causal = c.case.mask == "causal" and (spec is None or spec.mask_mod is None)
+        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or not c.case.is_dense or not causal
                                                               or bool(c.case.block_sparse)))
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
@@ -664,13 +667,15 @@ def test_deterministic_order_names_the_plans_choices():
     assert order(dataclasses.replace(plain, mask="causal", block_sparse="random"), 4 * 128, 3 * 128) == "fixed"
     assert order(dataclasses.replace(plain, mask="causal", block_sparse="random", mods="position"),
                  4 * 128, 3 * 128) == "lists"
-    # a mask_mod replaces the window (upstream's resolution): turns
-    assert order(dataclasses.replace(plain, mask="local_lr", mods="document"), 4 * 64, 3 * 64) != "fixed"
-    # no window: turns, with a score_mod or not
+    # a mask_mod replaces the window (upstream's resolution)
+    # (no mask left, no score_mod: fixed point; a causal mask under a mask_mod is no causal flag either)
+    assert order(dataclasses.replace(plain, mask="local_lr", mods="document"), 4 * 64, 3 * 64) == "fixed"
+    assert order(dataclasses.replace(plain, mask="causal", mods="document"), 4 * 64, 3 * 64) == "fixed"
+    # no window: dense causal calls take turns, with a score_mod or not; no mask: fixed point without one
     for mods in ("", "position"):
         case = dataclasses.replace(plain, mods=mods)
         m, n = bwd_tile(case)
-        assert order(case, 4 * m, 3 * n) == "rotated", mods
+        assert order(case, 4 * m, 3 * n) == ("fixed" if not mods else "rotated"), mods
         assert order(dataclasses.replace(case, mask="causal"), 2 * m, 3 * n) == "descending+reversed", mods
     case = dataclasses.replace(plain, mods="position")
     m, n = bwd_tile(case)
