@@ -71,7 +71,7 @@ from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 HDIM_MULTIPLE = 32  # accumulator head-dim padding of upstream's SM80/SM120 backward (no SM90 swap)
 POSTPROCESS_ARCH = 120  # upstream's pre/postprocess read the accumulators in SM80/SM120 MMA layout
-UNCHECKED = "bwd pre/postprocess (upstream, unpadded)"
+UNCHECKED = "bwd pre/postprocess (upstream, unpadded); fixed-point dQ scales and postprocess (unpadded)"
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ more than a third of the whole fixed-point backward: 277 us of 1346 at b4 s2048 
 (H100, emulated; a strided column reduction per tensor plus a dozen one-element launches). This
 kernel reads the three tensors once at streaming bandwidth and writes the scales itself.
 
-Grid (row tiles, query heads, 3 tensors). CTA (x, h, t) reads rows [x R, (x + 1) R) of head h of
-tensor t (K, V, dO; K/V CTAs past the KV heads have no rows to read), 16 bytes per load, 128 threads.
+Grid (G, H + 2 H_kv): one column of CTAs per head of dO, K and V. CTA (x, s) reads row tiles x, x + G,
+x + 2G, ... (R rows each) of its head, 16 bytes per load, 128 threads; G is chosen so that the grid
+holds about CTAS_PER_SM CTAs per SM (every CTA ends with one increment of a shared counter).
   * A bf16 or fp16 with its sign bit cleared orders like its magnitude as an unsigned 16-bit integer,
     with NaN above inf. So each thread keeps two running maxima per 32-bit word (`and` with 0x7fff7fff,
     max.u16x2): no conversion, and NaN propagates as the largest pattern.
@@ -47,6 +48,7 @@ from flash_attn_sm120.kernels import bwd_fixed_point
 
 NUM_THREADS = 128
 WORDS_PER_THREAD = 32  # eight 16-byte loads in flight per thread
+CTAS_PER_SM = 8  # the grid's size: enough loads in flight, few arrivals at the counter
 FORMATS = {"bfloat16": (7, 127), "float16": (10, 15)}  # mantissa bits, exponent bias
 NAN_BITS = 0x7FC00000
 
@@ -119,35 +121,33 @@ class FixedPointScales:
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mWork: cute.Tensor, mOut: cute.Tensor,
-                 row_tiles: Int32, stream):
+                 row_ctas: Int32, stream):
         copies = [copy_utils.tiled_copy_2d(Int32, 4 * _tiling(w)[0], NUM_THREADS) for w in self.words]
         self.kernel(mK, mV, mdO, mWork, mOut, copies[0], copies[1]).launch(
-            grid=[row_tiles, mdO.shape[1], 3], block=[NUM_THREADS, 1, 1], smem=16, stream=stream)
+            grid=[row_ctas, mdO.shape[1] + 2 * mK.shape[1], 1], block=[NUM_THREADS, 1, 1], smem=16, stream=stream)
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mWork: cute.Tensor, mOut: cute.Tensor,
                copy_k: cute.TiledCopy, copy_v: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
-        row_tile, head, which = cute.arch.block_idx()
-        heads = mdO.shape[1]
+        row_cta, slot, _ = cute.arch.block_idx()
+        heads, heads_kv = mdO.shape[1], mK.shape[1]
         smem = cutlass.utils.SmemAllocator()
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
+        # grid y: dO's heads, then K's, then V's; work slots: dO's, K's and V's at 0, H and 2H, then the counter
         pattern = Int32(0)
-        if which == 0:
-            pattern = self._tile_max(mK, head, row_tile, copy_k, tidx)
-        elif which == 1:
-            pattern = self._tile_max(mV, head, row_tile, copy_v, tidx)
+        work_slot = slot
+        if slot < heads:
+            pattern = self._rows_max(mdO, slot, row_cta, copy_v, tidx)
+        elif slot < heads + heads_kv:
+            pattern = self._rows_max(mK, slot - heads, row_cta, copy_k, tidx)
         else:
-            pattern = self._tile_max(mdO, head, row_tile, copy_v, tidx)
+            pattern = self._rows_max(mV, slot - heads - heads_kv, row_cta, copy_v, tidx)
+            work_slot = slot + heads - heads_kv
         pattern = max_u16x2(pattern, pattern >> 16) & 0xFFFF  # the larger half
         pattern = cute.arch.warp_redux_sync(pattern, "max")
-        heads_of_tensor = mK.shape[1]  # work slots: dO's heads, then K's, then V's (H each), the counter
-        slot = heads * (which + 1) + head
-        if which == 2:
-            heads_of_tensor = heads
-            slot = head
-        if tidx % 32 == 0 and head < heads_of_tensor:
-            cute.arch.red(mWork.iterator + slot, pattern, op="max", dtype="s32", sem="relaxed", scope="gpu")
+        if tidx % 32 == 0:
+            cute.arch.red(mWork.iterator + work_slot, pattern, op="max", dtype="s32", sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier()
         if tidx == 0:
@@ -159,7 +159,7 @@ class FixedPointScales:
         cute.arch.barrier()
         if s_last[0] == 1:
             cute.arch.fence_acq_rel_gpu()
-            ratio = heads // mK.shape[1]
+            ratio = heads // heads_kv
             for h in cutlass.range(tidx, heads, NUM_THREADS):
                 # atomic reads: the maxima live in L2, never in this SM's L1
                 p_do = cute.arch.atomic_max(mWork.iterator + h, Int32(0), sem="relaxed", scope="gpu")
@@ -176,15 +176,17 @@ class FixedPointScales:
                 mOut[1, h] = inverse_bits
 
     @cute.jit
-    def _tile_max(self, mX: cute.Tensor, head: Int32, row_tile: Int32, tiled_copy: cute.TiledCopy, tidx: Int32) -> Int32:
-        """Two running 16-bit |max| patterns over this CTA's rows of one head (0 where it has none)."""
+    def _rows_max(self, mX: cute.Tensor, head: Int32, row_cta: Int32, tiled_copy: cute.TiledCopy,
+                  tidx: Int32) -> Int32:
+        """Two running 16-bit |max| patterns over this CTA's row tiles of one head (row_cta, row_cta + G, ...)."""
         running = Int32(0)
-        if head < mX.shape[1]:
-            words = mX.shape[2]
-            tiler = (self.tile_rows, words)
+        words = mX.shape[2]
+        tiler = (self.tile_rows, words)
+        row_ctas, _, _ = cute.arch.grid_dim()
+        thr_copy = tiled_copy.get_slice(tidx)
+        for row_tile in cutlass.range(row_cta, cute.ceil_div(mX.shape[0], self.tile_rows), row_ctas):
             gX = cute.local_tile(mX[None, head, None], tiler, (row_tile, 0))
             cX = cute.local_tile(cute.make_identity_tensor((mX.shape[0], words)), tiler, (row_tile, 0))
-            thr_copy = tiled_copy.get_slice(tidx)
             tXgX, tXcX = thr_copy.partition_S(gX), thr_copy.partition_S(cX)
             tXrX = cute.make_fragment_like(tXgX)
             for r in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
@@ -243,6 +245,8 @@ def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
     work = torch.zeros(3 * heads + 1, dtype=torch.int32, device=dout.device)
     out = torch.empty(2, heads, dtype=torch.int32, device=dout.device)
     row_tiles = -(-max(views[0].shape[0], views[2].shape[0]) // kernel.tile_rows)
-    compiled(*views, work, out, row_tiles)
+    slots = heads + 2 * k.shape[-2]
+    ctas_wanted = CTAS_PER_SM * torch.cuda.get_device_properties(dout.device).multi_processor_count
+    compiled(*views, work, out, max(1, min(row_tiles, -(-ctas_wanted // slots))))
     scales = out.view(torch.float32)
     return scales[0], scales[1]
