@@ -33,12 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # --variants: the calls a table entry serves besides its own mask (a causal entry also serves windows,
-# GQA, float16 and the deterministic path), each compiled with a causal mask
+# GQA, float16 and the deterministic path), each compiled with a causal mask (det_fixed: the deterministic
+# path without a mask, fixed-point dQ)
 VARIANTS = {
     "local": dict(causal=True, local=True),
     "gqa": dict(causal=True, qhead_per_kvhead=2),
     "fp16": dict(causal=True, dtype="float16"),
     "det": dict(causal=True, deterministic=True),
+    "det_fixed": dict(causal=False, deterministic=True, ordering={"dq_fixed_point": True}),
     "varlen": dict(causal=True, varlen=True),
     "varlen_gqa": dict(causal=True, qhead_per_kvhead=4, varlen=True),
 }
@@ -53,7 +55,10 @@ def probe_variant(spec_variant: str) -> dict:
 
     spec, variant = spec_variant.rsplit("@", 1)
     dim, name = spec.split(":", 1)
-    cubin, smem = codegen.compile_bwd_cubin(bwd_config_from_name(name), int(dim), **VARIANTS[variant])
+    try:
+        cubin, smem = codegen.compile_bwd_cubin(bwd_config_from_name(name), int(dim), **VARIANTS[variant])
+    except ValueError as e:  # not implementable (shared memory, tiling): a row, not the pool's failure
+        return dict(head_dim=int(dim), config=name, variant=variant, error=str(e))
     usage, hist, _ = codegen.inspect_cubin(cubin)
     return dict(head_dim=int(dim), config=name, variant=variant, regs=usage["regs"], stack=usage["stack"],
                 ldl=hist.get("LDL", 0), smem_dynamic=smem)
