@@ -226,9 +226,9 @@ def test_max_patterns_are_the_sign_cleared_bits_of_each_heads_max():
     assert p.tolist() == [int(torch.tensor(3.0, dtype=torch.bfloat16).view(torch.int16)), 0x7FC0]
 
 
-@pytest.mark.parametrize("dtype,d,dv", [("bfloat16", 128, 128), ("float16", 96, 96), ("bfloat16", 64, 64),
-                                        ("bfloat16", 192, 128)])
-def test_sm120a_scales_kernel_reads_16_bytes_per_load_and_adds_nothing_else(dtype, d, dv):
+@pytest.mark.parametrize("dtype,d,dv,packed", [("bfloat16", 128, 128, False), ("float16", 96, 96, False),
+                                               ("bfloat16", 64, 64, True), ("bfloat16", 192, 128, True)])
+def test_sm120a_scales_kernel_reads_16_bytes_per_load_and_adds_nothing_else(dtype, d, dv, packed):
     """The scales kernel on sm_120a: 16-byte loads, two-halves integer maxima, one red.max per warp and the
     counter's atomic, no spills."""
     import tempfile
@@ -237,10 +237,13 @@ def test_sm120a_scales_kernel_reads_16_bytes_per_load_and_adds_nothing_else(dtyp
     from flash_attn_sm120.occupancy import cubin_of
 
     with tempfile.TemporaryDirectory() as tmp:
-        _, compiled = fps._compile(dtype, d, dv, options=f"--keep-cubin --dump-dir={tmp} --gpu-arch=sm_120a")
+        _, compiled = fps._compile(dtype, d, dv, packed, packed,
+                                   options=f"--keep-cubin --dump-dir={tmp} --gpu-arch=sm_120a")
         res, hist, sass = codegen.inspect_cubin(cubin_of(compiled))
     assert res["stack"] == 0 and res["local"] == 0, res
-    loads = [ln for ln in sass.splitlines() if "LDG" in ln]
+    loads = [ln for ln in sass.splitlines() if "LDG" in ln and "LDG.E.128" not in ln]
+    assert len(loads) == 2 * packed, loads  # packed: the two cu_seqlens ends, 4 bytes each
+    loads = [ln for ln in sass.splitlines() if "LDG.E.128" in ln]
     assert loads and all("LDG.E.128" in ln for ln in loads), loads[:3]
     assert hist.get("VIMNMX", 0) >= len(loads) * 4  # two halves per 32-bit word, no conversion
     assert hist.get("REDG", 0) == 1  # one red.max per warp (the counter and the reads are ATOMG)
@@ -264,3 +267,33 @@ def test_sm120a_fixed_point_postprocess_loads_int64_once_and_converts_each(varle
     assert len([ln for ln in sass.splitlines() if "LDG.E.64" in ln]) == per_thread
     assert len([ln for ln in sass.splitlines() if "I2F" in ln and "S64" in ln]) == per_thread
     assert hist.get("FMUL", 0) == 2 * per_thread  # 2^-k_h, then the softmax scale: upstream's two roundings
+
+
+def test_scales_ignore_the_rows_no_sequence_uses():
+    """Padding past seqused (dense or packed) and rows past the last packed sequence may hold NaN: the scales
+    come from the used rows only, the same as for tensors holding just those rows."""
+    gen = torch.Generator().manual_seed(5)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)  # noqa: E731
+    # dense (b, s, h, d) with seqused
+    k, v, do = mk(2, 40, 2, 64), mk(2, 40, 2, 64), mk(2, 40, 4, 64)
+    used = torch.tensor([25, 40], dtype=torch.int32)
+    for t in (k, v, do):
+        t[0, 25:] = float("nan")
+    got = fp.dq_scales(k, v, do, seqused_q=used, seqused_k=used)
+    assert not any(g.isnan().any() for g in got)
+    trimmed = [torch.cat([t[0, :25], t[1]]) for t in (k, v, do)]  # the used rows as one packed batch
+    want = fp.dq_scales(*trimmed)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # packed (total, h, d): cu_seqlens ending before the tensor's end, seqused inside the sequences
+    k, v, do = mk(100, 2, 64), mk(100, 2, 64), mk(100, 4, 64)
+    cu = torch.tensor([0, 30, 70, 90], dtype=torch.int32)
+    used = torch.tensor([30, 10, 20], dtype=torch.int32)
+    for t in (k, v, do):
+        t[90:] = float("inf")  # past the last sequence
+        t[40:70] = float("nan")  # past the second sequence's used length
+    got = fp.dq_scales(k, v, do, cu, cu, used, used)
+    rows = torch.cat([torch.arange(0, 30), torch.arange(30, 40), torch.arange(70, 90)])
+    want = fp.dq_scales(*(t[rows] for t in (k, v, do)))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    only_cu = fp.dq_scales(k, v, do, cu, cu)  # without seqused the NaN rows count
+    assert only_cu[0].isnan().all()

@@ -56,6 +56,24 @@ def test_scales_kernel_equals_torch_bit_for_bit(dtype, shape):
         assert not scale.isnan().all()
 
 
+def test_scales_kernel_reads_only_up_to_the_last_packed_sequence():
+    """Rows past cu_seqlens[-1] (NaN here) do not count, as in the torch path; seqused: the kernel declines."""
+    from flash_attn_sm120.kernels import bwd_fixed_point_scales as fps
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    k, v, do = (torch.randn(3000, n, 128, generator=gen, device="cuda").to(torch.bfloat16) for n in (2, 2, 8))
+    cu_q = torch.tensor([0, 1000, 2500], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 900, 2999], dtype=torch.int32, device="cuda")
+    do[2500:] = float("nan")
+    k[2999:] = float("nan")
+    got = fps.fixed_point_scales(k, v, do, cu_q, cu_k)
+    want = fp.dq_scales(k, v, do, cu_q, cu_k)
+    assert not got[0].isnan().any()
+    for g, w in zip(got, want):
+        assert torch.equal(_bits(g), _bits(w))
+    assert fps.fixed_point_scales(k, v, do, cu_q, cu_k, seqused_k=torch.tensor([5, 6], device="cuda")) is None
+
+
 def test_scales_kernel_on_packed_varlen_and_strided_views():
     gen = torch.Generator(device="cuda").manual_seed(7)
     total, h, hk, d = 5003, 8, 2, 128

@@ -38,6 +38,8 @@ first half (`fixed_accumulator`), so its addresses, and upstream's partition of 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from cutlass import Float32, Int64
@@ -119,12 +121,34 @@ def scales_from_patterns(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tenso
 NAN_BITS = 0x7FC00000  # fp32 quiet NaN
 
 
-def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def used_rows(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], seqused: Optional[torch.Tensor]) -> torch.Tensor:
+    """x with the rows no sequence uses set to 0 (a new tensor; x itself without index tensors): with
+    cu_seqlens, the rows past the last sequence's end and, with seqused, past each sequence's used length;
+    dense (b, s, h, d) with seqused, the positions at or past seqused[b]. No host synchronization."""
+    if cu_seqlens is None and seqused is None:
+        return x
+    if cu_seqlens is None:  # dense (b, s, h, d)
+        keep = torch.arange(x.shape[1], device=x.device)[None, :] < seqused[:, None]
+    else:  # packed (total, h, d)
+        rows = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
+        batch = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(0, cu_seqlens.shape[0] - 2)
+        keep = rows < cu_seqlens[-1]
+        if seqused is not None:
+            keep &= rows - cu_seqlens[batch] < seqused[batch]
+    return torch.where(keep[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+              cu_seqlens_k: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
+              seqused_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) per query head, fp32 tensors of shape (num_heads,): the bound B_h of the module
-    docstring from K, V (per KV head) and dO (per query head); NaN for a head whose bound is not finite.
+    docstring from K, V (per KV head) and dO (per query head) over the rows the backward reads (`used_rows`:
+    padding past seqused or the last sequence may hold anything); NaN for a head whose bound is not finite.
     torch's reductions, no host synchronization: the reference and fallback of
     kernels/bwd_fixed_point_scales.py, which gives the same bits in one launch."""
     ratio = dout.shape[-2] // k.shape[-2]
+    k, v = (used_rows(t, cu_seqlens_k, seqused_k) for t in (k, v))
+    dout = used_rows(dout, cu_seqlens_q, seqused_q)
     p_k, p_v = (max_patterns(t).repeat_interleave(ratio) for t in (k, v))
     return scales_from_patterns(max_patterns(dout), p_k, p_v, dout.dtype, v.shape[-1])
 

@@ -24,7 +24,10 @@ k = 59 - ceil(log2 B) = 59 - (1 + E + ceil_log2(P)), clamped to bwd_fixed_point.
 That is the largest power of two with B 2^k <= 2^59. A zero bound takes the range's top; a NaN or
 inf pattern gives NaN scales (that head's dQ becomes NaN).
 
-The host wrapper (`fixed_point_scales`) needs tensors whose tokens share one stride (any dense
+With cu_seqlens only the rows before the last sequence's end count (read on the device: no host sync);
+with seqused the wrapper declines (rows inside a sequence's span that it does not use would count) and
+dq_scales' masked torch path serves. The host wrapper (`fixed_point_scales`) needs tensors whose tokens
+share one stride (any dense
 (b, s, h, d) layout with s-major batches, a packed varlen tensor) on 16-byte boundaries; it returns
 None otherwise and the caller takes bwd_fixed_point.dq_scales' torch path, which gives the same bits.
 """
@@ -120,29 +123,36 @@ class FixedPointScales:
         self.tile_rows = max(passes, NUM_THREADS * WORDS_PER_THREAD // max(self.words) // passes * passes)
 
     @cute.jit
-    def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mWork: cute.Tensor, mOut: cute.Tensor,
-                 row_ctas: Int32, stream):
+    def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+                 mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor, mOut: cute.Tensor, row_ctas: Int32, stream):
         copies = [copy_utils.tiled_copy_2d(Int32, 4 * _tiling(w)[0], NUM_THREADS) for w in self.words]
-        self.kernel(mK, mV, mdO, mWork, mOut, copies[0], copies[1]).launch(
+        self.kernel(mK, mV, mdO, mCuSeqlensQ, mCuSeqlensK, mWork, mOut, copies[0], copies[1]).launch(
             grid=[row_ctas, mdO.shape[1] + 2 * mK.shape[1], 1], block=[NUM_THREADS, 1, 1], smem=16, stream=stream)
 
     @cute.kernel
-    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mWork: cute.Tensor, mOut: cute.Tensor,
-               copy_k: cute.TiledCopy, copy_v: cute.TiledCopy):
+    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor, mOut: cute.Tensor, copy_k: cute.TiledCopy,
+               copy_v: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         row_cta, slot, _ = cute.arch.block_idx()
         heads, heads_kv = mdO.shape[1], mK.shape[1]
+        # packed sequences: only the rows up to the last sequence's end (the kernels read no others)
+        rows_q, rows_k = mdO.shape[0], mK.shape[0]
+        if const_expr(mCuSeqlensQ is not None):
+            rows_q = mCuSeqlensQ[mCuSeqlensQ.shape[0] - 1]
+        if const_expr(mCuSeqlensK is not None):
+            rows_k = mCuSeqlensK[mCuSeqlensK.shape[0] - 1]
         smem = cutlass.utils.SmemAllocator()
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
         # grid y: dO's heads, then K's, then V's; work slots: dO's, K's and V's at 0, H and 2H, then the counter
         pattern = Int32(0)
         work_slot = slot
         if slot < heads:
-            pattern = self._rows_max(mdO, slot, row_cta, copy_v, tidx)
+            pattern = self._rows_max(mdO, slot, rows_q, row_cta, copy_v, tidx)
         elif slot < heads + heads_kv:
-            pattern = self._rows_max(mK, slot - heads, row_cta, copy_k, tidx)
+            pattern = self._rows_max(mK, slot - heads, rows_k, row_cta, copy_k, tidx)
         else:
-            pattern = self._rows_max(mV, slot - heads - heads_kv, row_cta, copy_v, tidx)
+            pattern = self._rows_max(mV, slot - heads - heads_kv, rows_k, row_cta, copy_v, tidx)
             work_slot = slot + heads - heads_kv
         pattern = max_u16x2(pattern, pattern >> 16) & 0xFFFF  # the larger half
         pattern = cute.arch.warp_redux_sync(pattern, "max")
@@ -176,21 +186,22 @@ class FixedPointScales:
                 mOut[1, h] = inverse_bits
 
     @cute.jit
-    def _rows_max(self, mX: cute.Tensor, head: Int32, row_cta: Int32, tiled_copy: cute.TiledCopy,
+    def _rows_max(self, mX: cute.Tensor, head: Int32, rows: Int32, row_cta: Int32, tiled_copy: cute.TiledCopy,
                   tidx: Int32) -> Int32:
-        """Two running 16-bit |max| patterns over this CTA's row tiles of one head (row_cta, row_cta + G, ...)."""
+        """Two running 16-bit |max| patterns over this CTA's row tiles of one head (row_cta, row_cta + G, ...),
+        rows below `rows` only."""
         running = Int32(0)
         words = mX.shape[2]
         tiler = (self.tile_rows, words)
         row_ctas, _, _ = cute.arch.grid_dim()
         thr_copy = tiled_copy.get_slice(tidx)
-        for row_tile in cutlass.range(row_cta, cute.ceil_div(mX.shape[0], self.tile_rows), row_ctas):
+        for row_tile in cutlass.range(row_cta, cute.ceil_div(rows, self.tile_rows), row_ctas):
             gX = cute.local_tile(mX[None, head, None], tiler, (row_tile, 0))
             cX = cute.local_tile(cute.make_identity_tensor((mX.shape[0], words)), tiler, (row_tile, 0))
             tXgX, tXcX = thr_copy.partition_S(gX), thr_copy.partition_S(cX)
             tXrX = cute.make_fragment_like(tXgX)
             for r in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
-                if tXcX[0, r, 0][0] < mX.shape[0]:
+                if tXcX[0, r, 0][0] < rows:
                     cute.copy(tiled_copy, tXgX[None, r, None], tXrX[None, r, None])
                 else:
                     tXrX[None, r, None].fill(0)
@@ -216,28 +227,37 @@ def rows_heads_words(x: torch.Tensor) -> Optional[torch.Tensor]:
 _compiled: dict = {}
 
 
-def _compile(dtype: str, head_dim: int, head_dim_v: int, options: str = ""):
+def _compile(dtype: str, head_dim: int, head_dim_v: int, has_cu_seqlens_q: bool = False,
+             has_cu_seqlens_k: bool = False, options: str = ""):
     """(the kernel object, its compiled launch) for any sizes of this key; `options` adds to cute.compile's
     (codegen: --keep-cubin --dump-dir=... --gpu-arch=...)."""
     kernel = FixedPointScales(dtype, head_dim, head_dim_v)
     rows_k, rows_q, heads, heads_kv = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     fake = lambda rows, h, words: make_fake_tensor(Int32, (rows, h, words), divisibility=4)  # noqa: E731
     work = make_fake_tensor(Int32, (cute.sym_int(),))
+    cu_q, cu_k = (make_fake_tensor(Int32, (cute.sym_int(),)) if has else None
+                  for has in (has_cu_seqlens_q, has_cu_seqlens_k))
     out = make_fake_tensor(Int32, (2, heads), divisibility=1)
     return kernel, cute.compile(kernel, fake(rows_k, heads_kv, head_dim // 2), fake(rows_k, heads_kv, head_dim_v // 2),
-                                fake(rows_q, heads, head_dim_v // 2), work, out, Int32(1),
+                                fake(rows_q, heads, head_dim_v // 2), cu_q, cu_k, work, out, Int32(1),
                                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {options}".strip())
 
 
-def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
+def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                       cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                       seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(2^k_h, 2^-k_h) per query head as fp32 (num_heads,) tensors, bit for bit bwd_fixed_point.dq_scales,
-    in one launch; None where a tensor's layout does not suit the kernel (rows_heads_words)."""
+    in one launch, over the rows the backward reads (with cu_seqlens, those before the last sequence's end);
+    None where a tensor's layout does not suit the kernel (rows_heads_words) or with seqused (rows inside
+    the tensor that no sequence uses: dq_scales masks them)."""
     views = [rows_heads_words(t) for t in (k, v, dout)]
     if any(view is None for view in views) or k.shape[-2] != v.shape[-2] or dout.shape[-2] % k.shape[-2]:
         return None
+    if seqused_q is not None or seqused_k is not None:
+        return None
     dtype = str(dout.dtype).replace("torch.", "")
-    key = (dtype, k.shape[-1], v.shape[-1])
+    key = (dtype, k.shape[-1], v.shape[-1], cu_seqlens_q is not None, cu_seqlens_k is not None)
     if key not in _compiled:
         _compiled[key] = _compile(*key)
     kernel, compiled = _compiled[key]
@@ -247,6 +267,6 @@ def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
     row_tiles = -(-max(views[0].shape[0], views[2].shape[0]) // kernel.tile_rows)
     slots = heads + 2 * k.shape[-2]
     ctas_wanted = CTAS_PER_SM * torch.cuda.get_device_properties(dout.device).multi_processor_count
-    compiled(*views, work, out, max(1, min(row_tiles, -(-ctas_wanted // slots))))
+    compiled(*views, cu_seqlens_q, cu_seqlens_k, work, out, max(1, min(row_tiles, -(-ctas_wanted // slots))))
     scales = out.view(torch.float32)
     return scales[0], scales[1]
