@@ -192,4 +192,13 @@ def test_probe_refuses_an_unknown_variant():
 
     with pytest.raises(SystemExit):
         bwd_ldsm_probe.main(["128:bwd-w4-32x64-q1do1-a112-vreg", "--variants", "local,sideways"])
-    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "varlen", "varlen_gqa"}
+    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "det_fixed", "varlen", "varlen_gqa"}
+    assert bwd_ldsm_probe.VARIANTS["det_fixed"]["ordering"] == {"dq_fixed_point": True}
+
+
+def test_probe_reports_a_config_it_cannot_build_as_a_row():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bwd_ldsm_probe
+
+    row = bwd_ldsm_probe.probe_variant("128:bwd-w8-64x128-q1do1-a242@det")  # 133 KB of shared memory
+    assert row["variant"] == "det" and "shared memory" in row["error"]
