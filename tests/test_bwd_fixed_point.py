@@ -297,3 +297,43 @@ def test_scales_ignore_the_rows_no_sequence_uses():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     only_cu = fp.dq_scales(k, v, do, cu, cu)  # without seqused the NaN rows count
     assert only_cu[0].isnan().all()
+
+
+@pytest.mark.parametrize("dlse_scale", [0.0, 1e-3, 1.0, 1e3, 1e6])
+def test_a_gradient_of_the_lse_widens_the_bound(dlse_scale):
+    """With dLSE the backward's D becomes D - dLSE: the exact dQ accumulator (fp64, dS = P (dP - D + dLSE))
+    stays under 2^59 at the scales, within 2 bits of the largest power of two that fits; without dLSE's
+    term the scales could overflow int64 once |dLSE| dominates."""
+    b, t, h, d = 2, 50, 2, 32
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, do = (torch.randn(b, t, h, d, generator=gen).to(torch.bfloat16) for _ in range(4))
+    do = (do.float() * 1e-3).to(torch.bfloat16)
+    dlse = torch.randn(b, h, t, generator=gen) * dlse_scale
+    qf, kf, vf, dof = (x.double() for x in (q, k, v, do))
+    p = torch.softmax(torch.einsum("bthd,bshd->bhts", qf, kf) / math.sqrt(d), dim=-1)
+    o = torch.einsum("bhts,bshd->bthd", p, vf)
+    dp = torch.einsum("bthd,bshd->bhts", dof, vf)
+    delta = (dof * o).sum(-1).transpose(1, 2) - dlse.double()
+    dq = torch.einsum("bhts,bshd->bhtd", p * (dp - delta[..., None]), kf)
+    scale, inverse = fp.dq_scales(k, v, do, dlse=dlse)
+    assert torch.equal(scale.double() * inverse.double(), torch.ones(h, dtype=torch.float64))
+    peak = (dq.abs().amax(dim=(0, 2, 3)) * scale.double())
+    assert (peak <= 2.0 ** fp.SCALE_LOG2_CEILING).all(), peak
+    bound = (k.double().abs().amax(dim=(0, 1, 3)) * (2 * d * do.double().abs().amax(dim=(0, 1, 3))
+             * v.double().abs().amax(dim=(0, 1, 3)) + dlse.abs().amax(dim=(0, 2)).double()))
+    assert ((bound * scale.double()) > 2.0 ** (fp.SCALE_LOG2_CEILING - 2)).all()
+    if dlse_scale >= 1e3:  # the bound without dLSE would not have held
+        plain, _ = fp.dq_scales(k, v, do)
+        assert ((dq.abs().amax(dim=(0, 2, 3)) * plain.double()) > 2.0 ** fp.SCALE_LOG2_CEILING).any()
+    dlse[0, 1, 3] = float("nan")
+    scale, _ = fp.dq_scales(k, v, do, dlse=dlse)
+    assert scale[1].isnan() and not scale[0].isnan()
+
+
+def test_the_lse_gradient_counts_only_the_used_rows():
+    dense = torch.tensor([[[1.0, 2.0, float("nan")], [3.0, -4.0, 0.0]]])  # (b=1, h=2, s=3)
+    assert fp._max_abs_dlse(dense, None, torch.tensor([2])).tolist() == [2.0, 4.0]
+    packed = torch.tensor([[1.0, -5.0, float("inf")], [2.0, 0.5, float("nan")]])  # (h=2, total=3)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert fp._max_abs_dlse(packed, cu, None).tolist() == [5.0, 2.0]
+    assert fp._max_abs_dlse(packed, cu, torch.tensor([1, 0], dtype=torch.int32)).tolist() == [1.0, 2.0]

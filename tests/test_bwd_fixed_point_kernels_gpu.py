@@ -130,10 +130,15 @@ def test_fixed_point_postprocess_equals_dequantize_then_upstream(varlen, d, tile
     (dict(head_dim=96, head_dim_v=96, qhead_per_kvhead=1, mask="none", dtype="float16"), ((333,), (260,))),
     (dict(head_dim=64, head_dim_v=64, qhead_per_kvhead=4, mask="causal", q_layout="padded", k_layout="padded"),
      ((200, 90), (260, 150))),
+    # the loss uses the LSE too: dLSE enters D, the scales come from dq_scales' wider bound
+    (dict(head_dim=128, head_dim_v=128, qhead_per_kvhead=2, mask="none", return_lse=True), ((300,), (280,))),
+    (dict(head_dim=96, head_dim_v=96, qhead_per_kvhead=1, mask="causal", q_layout="packed", k_layout="packed",
+          return_lse=True), ((200, 130), (260, 90))),
 ])
 def test_the_plans_own_fixed_point_calls_run_twice_bitwise_and_correct(case_kw, seqlens):
     """Calls the plan now serves in fixed point without forcing (no mask, a mask_mod that replaces the mask,
-    seqused): the harness runs the public backward twice, bit for bit, and against fp32 autograd."""
+    seqused, packed, an LSE gradient): the harness runs the public backward twice, bit for bit, and against
+    fp32 autograd."""
     from flash_attn_sm120 import driver_bwd, testing
 
     case = testing.AttnCase(backward=True, deterministic=True, **case_kw)

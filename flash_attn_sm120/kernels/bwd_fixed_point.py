@@ -16,7 +16,8 @@ CTA's n_block, or all of them)
 
     |sum_j dS[i, j] K[j, c]| <= 2 * max|K| * max_j |dO_i . V_j| <= 2 * d_v * max|dO| * max|V| * max|K| =: B
 
-Softcap's derivative is at most 1 and a learnable sink only lowers P's row sum, so neither raises B;
+Softcap's derivative is at most 1 and a learnable sink only lowers P's row sum, so neither raises B. A
+gradient of the LSE (dLSE) replaces D_i by D_i - dLSE_i and adds max|K| max|dLSE| to B (`scales_with_dlse`);
 a user's score_mod_bwd can return anything and is not covered (the ordered backward serves it). Per
 query head h, B_h comes from three per-head max |x| (K, V, dO) and k_h is the largest integer with
 B_h * 2^k_h <= 2^59, in exact integer arithmetic on the maxima's bit patterns (`scales_from_patterns`).
@@ -138,18 +139,57 @@ def used_rows(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], seqused: Opti
     return torch.where(keep[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _pattern_values(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float64 values of 16-bit |x| patterns (exact; NaN/inf patterns give NaN/inf)."""
+    return p.to(torch.int16).view(dtype).double()
+
+
+def _max_abs_dlse(dlse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                  seqused_q: Optional[torch.Tensor]) -> torch.Tensor:
+    """max |dLSE| per head (float64) over the rows the backward reads: dlse (b, h, s) or packed (h, total)."""
+    if cu_seqlens_q is None:
+        x = dlse.transpose(1, 2)  # (b, s, h)
+        if seqused_q is not None:
+            keep = torch.arange(x.shape[1], device=x.device)[None, :] < seqused_q[:, None]
+            x = torch.where(keep[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return x.abs().amax(dim=(0, 1)).double()
+    x = used_rows(dlse.t()[..., None], cu_seqlens_q, seqused_q)[..., 0]  # (total, h)
+    return x.abs().amax(dim=0).double()
+
+
+def scales_with_dlse(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, dlse_max: torch.Tensor,
+                     dtype: torch.dtype, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^k_h, 2^-k_h) when the LSE has a gradient: the backward's D becomes D - dLSE, so the bound grows to
+    B_h = max|K| (2 d_v max|dO| max|V| + max|dLSE|). float64, rounded up (B (1 + 2^-40), log2 less 1e-9),
+    so k_h may be one below the largest power of two that fits; NaN for a non-finite bound."""
+    mk, mv, mdo = (_pattern_values(p, dtype) for p in (p_k, p_v, p_do))
+    bound = mk * (2.0 * head_dim_v * mdo * mv + dlse_max) * (1.0 + 2.0 ** -40)
+    low, high = SCALE_LOG2_RANGE
+    k = torch.floor(SCALE_LOG2_CEILING - torch.log2(bound) - 1e-9).clamp(low, high)
+    k = torch.where(bound == 0, torch.full_like(k, high), k)
+    finite = torch.isfinite(bound)
+    nan = torch.full_like(k, float("nan"))
+    return (torch.where(finite, torch.exp2(k), nan).float().contiguous(),
+            torch.where(finite, torch.exp2(-k), nan).float().contiguous())
+
+
 def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
               cu_seqlens_k: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
-              seqused_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              seqused_k: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) per query head, fp32 tensors of shape (num_heads,): the bound B_h of the module
     docstring from K, V (per KV head) and dO (per query head) over the rows the backward reads (`used_rows`:
-    padding past seqused or the last sequence may hold anything); NaN for a head whose bound is not finite.
+    padding past seqused or the last sequence may hold anything), and the LSE's gradient where it has one
+    (`dlse`, scales_with_dlse); NaN for a head whose bound is not finite.
     torch's reductions, no host synchronization: the reference and fallback of
     kernels/bwd_fixed_point_scales.py, which gives the same bits in one launch."""
     ratio = dout.shape[-2] // k.shape[-2]
     k, v = (used_rows(t, cu_seqlens_k, seqused_k) for t in (k, v))
     dout = used_rows(dout, cu_seqlens_q, seqused_q)
     p_k, p_v = (max_patterns(t).repeat_interleave(ratio) for t in (k, v))
+    if dlse is not None:  # the LSE's gradient enters D: a wider bound (scales_with_dlse)
+        return scales_with_dlse(max_patterns(dout), p_k, p_v, _max_abs_dlse(dlse, cu_seqlens_q, seqused_q),
+                                dout.dtype, v.shape[-1])
     return scales_from_patterns(max_patterns(dout), p_k, p_v, dout.dtype, v.shape[-1])
 
 
