@@ -269,13 +269,21 @@ def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q,
 def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int],
                         mask_mod=None, score_mod=None) -> None:
     """NotImplementedError for what the deterministic backward does not cover: a sliding window with a
-    user score_mod (fixed-point dQ, which takes any window, has no bound for one; the turn orders refuse
-    windows). A mask_mod replaces the window, as upstream resolves it."""
+    user score_mod or score_mod_bwd (pass either as `score_mod`: fixed-point dQ, which takes any window, has
+    no bound for one; the turn orders refuse windows). A mask_mod replaces the window, as upstream resolves
+    it."""
     if fixed_point_allowed(score_mod is not None):
         return
     if _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)[1]:
         raise NotImplementedError("deterministic=True with a sliding window (local attention) and a score_mod is not "
                                   "supported by the SM120 backward yet (without a score_mod it is)")
+
+
+def fixed_point_for(mods: Mods, deterministic: bool) -> bool:
+    """Whether a deterministic call's bound allows fixed-point dQ: no user score function. A score_mod_bwd
+    alone counts (it can return any dS, which no bound covers); softcap's pair is covered."""
+    user_score = not mods.from_softcap and (mods.score_mod is not None or mods.score_mod_bwd is not None)
+    return deterministic and fixed_point_allowed(user_score)
 
 
 def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False) -> None:
@@ -396,10 +404,11 @@ def backward(
     )
     # deterministic dQ: in 64-bit fixed point where its bound holds and turns serve badly (a window, which
     # they refuse; the block-sparse walk, whose list turns wait), else in turns (bwd_plans.deterministic_plan)
-    fixed_point = bool(deterministic) and fixed_point_allowed(mods.score_mod is not None and not mods.from_softcap)
+    fixed_point = fixed_point_for(mods, bool(deterministic))
     sparse_fixed = fixed_point and block_sparse_tensors is not None
     if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
-        check_deterministic(causal, window_size_left, window_size_right, mask_mod, score_mod)
+        check_deterministic(causal, window_size_left, window_size_right, mask_mod,
+                            score_mod if score_mod is not None else score_mod_bwd)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
                   for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))

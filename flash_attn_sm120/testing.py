@@ -378,7 +378,8 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
 
         causal = causal and testing_mods.spec(case.mods).mask_mod is None
         local = local and testing_mods.spec(case.mods).mask_mod is None
-        user_score_mod = testing_mods.spec(case.mods).score_mod is not None
+        spec = testing_mods.spec(case.mods)
+        user_score_mod = spec.score_mod is not None or spec.score_mod_bwd is not None
     if case.block_sparse:
         return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
     varlen = "packed" in (case.q_layout, case.k_layout) or "padded" in (case.q_layout, case.k_layout) or \

@@ -337,3 +337,18 @@ def test_the_lse_gradient_counts_only_the_used_rows():
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     assert fp._max_abs_dlse(packed, cu, None).tolist() == [5.0, 2.0]
     assert fp._max_abs_dlse(packed, cu, torch.tensor([1, 0], dtype=torch.int32)).tolist() == [1.0, 2.0]
+
+
+def test_a_score_mod_bwd_alone_keeps_the_call_off_fixed_point():
+    """A user's score_mod_bwd can return any dS: no bound covers it, with or without a score_mod; softcap's
+    pair is covered. And a window with only a score_mod_bwd is refused like one with a score_mod."""
+    from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd
+
+    resolve = lambda **kw: driver_bwd.resolve_mods(kw.pop("softcap", 0.0), kw.get("score_mod"),  # noqa: E731
+                                                   kw.get("score_mod_bwd"), None, None, None)
+    assert not driver_bwd.fixed_point_for(resolve(score_mod_bwd=position_scale_bwd), True)
+    assert not driver_bwd.fixed_point_for(resolve(score_mod=position_scale, score_mod_bwd=position_scale_bwd), True)
+    assert driver_bwd.fixed_point_for(resolve(softcap=10.0), True)
+    assert driver_bwd.fixed_point_for(resolve(), True) and not driver_bwd.fixed_point_for(resolve(), False)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        driver_bwd.check_deterministic(False, 64, 0, None, position_scale_bwd)
