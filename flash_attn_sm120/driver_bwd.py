@@ -499,8 +499,8 @@ def backward(
     inverse_scale = None
     if statics.dq_fixed_point:  # the int64 accumulator in dQ's slot, the per-head scales in dV's
         # one launch; torch where it cannot (layouts, seqused) or where the LSE's gradient widens the bound
-        fast = None if dlse is not None else bwd_fixed_point_scales.fixed_point_scales(k, v, dout, *index)
-        scale, inverse_scale = fast or bwd_fixed_point.dq_scales(k, v, dout, *index, dlse=dlse)
+        fast = None if dlse is not None else bwd_fixed_point_scales.fixed_point_scales(q, k, v, out, dout, *index)
+        scale, inverse_scale = fast or bwd_fixed_point.dq_scales(k, v, dout, *index, dlse=dlse, q=q, out=out)
         sems = (dq_accum_fixed, sems[1], scale)
     if statics not in _verified_keys:
         _compile_checked(statics, tensors, index, sems, window_size_left, window_size_right, q.device, mods,

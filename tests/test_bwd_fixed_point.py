@@ -242,7 +242,7 @@ def test_sm120a_scales_kernel_reads_16_bytes_per_load_and_adds_nothing_else(dtyp
         res, hist, sass = codegen.inspect_cubin(cubin_of(compiled))
     assert res["stack"] == 0 and res["local"] == 0, res
     loads = [ln for ln in sass.splitlines() if "LDG" in ln and "LDG.E.128" not in ln]
-    assert len(loads) == 2 * packed, loads  # packed: the two cu_seqlens ends, 4 bytes each
+    assert len(loads) == 4 * packed, loads  # packed: the two cu_seqlens' first and last entries, 4 bytes each
     loads = [ln for ln in sass.splitlines() if "LDG.E.128" in ln]
     assert loads and all("LDG.E.128" in ln for ln in loads), loads[:3]
     assert hist.get("VIMNMX", 0) >= len(loads) * 4  # two halves per 32-bit word, no conversion
@@ -352,3 +352,21 @@ def test_a_score_mod_bwd_alone_keeps_the_call_off_fixed_point():
     assert driver_bwd.fixed_point_for(resolve(), True) and not driver_bwd.fixed_point_for(resolve(), False)
     with pytest.raises(NotImplementedError, match="sliding window"):
         driver_bwd.check_deterministic(False, 64, 0, None, position_scale_bwd)
+
+
+def test_the_callers_O_widens_the_bound_and_a_NaN_in_Q_gives_NaN_scales():
+    """The bound holds for any O the caller passes (max(|V|, |O|)); for the forward's own O (|O| <= max|V|)
+    the scales are unchanged. A NaN or inf in Q makes its head's scales NaN, in both bound paths."""
+    k, v, do = _qkv(h=4, hk=2)
+    q = torch.randn(2, 50, 4, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    base = fp.dq_scales(k, v, do)
+    own_o = (v.float().repeat_interleave(2, dim=2) * 0.5).to(torch.bfloat16)  # |O| <= max|V|
+    assert all(torch.equal(a, b) for a, b in zip(fp.dq_scales(k, v, do, q=q, out=own_o), base))
+    big_o = own_o.clone()
+    big_o[1, 3, 2, 0] = 1000.0
+    wide, _ = fp.dq_scales(k, v, do, q=q, out=big_o)
+    assert wide[2] < base[0][2] and torch.equal(wide[[0, 1, 3]], base[0][[0, 1, 3]])
+    q[0, 0, 3, 0] = float("inf")
+    for dlse in (None, torch.zeros(2, 4, 50)):
+        scale, inverse = fp.dq_scales(k, v, do, q=q, out=own_o, dlse=dlse)
+        assert scale[3].isnan() and inverse[3].isnan() and not scale[:3].isnan().any()

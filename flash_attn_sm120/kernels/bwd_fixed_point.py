@@ -93,17 +93,18 @@ def max_patterns(x: torch.Tensor) -> torch.Tensor:
 
 
 def scales_from_patterns(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, dtype: torch.dtype,
-                         head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         head_dim_v: int, p_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) per query head from the |max| patterns of dO, K and V (int64, one per query head):
     k_h = SCALE_LOG2_CEILING - ceil(log2 B_h), the largest power of two with B_h 2^k_h <= 2^59, in exact
     integer arithmetic (B_h = 2 d_v |dO| |K| |V| = P 2^E, P < 2^42 an integer), clamped to
-    SCALE_LOG2_RANGE; a zero bound takes the range's top, a NaN or inf pattern NaN scales. The kernel's
-    `scale_exponent` does the same operations, so both give the same bits."""
+    SCALE_LOG2_RANGE; a zero bound takes the range's top, a NaN or inf pattern NaN scales (`p_q`: Q's
+    patterns, for their finiteness only). The kernel's `scale_exponent` does the same operations, so both
+    give the same bits."""
     mant_bits, bias = FORMATS[dtype]
     field_max = (1 << (15 - mant_bits)) - 1
     product = torch.full_like(p_do, head_dim_v)
     exponent = torch.zeros_like(p_do)
-    nonfinite = torch.zeros_like(p_do, dtype=torch.bool)
+    nonfinite = torch.zeros_like(p_do, dtype=torch.bool) if p_q is None else (p_q >> mant_bits) & field_max == field_max
     for pattern in (p_do, p_k, p_v):
         field, mantissa = (pattern >> mant_bits) & field_max, pattern & ((1 << mant_bits) - 1)
         nonfinite |= field == field_max
@@ -124,7 +125,8 @@ NAN_BITS = 0x7FC00000  # fp32 quiet NaN
 
 def used_rows(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], seqused: Optional[torch.Tensor]) -> torch.Tensor:
     """x with the rows no sequence uses set to 0 (a new tensor; x itself without index tensors): with
-    cu_seqlens, the rows past the last sequence's end and, with seqused, past each sequence's used length;
+    cu_seqlens, the rows before the first sequence or past the last one's end and, with seqused, past each
+    sequence's used length;
     dense (b, s, h, d) with seqused, the positions at or past seqused[b]. No host synchronization."""
     if cu_seqlens is None and seqused is None:
         return x
@@ -133,7 +135,7 @@ def used_rows(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], seqused: Opti
     else:  # packed (total, h, d)
         rows = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
         batch = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(0, cu_seqlens.shape[0] - 2)
-        keep = rows < cu_seqlens[-1]
+        keep = (rows < cu_seqlens[-1]) & (rows >= cu_seqlens[0])
         if seqused is not None:
             keep &= rows - cu_seqlens[batch] < seqused[batch]
     return torch.where(keep[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -158,12 +160,15 @@ def _max_abs_dlse(dlse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
 
 
 def scales_with_dlse(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, dlse_max: torch.Tensor,
-                     dtype: torch.dtype, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype, head_dim_v: int, p_q: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) when the LSE has a gradient: the backward's D becomes D - dLSE, so the bound grows to
     B_h = max|K| (2 d_v max|dO| max|V| + max|dLSE|). float64, rounded up (B (1 + 2^-40), log2 less 1e-9),
     so k_h may be one below the largest power of two that fits; NaN for a non-finite bound."""
     mk, mv, mdo = (_pattern_values(p, dtype) for p in (p_k, p_v, p_do))
     bound = mk * (2.0 * head_dim_v * mdo * mv + dlse_max) * (1.0 + 2.0 ** -40)
+    if p_q is not None:  # Q only for its finiteness
+        bound = torch.where(torch.isfinite(_pattern_values(p_q, dtype)), bound, torch.full_like(bound, float("nan")))
     low, high = SCALE_LOG2_RANGE
     k = torch.floor(SCALE_LOG2_CEILING - torch.log2(bound) - 1e-9).clamp(low, high)
     k = torch.where(bound == 0, torch.full_like(k, high), k)
@@ -175,22 +180,28 @@ def scales_with_dlse(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, d
 
 def dq_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
               cu_seqlens_k: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
-              seqused_k: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None
+              seqused_k: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None,
+              q: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(2^k_h, 2^-k_h) per query head, fp32 tensors of shape (num_heads,): the bound B_h of the module
     docstring from K, V (per KV head) and dO (per query head) over the rows the backward reads (`used_rows`:
     padding past seqused or the last sequence may hold anything), and the LSE's gradient where it has one
-    (`dlse`, scales_with_dlse); NaN for a head whose bound is not finite.
+    (`dlse`, scales_with_dlse). With `out` (the forward's O, as the caller passes it) the bound takes
+    max(|V|, |O|) instead of assuming |O| <= max |V|; with `q`, a NaN or inf in Q makes its head's scales
+    NaN (the int64 conversion would turn a NaN dS into 0). NaN for a head whose bound is not finite.
     torch's reductions, no host synchronization: the reference and fallback of
     kernels/bwd_fixed_point_scales.py, which gives the same bits in one launch."""
     ratio = dout.shape[-2] // k.shape[-2]
     k, v = (used_rows(t, cu_seqlens_k, seqused_k) for t in (k, v))
-    dout = used_rows(dout, cu_seqlens_q, seqused_q)
     p_k, p_v = (max_patterns(t).repeat_interleave(ratio) for t in (k, v))
+    p_do = max_patterns(used_rows(dout, cu_seqlens_q, seqused_q))
+    if out is not None:  # patterns order like magnitudes: the larger pattern is max(|V|, |O|)
+        p_v = torch.maximum(p_v, max_patterns(used_rows(out, cu_seqlens_q, seqused_q)))
+    p_q = None if q is None else max_patterns(used_rows(q, cu_seqlens_q, seqused_q))
     if dlse is not None:  # the LSE's gradient enters D: a wider bound (scales_with_dlse)
-        return scales_with_dlse(max_patterns(dout), p_k, p_v, _max_abs_dlse(dlse, cu_seqlens_q, seqused_q),
-                                dout.dtype, v.shape[-1])
-    return scales_from_patterns(max_patterns(dout), p_k, p_v, dout.dtype, v.shape[-1])
+        return scales_with_dlse(p_do, p_k, p_v, _max_abs_dlse(dlse, cu_seqlens_q, seqused_q), dout.dtype,
+                                v.shape[-1], p_q)
+    return scales_from_patterns(p_do, p_k, p_v, dout.dtype, v.shape[-1], p_q)
 
 
 def fixed_accumulator(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,8 +96,8 @@ class FixedPointPostprocess(FlashAttentionBackwardPostprocess):
             fixed = cute.make_fragment_like(tdQgdQaccum)
             cute.copy(g2r, tdQgdQaccum, fixed)
             tile_shape = (self.tile_m, self.tile_hdim)
-            acc = cute.make_rmem_tensor(
-                tiled_mma.partition_shape_C(tile_shape if const_expr(not self.dQ_swapAB) else tile_shape[::-1]), Float32)
+            mma_shape = tile_shape if const_expr(not self.dQ_swapAB) else tile_shape[::-1]
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C(mma_shape), Float32)
             acc_in_order = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
             inverse = mInverse[head_idx]
             for i in cutlass.range_constexpr(cute.size(acc)):

@@ -1,12 +1,14 @@
-"""The fixed-point dQ's per-head scales in one launch: max |K|, |V|, |dO| per head, then 2^k_h.
+"""The fixed-point dQ's per-head scales in one launch: max |K|, |V|, |O|, |dO| (and Q's finiteness), then 2^k_h.
 
 kernels/bwd_fixed_point.py adds dQ as round(x * 2^k_h) in int64, with k_h from a bound on |dQ| that
-needs max |K| and max |V| per KV head and max |dO| per query head. Computed with torch those cost
+needs max |K| and max |V| per KV head and max |dO| and max |O| per query head (O is the caller's: the
+bound must not assume |O| <= max |V|), and Q only for its finiteness (a NaN in Q makes dS NaN, which the
+int64 conversion would turn into 0). Computed with torch those cost
 more than a third of the whole fixed-point backward: 277 us of 1346 at b4 s2048 h32 d64 causal
 (H100, emulated; a strided column reduction per tensor plus a dozen one-element launches). This
-kernel reads the three tensors once at streaming bandwidth and writes the scales itself.
+kernel reads the five tensors once at streaming bandwidth and writes the scales itself.
 
-Grid (G, H + 2 H_kv): one column of CTAs per head of dO, K and V. CTA (x, s) reads row tiles x, x + G,
+Grid (G, 3 H + 2 H_kv): one column of CTAs per head of dO, K, V, Q and O. CTA (x, s) reads row tiles x, x + G,
 x + 2G, ... (R rows each) of its head, 16 bytes per load, 128 threads; G is chosen so that the grid
 holds about CTAS_PER_SM CTAs per SM (every CTA ends with one increment of a shared counter).
   * A bf16 or fp16 with its sign bit cleared orders like its magnitude as an unsigned 16-bit integer,
@@ -18,13 +20,13 @@ holds about CTAS_PER_SM CTAs per SM (every CTA ends with one increment of a shar
     2^-k_h per query head (`scale_exponent`).
 
 `scale_exponent` is exact integer arithmetic on the patterns, the same as
-bwd_fixed_point.scales_from_maxima on the host: a pattern is m 2^e exactly (m the mantissa with its
-implicit bit), so the bound B = 2 d_v |dO| |K| |V| is P 2^E with P = d_v m_dO m_K m_V < 2^42, and
+bwd_fixed_point.scales_from_patterns on the host: a pattern is m 2^e exactly (m the mantissa with its
+implicit bit), so the bound B = 2 d_v |dO| |K| max(|V|, |O|) is P 2^E with P = d_v m_dO m_K m_V < 2^42, and
 k = 59 - ceil(log2 B) = 59 - (1 + E + ceil_log2(P)), clamped to bwd_fixed_point.SCALE_LOG2_RANGE.
 That is the largest power of two with B 2^k <= 2^59. A zero bound takes the range's top; a NaN or
-inf pattern gives NaN scales (that head's dQ becomes NaN).
+inf pattern (Q's included) gives NaN scales (that head's dQ becomes NaN).
 
-With cu_seqlens only the rows before the last sequence's end count (read on the device: no host sync);
+With cu_seqlens only the rows from cu_seqlens[0] to the last sequence's end count (read on the device: no host sync);
 with seqused the wrapper declines (rows inside a sequence's span that it does not use would count) and
 dq_scales' masked torch path serves. The host wrapper (`fixed_point_scales`) needs tensors whose tokens
 share one stride (any dense
@@ -73,13 +75,16 @@ def count_leading_zeros64(x: Int64, *, loc=None, ip=None) -> Int32:
 
 
 @cute.jit
-def scale_exponent(p_do: Int32, p_k: Int32, p_v: Int32, mant_bits: cutlass.Constexpr[int],
+def scale_exponent(p_do: Int32, p_k: Int32, p_v: Int32, p_q: Int32, mant_bits: cutlass.Constexpr[int],
                    bias: cutlass.Constexpr[int], head_dim_v: cutlass.Constexpr[int]):
-    """(k_h, 1 if a pattern is NaN or inf else 0) from the three 16-bit |max| patterns (module docstring)."""
+    """(k_h, 1 if a pattern is NaN or inf else 0) from the 16-bit |max| patterns of dO, K, max(V, O) and Q
+    (Q only for its finiteness; module docstring)."""
     field_max = (1 << (15 - mant_bits)) - 1
     product = Int64(head_dim_v)
     exponent = Int32(0)
     nonfinite = Int32(0)
+    if (p_q >> mant_bits) & field_max == field_max:
+        nonfinite = Int32(1)
     for pattern in (p_do, p_k, p_v):
         field = (pattern >> mant_bits) & field_max
         mantissa = pattern & ((1 << mant_bits) - 1)
@@ -123,37 +128,47 @@ class FixedPointScales:
         self.tile_rows = max(passes, NUM_THREADS * WORDS_PER_THREAD // max(self.words) // passes * passes)
 
     @cute.jit
-    def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor, mOut: cute.Tensor, row_ctas: Int32, stream):
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor,
+                 mOut: cute.Tensor, row_ctas: Int32, stream):
         copies = [copy_utils.tiled_copy_2d(Int32, 4 * _tiling(w)[0], NUM_THREADS) for w in self.words]
-        self.kernel(mK, mV, mdO, mCuSeqlensQ, mCuSeqlensK, mWork, mOut, copies[0], copies[1]).launch(
-            grid=[row_ctas, mdO.shape[1] + 2 * mK.shape[1], 1], block=[NUM_THREADS, 1, 1], smem=16, stream=stream)
+        self.kernel(mQ, mK, mV, mO, mdO, mCuSeqlensQ, mCuSeqlensK, mWork, mOut, copies[0], copies[1]).launch(
+            grid=[row_ctas, 3 * mdO.shape[1] + 2 * mK.shape[1], 1], block=[NUM_THREADS, 1, 1], smem=16,
+            stream=stream)
 
     @cute.kernel
-    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
-               mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor, mOut: cute.Tensor, copy_k: cute.TiledCopy,
-               copy_v: cute.TiledCopy):
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor], mWork: cute.Tensor,
+               mOut: cute.Tensor, copy_k: cute.TiledCopy, copy_v: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         row_cta, slot, _ = cute.arch.block_idx()
         heads, heads_kv = mdO.shape[1], mK.shape[1]
-        # packed sequences: only the rows up to the last sequence's end (the kernels read no others)
-        rows_q, rows_k = mdO.shape[0], mK.shape[0]
+        # packed sequences: only the rows from the first sequence's start to the last one's end (the kernels
+        # read no others)
+        start_q, start_k, rows_q, rows_k = Int32(0), Int32(0), mdO.shape[0], mK.shape[0]
         if const_expr(mCuSeqlensQ is not None):
-            rows_q = mCuSeqlensQ[mCuSeqlensQ.shape[0] - 1]
+            start_q, rows_q = mCuSeqlensQ[0], mCuSeqlensQ[mCuSeqlensQ.shape[0] - 1]
         if const_expr(mCuSeqlensK is not None):
-            rows_k = mCuSeqlensK[mCuSeqlensK.shape[0] - 1]
+            start_k, rows_k = mCuSeqlensK[0], mCuSeqlensK[mCuSeqlensK.shape[0] - 1]
         smem = cutlass.utils.SmemAllocator()
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
-        # grid y: dO's heads, then K's, then V's; work slots: dO's, K's and V's at 0, H and 2H, then the counter
+        # grid y: dO's heads, K's, V's, Q's, O's; work slots: dO's, K's, V's, Q's and O's at 0, H, 2H, 3H and
+        # 4H, then the counter at 5H
         pattern = Int32(0)
         work_slot = slot
         if slot < heads:
-            pattern = self._rows_max(mdO, slot, rows_q, row_cta, copy_v, tidx)
+            pattern = self._rows_max(mdO, slot, start_q, rows_q, row_cta, copy_v, tidx)
         elif slot < heads + heads_kv:
-            pattern = self._rows_max(mK, slot - heads, rows_k, row_cta, copy_k, tidx)
-        else:
-            pattern = self._rows_max(mV, slot - heads - heads_kv, rows_k, row_cta, copy_v, tidx)
+            pattern = self._rows_max(mK, slot - heads, start_k, rows_k, row_cta, copy_k, tidx)
+        elif slot < heads + 2 * heads_kv:
+            pattern = self._rows_max(mV, slot - heads - heads_kv, start_k, rows_k, row_cta, copy_v, tidx)
             work_slot = slot + heads - heads_kv
+        elif slot < 2 * heads + 2 * heads_kv:
+            pattern = self._rows_max(mQ, slot - heads - 2 * heads_kv, start_q, rows_q, row_cta, copy_k, tidx)
+            work_slot = slot + 2 * heads - 2 * heads_kv
+        else:
+            pattern = self._rows_max(mO, slot - 2 * heads - 2 * heads_kv, start_q, rows_q, row_cta, copy_v, tidx)
+            work_slot = slot + 2 * heads - 2 * heads_kv
         pattern = max_u16x2(pattern, pattern >> 16) & 0xFFFF  # the larger half
         pattern = cute.arch.warp_redux_sync(pattern, "max")
         if tidx % 32 == 0:
@@ -162,7 +177,7 @@ class FixedPointScales:
         cute.arch.barrier()
         if tidx == 0:
             grid_x, grid_y, grid_z = cute.arch.grid_dim()
-            done = cute.arch.atomic_add(mWork.iterator + 3 * heads, Int32(1), sem="acq_rel", scope="gpu")
+            done = cute.arch.atomic_add(mWork.iterator + 5 * heads, Int32(1), sem="acq_rel", scope="gpu")
             s_last[0] = Int32(0)
             if done == grid_x * grid_y * grid_z - 1:
                 s_last[0] = Int32(1)
@@ -176,7 +191,10 @@ class FixedPointScales:
                 p_k = cute.arch.atomic_max(mWork.iterator + heads + h // ratio, Int32(0), sem="relaxed", scope="gpu")
                 p_v = cute.arch.atomic_max(mWork.iterator + 2 * heads + h // ratio, Int32(0), sem="relaxed",
                                            scope="gpu")
-                k, nonfinite = scale_exponent(p_do, p_k, p_v, self.mant_bits, self.bias, self.head_dim_v)
+                p_q = cute.arch.atomic_max(mWork.iterator + 3 * heads + h, Int32(0), sem="relaxed", scope="gpu")
+                p_o = cute.arch.atomic_max(mWork.iterator + 4 * heads + h, Int32(0), sem="relaxed", scope="gpu")
+                k, nonfinite = scale_exponent(p_do, p_k, max_u16x2(p_v, p_o), p_q, self.mant_bits, self.bias,
+                                              self.head_dim_v)
                 scale_bits = (k + 127) << 23
                 inverse_bits = (127 - k) << 23
                 if nonfinite != 0:
@@ -186,10 +204,10 @@ class FixedPointScales:
                 mOut[1, h] = inverse_bits
 
     @cute.jit
-    def _rows_max(self, mX: cute.Tensor, head: Int32, rows: Int32, row_cta: Int32, tiled_copy: cute.TiledCopy,
-                  tidx: Int32) -> Int32:
+    def _rows_max(self, mX: cute.Tensor, head: Int32, start: Int32, rows: Int32, row_cta: Int32,
+                  tiled_copy: cute.TiledCopy, tidx: Int32) -> Int32:
         """Two running 16-bit |max| patterns over this CTA's row tiles of one head (row_cta, row_cta + G, ...),
-        rows below `rows` only."""
+        rows in [start, rows) only."""
         running = Int32(0)
         words = mX.shape[2]
         tiler = (self.tile_rows, words)
@@ -201,7 +219,8 @@ class FixedPointScales:
             tXgX, tXcX = thr_copy.partition_S(gX), thr_copy.partition_S(cX)
             tXrX = cute.make_fragment_like(tXgX)
             for r in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
-                if tXcX[0, r, 0][0] < rows:
+                row = tXcX[0, r, 0][0]
+                if row < rows and row >= start:
                     cute.copy(tiled_copy, tXgX[None, r, None], tXrX[None, r, None])
                 else:
                     tXrX[None, r, None].fill(0)
@@ -237,21 +256,24 @@ def _compile(dtype: str, head_dim: int, head_dim_v: int, has_cu_seqlens_q: bool 
     work = make_fake_tensor(Int32, (cute.sym_int(),))
     cu_q, cu_k = (make_fake_tensor(Int32, (cute.sym_int(),)) if has else None
                   for has in (has_cu_seqlens_q, has_cu_seqlens_k))
-    out = make_fake_tensor(Int32, (2, heads), divisibility=1)
-    return kernel, cute.compile(kernel, fake(rows_k, heads_kv, head_dim // 2), fake(rows_k, heads_kv, head_dim_v // 2),
-                                fake(rows_q, heads, head_dim_v // 2), cu_q, cu_k, work, out, Int32(1),
-                                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {options}".strip())
+    scales = make_fake_tensor(Int32, (2, heads), divisibility=1)
+    words, words_v = head_dim // 2, head_dim_v // 2
+    tensors = (fake(rows_q, heads, words), fake(rows_k, heads_kv, words), fake(rows_k, heads_kv, words_v),
+               fake(rows_q, heads, words_v), fake(rows_q, heads, words_v))  # Q, K, V, O, dO
+    return kernel, cute.compile(kernel, *tensors, cu_q, cu_k, work, scales, Int32(1),
+                                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                                options=f"--enable-tvm-ffi {options}".strip())
 
 
-def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+def fixed_point_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                        cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                        seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(2^k_h, 2^-k_h) per query head as fp32 (num_heads,) tensors, bit for bit bwd_fixed_point.dq_scales,
-    in one launch, over the rows the backward reads (with cu_seqlens, those before the last sequence's end);
-    None where a tensor's layout does not suit the kernel (rows_heads_words) or with seqused (rows inside
-    the tensor that no sequence uses: dq_scales masks them)."""
-    views = [rows_heads_words(t) for t in (k, v, dout)]
+    in one launch, over the rows the backward reads (with cu_seqlens, those from the first sequence's start to
+    the last one's end); None where a tensor's layout does not suit the kernel (rows_heads_words) or with
+    seqused (rows inside the tensor that no sequence uses: dq_scales masks them)."""
+    views = [rows_heads_words(t) for t in (q, k, v, out, dout)]
     if any(view is None for view in views) or k.shape[-2] != v.shape[-2] or dout.shape[-2] % k.shape[-2]:
         return None
     if seqused_q is not None or seqused_k is not None:
@@ -262,11 +284,11 @@ def fixed_point_scales(k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
         _compiled[key] = _compile(*key)
     kernel, compiled = _compiled[key]
     heads = dout.shape[-2]
-    work = torch.zeros(3 * heads + 1, dtype=torch.int32, device=dout.device)
-    out = torch.empty(2, heads, dtype=torch.int32, device=dout.device)
-    row_tiles = -(-max(views[0].shape[0], views[2].shape[0]) // kernel.tile_rows)
-    slots = heads + 2 * k.shape[-2]
+    work = torch.zeros(5 * heads + 1, dtype=torch.int32, device=dout.device)
+    result = torch.empty(2, heads, dtype=torch.int32, device=dout.device)
+    row_tiles = -(-max(views[1].shape[0], views[4].shape[0]) // kernel.tile_rows)
+    slots = 3 * heads + 2 * k.shape[-2]
     ctas_wanted = CTAS_PER_SM * torch.cuda.get_device_properties(dout.device).multi_processor_count
-    compiled(*views, cu_seqlens_q, cu_seqlens_k, work, out, max(1, min(row_tiles, -(-ctas_wanted // slots))))
-    scales = out.view(torch.float32)
+    compiled(*views, cu_seqlens_q, cu_seqlens_k, work, result, max(1, min(row_tiles, -(-ctas_wanted // slots))))
+    scales = result.view(torch.float32)
     return scales[0], scales[1]
