@@ -25,8 +25,9 @@ One launch computes both (kernels/bwd_fixed_point_scales.py); `dq_scales` is its
 fallback, with the same bits. 2^59 leaves a 16x margin under int64's 2^63 for the rounding of P, dS and O. The
 kernel adds round(x * 2^k_h) with one `red.global.add.u64` per element (`red_add_fixed`); the
 multiplication by a power of two is exact, and rounding drops only what lies below 2^-k_h (about
-2^-59 B_h), far under fp32's own rounding of the larger terms. The host turns the integer sum into
-fp32 times 2^-k_h (`dequantize`) before upstream's postprocess.
+2^-59 B_h), far under fp32's own rounding of the larger terms. kernels/bwd_fixed_point_post.py turns
+the integer sum into fp32 times 2^-k_h and writes dQ in one pass; `dequantize` followed by upstream's
+postprocess is its torch reference (the same bits).
 
 Non-finite inputs: a head whose bound is not finite (NaN or inf in its K, V or dO) gets a NaN scale and
 a NaN dQ, where the fp32 atomics would give NaN in the rows that touch the bad value.
@@ -214,6 +215,6 @@ def fixed_accumulator(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def dequantize(acc: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """The fp32 accumulator (upstream's layout, new tensor) of an int64 one whose head dim is dims[-2]
+    """(The reference for kernels/bwd_fixed_point_post.py.) The fp32 accumulator (upstream's layout, new tensor) of an int64 one whose head dim is dims[-2]
     (dense: (batch, heads, n)) or dims[0] (varlen: (heads, n)); `inverse`: dq_scales' 2^-k_h."""
     return torch.mul(acc, inverse.view(-1, 1))  # int64 * fp32 -> fp32, one pass

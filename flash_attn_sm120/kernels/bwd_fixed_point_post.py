@@ -23,14 +23,15 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int64, const_expr
 from flash_attn.cute import copy_utils, utils
 from flash_attn.cute.flash_bwd_postprocess import FlashAttentionBackwardPostprocess
-from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _compute_tile_cumsum, make_fake_bwd_tensors
 from flash_attn.cute.seqlen_info import SeqlenInfoQK
 from flash_attn.cute.tile_scheduler import SingleTileScheduler, SingleTileVarlenScheduler, TileSchedulerArguments
 from quack import layout_utils
 from quack.compile_utils import make_fake_tensor
+
+from flash_attn_sm120.kernels.bwd_postprocess import batch_lookup, fake_dq_tensors
 
 POSTPROCESS_ARCH = 120
 
@@ -131,14 +132,9 @@ def _compile(dtype, head_dim: int, tile_m: int, num_threads: int, atom_m_dq: int
              has_cu_seqlens: bool, has_seqused: bool, has_cu_total_m_blocks: bool, hdim_multiple_of: int,
              options: str = ""):
     """The postprocess for any shape of these static facts (fake tensors with symbolic sizes)."""
-    tensors = make_fake_bwd_tensors(dtype, has_gqa=True, varlen_q=has_cu_seqlens, varlen_k=False)
-    mQ, mdQ, accum_fp32 = tensors[0], tensors[5], tensors[11]
+    mdQ, accum_fp32, cu_seqlens, seqused, cu_total = fake_dq_tensors(dtype, has_cu_seqlens, has_seqused,
+                                                                     has_cu_total_m_blocks)
     accum = cute.runtime.make_fake_tensor(Int64, accum_fp32.shape, stride=accum_fp32.stride, assumed_align=16)
-    batch = mQ.shape[0] if not has_cu_seqlens else cute.sym_int()
-    batch_plus_1 = cute.sym_int()
-    cu_seqlens = make_fake_tensor(Int32, (batch_plus_1,), divisibility=1) if has_cu_seqlens else None
-    seqused = make_fake_tensor(Int32, (batch,), divisibility=1) if has_seqused else None
-    cu_total = make_fake_tensor(Int32, (batch_plus_1,), divisibility=1) if has_cu_total_m_blocks else None
     inverse = make_fake_tensor(Float32, (cute.sym_int(),), divisibility=1)
     kernel = FixedPointPostprocess(dtype, head_dim, POSTPROCESS_ARCH, tile_m, num_threads, atom_m_dq, dq_swapab,
                                    hdim_multiple_of=hdim_multiple_of)
@@ -153,11 +149,7 @@ def postprocess_dq_fixed(dq_accum: torch.Tensor, inverse: torch.Tensor, dq: torc
                          hdim_multiple_of: int = 32) -> None:
     """dq = scale * 2^-k_h * dq_accum (int64, the fixed-point accumulator in upstream's layout) in dq's dtype;
     `inverse`: bwd_fixed_point.dq_scales' 2^-k_h per head. Compiled once per static key."""
-    varlen = cu_seqlens is not None or seqused is not None
-    batch = (cu_seqlens.shape[0] - 1 if cu_seqlens is not None else seqused.shape[0]) if varlen else 0
-    cu_total = None
-    if varlen and batch > BIN_BATCH_SEARCH_THRESH:  # upstream's batch-lookup aid for its varlen scheduler
-        cu_total, _ = _compute_tile_cumsum(cu_seqlens=cu_seqlens, seqused=seqused, tile_size=tile_m)
+    cu_total = batch_lookup(cu_seqlens, seqused, tile_m)
     key = (dtype, head_dim, tile_m, num_threads, atom_m_dq, dq_swapab, cu_seqlens is not None, seqused is not None,
            cu_total is not None, hdim_multiple_of)
     if key not in _compiled:

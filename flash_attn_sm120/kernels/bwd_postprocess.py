@@ -51,9 +51,9 @@ class FlashAttentionBackwardPostprocessWide(FlashAttentionBackwardPostprocess):
 _compiled: dict = {}
 
 
-def _compile(dtype, head_dim: int, tile_m: int, num_threads: int, atom_m_dq: int, dq_swapab: bool,
-             has_cu_seqlens: bool, has_seqused: bool, has_cu_total_m_blocks: bool, hdim_multiple_of: int):
-    """The postprocess for any shape of these static facts (fake tensors with symbolic sizes, as upstream's)."""
+def fake_dq_tensors(dtype, has_cu_seqlens: bool, has_seqused: bool, has_cu_total_m_blocks: bool) -> tuple:
+    """(mdQ, the fp32 dQ accumulator, cu_seqlens, seqused, cu_total_m_blocks): fake tensors with symbolic sizes,
+    as upstream compiles its postprocess (the index tensors None where absent)."""
     tensors = make_fake_bwd_tensors(dtype, has_gqa=True, varlen_q=has_cu_seqlens, varlen_k=False)
     mQ, mdQ, mdQaccum = tensors[0], tensors[5], tensors[11]
     batch = mQ.shape[0] if not has_cu_seqlens else cute.sym_int()
@@ -61,6 +61,26 @@ def _compile(dtype, head_dim: int, tile_m: int, num_threads: int, atom_m_dq: int
     cu_seqlens = make_fake_tensor(cutlass.Int32, (batch_plus_1,), divisibility=1) if has_cu_seqlens else None
     seqused = make_fake_tensor(cutlass.Int32, (batch,), divisibility=1) if has_seqused else None
     cu_total = make_fake_tensor(cutlass.Int32, (batch_plus_1,), divisibility=1) if has_cu_total_m_blocks else None
+    return mdQ, mdQaccum, cu_seqlens, seqused, cu_total
+
+
+def batch_lookup(cu_seqlens: Optional[torch.Tensor], seqused: Optional[torch.Tensor],
+                 tile_m: int) -> Optional[torch.Tensor]:
+    """Upstream's batch-lookup aid for its varlen scheduler (cumulative m-blocks per sequence) where a varlen
+    call has more sequences than BIN_BATCH_SEARCH_THRESH, else None."""
+    if cu_seqlens is None and seqused is None:
+        return None
+    batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else seqused.shape[0]
+    if batch <= BIN_BATCH_SEARCH_THRESH:
+        return None
+    return _compute_tile_cumsum(cu_seqlens=cu_seqlens, seqused=seqused, tile_size=tile_m)[0]
+
+
+def _compile(dtype, head_dim: int, tile_m: int, num_threads: int, atom_m_dq: int, dq_swapab: bool,
+             has_cu_seqlens: bool, has_seqused: bool, has_cu_total_m_blocks: bool, hdim_multiple_of: int):
+    """The postprocess for any shape of these static facts (fake tensors with symbolic sizes, as upstream's)."""
+    mdQ, mdQaccum, cu_seqlens, seqused, cu_total = fake_dq_tensors(dtype, has_cu_seqlens, has_seqused,
+                                                                   has_cu_total_m_blocks)
     kernel = FlashAttentionBackwardPostprocessWide(dtype, head_dim, POSTPROCESS_ARCH, tile_m, num_threads, atom_m_dq,
                                                    dq_swapab, hdim_multiple_of=hdim_multiple_of)
     return cute.compile(kernel, mdQaccum, mdQ, Float32(0.0), cu_seqlens, seqused, None, cu_total,
@@ -72,11 +92,7 @@ def postprocess_dq_wide(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, 
                         atom_m_dq: int, dq_swapab: bool, hdim_multiple_of: int = 32) -> None:
     """dq = scale * dq_accum in dq's dtype, for an accumulator the wide dQ adds wrote (arguments as upstream's
     `_bwd_postprocess_convert` for dQ; compiled once per static key)."""
-    varlen = cu_seqlens is not None or seqused is not None
-    batch = (cu_seqlens.shape[0] - 1 if cu_seqlens is not None else seqused.shape[0]) if varlen else 0
-    cu_total = None
-    if varlen and batch > BIN_BATCH_SEARCH_THRESH:  # upstream's batch-lookup aid for its varlen scheduler
-        cu_total, _ = _compute_tile_cumsum(cu_seqlens=cu_seqlens, seqused=seqused, tile_size=tile_m)
+    cu_total = batch_lookup(cu_seqlens, seqused, tile_m)
     key = (dtype, head_dim, tile_m, num_threads, atom_m_dq, dq_swapab, cu_seqlens is not None, seqused is not None,
            cu_total is not None, hdim_multiple_of)
     if key not in _compiled:
