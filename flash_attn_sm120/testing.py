@@ -376,15 +376,13 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
         from flash_attn_sm120 import testing_mods
 
-        causal = causal and testing_mods.spec(case.mods).mask_mod is None
-        local = local and testing_mods.spec(case.mods).mask_mod is None
         spec = testing_mods.spec(case.mods)
+        causal = causal and spec.mask_mod is None
+        local = local and spec.mask_mod is None
         user_score_mod = spec.score_mod is not None or spec.score_mod_bwd is not None
     if case.block_sparse:
         return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
-    varlen = "packed" in (case.q_layout, case.k_layout) or "padded" in (case.q_layout, case.k_layout) or \
-        case.k_layout == "paged"
-    if (local or varlen or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
+    if (local or not case.is_dense or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods))  # a MODS entry is a user modifier (Mods.user)

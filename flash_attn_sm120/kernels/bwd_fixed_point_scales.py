@@ -49,6 +49,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import copy_utils
 from quack.compile_utils import make_fake_tensor
 
+from flash_attn_sm120.device import device_info
 from flash_attn_sm120.kernels import bwd_fixed_point
 
 NUM_THREADS = 128
@@ -288,7 +289,7 @@ def fixed_point_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     result = torch.empty(2, heads, dtype=torch.int32, device=dout.device)
     row_tiles = -(-max(views[1].shape[0], views[4].shape[0]) // kernel.tile_rows)
     slots = 3 * heads + 2 * k.shape[-2]
-    ctas_wanted = CTAS_PER_SM * torch.cuda.get_device_properties(dout.device).multi_processor_count
+    ctas_wanted = CTAS_PER_SM * device_info(dout.device).num_sms
     compiled(*views, cu_seqlens_q, cu_seqlens_k, work, result, max(1, min(row_tiles, -(-ctas_wanted // slots))))
     scales = result.view(torch.float32)
     return scales[0], scales[1]
