@@ -344,8 +344,10 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
     impls = [] if args.baseline else prepare_bwd.table_candidate(info)
     if args.bwd_configs and not args.baseline:
         cands = prepare_bwd.read_bwd_candidates(args.bwd_configs)
-        impls += prepare_bwd.config_candidates(info, {n: (cfg, dims) for n, (cfg, dims, _) in cands.items()})
-        # entries with "deterministic": true are also timed deterministic, as "<name>_det"
+        impls += prepare_bwd.config_candidates(info, {n: (cfg, dims) for n, (cfg, dims, det) in cands.items()
+                                                      if det != "only"})
+        # entries with "deterministic": true are also timed deterministic, as "<name>_det"; with "only",
+        # deterministic alone (a tile for the deterministic path)
         impls += prepare_bwd.config_candidates(info, {f"{n}_det": (cfg, dims) for n, (cfg, dims, det) in cands.items()
                                                       if det}, deterministic=True)
     if args.det_variants and not args.baseline:

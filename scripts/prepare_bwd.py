@@ -339,7 +339,7 @@ CANDIDATE_EXTRAS = ("head_dims", "deterministic")  # a candidates file's keys be
 
 def read_bwd_candidates(path) -> dict:
     """A --bwd-configs file (scripts/search_bwd.py stage_candidates writes one): name -> (BwdConfig, head
-    dims or None, whether to time it deterministic too)."""
+    dims or None, whether to time it deterministic too: True, False or "only")."""
     import json
     from pathlib import Path
 
@@ -347,7 +347,13 @@ def read_bwd_candidates(path) -> dict:
 
     raw = json.loads(Path(path).read_text())
     return {n: (BwdConfig(**{k: v for k, v in c.items() if k not in CANDIDATE_EXTRAS}), c.get("head_dims"),
-                bool(c.get("deterministic"))) for n, c in raw.items()}
+                _det_flag(n, c.get("deterministic", False))) for n, c in raw.items()}
+
+
+def _det_flag(name: str, value) -> bool | str:
+    if value not in (True, False, "only"):
+        raise ValueError(f"candidate {name!r}: deterministic must be true, false or \"only\", not {value!r}")
+    return value
 
 
 def config_candidates(info, configs: dict, deterministic: bool = False) -> list[BwdImpl]:

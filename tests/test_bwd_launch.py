@@ -153,3 +153,23 @@ def test_table_entries_with_each_launch_option_compile_spill_free(sm120a, d, cau
         assert usage["local"] == 0 and usage["stack"] == 0, (name, usage)
     assert rows["plan"]["HMMA"] == rows["on"]["HMMA"] == rows["off"]["HMMA"]
     assert rows["plan"] == rows["on" if not causal else "off"]  # the plan is one of the two
+
+
+def test_candidate_files_take_a_deterministic_only_flag(tmp_path):
+    """prepare.py --bwd-configs: "deterministic" is true (time both), false, or "only" (a tile for the
+    deterministic path, timed deterministic alone); anything else is refused by name."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from prepare_bwd import read_bwd_candidates
+
+    base = dict(num_threads=256, m_block=64, n_block=128, stages_q=1, stages_do=1)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"a": {**base, "deterministic": "only"}, "b": {**base, "deterministic": True},
+                                "c": base}))
+    assert {n: det for n, (_, _, det) in read_bwd_candidates(path).items()} == {"a": "only", "b": True, "c": False}
+    path.write_text(json.dumps({"bad": {**base, "deterministic": "yes"}}))
+    with pytest.raises(ValueError, match="'bad'.*deterministic"):
+        read_bwd_candidates(path)
