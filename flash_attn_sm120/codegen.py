@@ -307,14 +307,19 @@ def bwd_report_row(
     keep_sass: Optional[dict] = None,
     block_sparse: Optional[tuple] = None,
     mods=None,
+    deterministic: bool = False,
 ) -> CodegenResult:
     """The sm_120a codegen row of one backward kernel (a kernels.bwd_tiling.BwdConfig); block_sparse:
     (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py); mods: a
-    driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile)."""
+    driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile);
+    deterministic: the dQ the deterministic plan gives a dense call (fixed point without a mask or
+    with a window, turns with a causal mask)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    ordering = {"dq_fixed_point": True} if deterministic and (local or not causal) else None
     cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
-                                        qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse, mods=mods)
-    mask = "-causal" if causal else "-local" if local else ""
+                                        qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse, mods=mods,
+                                        deterministic=deterministic, ordering=ordering)
+    mask = ("-causal" if causal else "-local" if local else "") + ("-det" if deterministic else "")
     return _row_of_cubin(cubin, smem_dyn, config.num_threads, config, keep_sass,
                          name=name or f"{config.name}-d{head_dim}{mask}", shipped=shipped, head_dim=head_dim,
                          head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)

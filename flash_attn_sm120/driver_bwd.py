@@ -160,14 +160,16 @@ def clear_cache() -> None:
 
 
 def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig],
-                  modifiers: bool = False, plain_mha: bool = False, plain: bool = False) -> BwdConfig:
+                  modifiers: bool = False, plain_mha: bool = False, plain: bool = False,
+                  deterministic: bool = False) -> BwdConfig:
     """The given or forced config (refused with the reason if SM120 cannot run it), else the table's
     (its modifier entries for a call with user modifiers: `Mods.user`; its plain-MHA and plain entries
-    for a plain MHA / plain call: config_bwd)."""
+    for a plain MHA / plain call; its deterministic entries for a deterministic call: config_bwd)."""
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
-        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers, plain_mha, plain)
+        return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers, plain_mha, plain,
+                                 deterministic)
     err = bwd_config_error(head_dim, head_dim_v, config)
     if err is not None:
         raise ValueError(f"SM120 backward config {config.name} not implementable: {err}")
@@ -430,7 +432,8 @@ def backward(
              and (not packed or qhead_per_kvhead > 1))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
-                        plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain)
+                        plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain,
+                        deterministic=bool(deterministic))
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None

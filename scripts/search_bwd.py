@@ -216,14 +216,14 @@ def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
         entry = tomllib.loads(b)["bwd"][0]
         # modifier, plain-MHA and plain entries stay
         key = (entry["head_dim"], entry["mask"], entry.get("modifiers", False), entry.get("plain_mha_only", False),
-               entry.get("plain_only", False))
+               entry.get("plain_only", False), entry.get("deterministic_only", False))
         blocks[key] = b
     # the run's own command, with the files it read and wrote as committed in the repository
     command = re.sub(r"--bwd-configs \S+", f"--bwd-configs {os.path.relpath(candidates_path, ROOT)}", doc["command"])
     command = re.sub(r"--json \S+", f"--json {os.path.relpath(result, ROOT)}", command)
     for (b, m), won in winners.items():
         if won is not None:
-            blocks[(b, m, False, False, False)] = entry_text(b, m, *won, doc["gpu"], doc["mode"], doc["date"][:10], command)
+            blocks[(b, m, False, False, False, False)] = entry_text(b, m, *won, doc["gpu"], doc["mode"], doc["date"][:10], command)
     order = sorted(blocks, key=lambda k: (k[0], {"causal": 0, "none": 1}.get(k[1], 2), k[1], k[2], not k[3]))
     toml_path.write_text(header.rstrip() + "\n\n" + "\n\n".join(blocks[k] for k in order) + "\n")
     for (b, m), won in sorted(winners.items()):

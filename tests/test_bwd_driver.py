@@ -125,13 +125,36 @@ def test_plain_entries_serve_plain_calls_of_any_head_ratio_after_the_plain_mha_e
         parse_bwd_table({"schema": 1, "bwd": [{**plain_row, "plain_only": "yes"}]})
 
 
+def test_deterministic_entries_serve_deterministic_calls_without_modifiers():
+    """An entry with deterministic_only = true is tried first by deterministic calls of its exact key (not
+    by a window's fallback to causal, nor with modifiers, which take the modifier step's entry); every other
+    call skips it. The parser refuses a second such entry per key, or one combined with another flag."""
+    causal_row = {**ROW, "mask": "causal", "stages_q": 2}
+    det_row = {**causal_row, "deterministic_only": True, "m_block": 32, "n_block": 128, "atom_m_sdp": 1,
+               "stages_q": 1}
+    mods_row = {**causal_row, "modifiers": True, "stages_q": 1}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row, det_row, mods_row]}))
+    assert [e.kind for e in table] == ["", "", "det", "mods"]
+    assert select_bwd_config(table, 128, 128, True, False, deterministic=True) == table[2].config
+    assert select_bwd_config(table, 128, 128, True, False) == table[1].config
+    assert select_bwd_config(table, 128, 128, True, False, plain=True, plain_mha=True) == table[1].config
+    assert select_bwd_config(table, 128, 128, True, False, modifiers=True, deterministic=True) == table[3].config
+    assert select_bwd_config(table, 128, 128, True, True, deterministic=True) == table[1].config  # local -> causal
+    assert select_bwd_config(table, 128, 128, False, False, deterministic=True) == table[0].config  # no such key
+    with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, deterministic_only\\)"):
+        parse_bwd_table({"schema": 1, "bwd": [det_row, det_row]})
+    with pytest.raises(ValueError, match="one of them"):
+        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "plain_only": True}]})
+    with pytest.raises(ValueError, match="deterministic_only must be true or false"):
+        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "deterministic_only": 1}]})
+
+
 def test_the_shipped_plain_mha_entry_spills_nowhere_it_serves_and_its_key_has_another():
     """The shipped plain-MHA entries: each key keeps an entry for the other calls, and the patch leaves
     them out (the patched interface never asks for one)."""
     shipped = config_bwd.load_bwd_table()
     for e in (e for e in shipped if e.plain_mha_only or e.plain_only):
-        others = [o for o in shipped if (o.head_dim, o.mask, o.modifiers, o.plain_mha_only, o.plain_only)
-                  == (e.head_dim, e.mask, False, False, False)]
+        others = [o for o in shipped if o.key == (e.head_dim, e.mask, False, False, False, False)]
         assert len(others) == 1, e
         causal = e.mask == "causal"
         flags = dict(plain_mha=True, plain=True) if e.plain_mha_only else dict(plain=True)
@@ -150,13 +173,14 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
     walk, not for a plain or softcap call (upstream's step); for the plain-MHA entries only for a plain
     call (not GQA, deterministic=True, a window, softcap, modifiers or lists); for the plain entries for
     those plain calls and plain GQA ones, packed GQA (cu_seqlens) included; packed MHA calls take neither
-    (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain."""
+    (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain.
+    A deterministic call asks for the deterministic entries."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
 
-    def spy(*args, modifiers=False, plain_mha=False, plain=False):
-        seen.append((modifiers, plain_mha, plain))
+    def spy(*args, modifiers=False, plain_mha=False, plain=False, deterministic=False):
+        seen.append((modifiers, plain_mha, plain, deterministic))
         raise _Chosen
 
     monkeypatch.setattr(driver_bwd, "choose_config", spy)
@@ -180,7 +204,7 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
                             window_size_right=window[1], **kw)
     plain_kinds = ("plain", "gqa", "varlen_gqa")
     assert seen == [(kind not in plain_kinds + ("varlen", "softcap", "deterministic", "window", "seqused"),
-                     kind == "plain", kind in plain_kinds)]
+                     kind == "plain", kind in plain_kinds, kind == "deterministic")]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)
