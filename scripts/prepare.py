@@ -348,8 +348,9 @@ def _run_bwd(args, problems: list[Problem], info, ceiling: dict | None = None) -
                                                       if det != "only"})
         # entries with "deterministic": true are also timed deterministic, as "<name>_det"; with "only",
         # deterministic alone (a tile for the deterministic path)
+        plans = {f"{n}_det": plan for n, plan in prepare_bwd.read_det_plans(args.bwd_configs).items()}
         impls += prepare_bwd.config_candidates(info, {f"{n}_det": (cfg, dims) for n, (cfg, dims, det) in cands.items()
-                                                      if det}, deterministic=True)
+                                                      if det}, deterministic=True, det_plans=plans)
     if args.det_variants and not args.baseline:
         names = None if args.det_variants == "all" else set(args.det_variants.split(","))
         for impl in prepare_bwd.deterministic_variants(info, names):

@@ -334,7 +334,9 @@ def launch_variants(info, names=None) -> list[BwdImpl]:
     return out
 
 
-CANDIDATE_EXTRAS = ("head_dims", "deterministic")  # a candidates file's keys beside the BwdConfig fields
+# a candidates file's keys beside the BwdConfig fields; "det_plan": a DET_VARIANTS name forced on the
+# candidate's deterministic runs (else driver_bwd.deterministic_plan's choice)
+CANDIDATE_EXTRAS = ("head_dims", "deterministic", "det_plan")
 
 
 def read_bwd_candidates(path) -> dict:
@@ -356,14 +358,35 @@ def _det_flag(name: str, value) -> bool | str:
     return value
 
 
-def config_candidates(info, configs: dict, deterministic: bool = False) -> list[BwdImpl]:
+def read_det_plans(path) -> dict:
+    """A --bwd-configs file's "det_plan" keys: candidate name -> DET_VARIANTS name."""
+    import json
+    from pathlib import Path
+
+    plans = {n: c["det_plan"] for n, c in json.loads(Path(path).read_text()).items() if "det_plan" in c}
+    for n, plan in plans.items():
+        if plan not in DET_VARIANTS:
+            raise ValueError(f"candidate {n!r}: det_plan {plan!r} is not one of {sorted(DET_VARIANTS)}")
+    return plans
+
+
+def config_candidates(info, configs: dict, deterministic: bool = False, det_plans: dict | None = None) -> list[BwdImpl]:
     """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
-    dim the config can run); with `deterministic`, through driver_bwd.deterministic_plan's ordering."""
+    dim the config can run); with `deterministic`, through driver_bwd.deterministic_plan's ordering, or
+    the DET_VARIANTS ordering det_plans names for it."""
+    from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error
 
     out = []
     for name, (cfg, dims) in configs.items():
         impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info, deterministic=deterministic)
+        plan = (det_plans or {}).get(name) if deterministic else None
+        if plan is not None:
+            def run(p, x, poisoned, _inner=impl.run, _flags=DET_VARIANTS[plan]):
+                with driver_bwd.force_deterministic_plan(**_flags["causal" if p.causal else "none"]):
+                    return _inner(p, x, poisoned)
+
+            impl.run = run
         impl.supports = lambda p, _c=cfg, _d=dims: ((_d is None or p.head_dim in _d)
                                                   and bwd_config_error(p.head_dim, p.dv, _c) is None)
         out.append(impl)

@@ -173,3 +173,22 @@ def test_candidate_files_take_a_deterministic_only_flag(tmp_path):
     path.write_text(json.dumps({"bad": {**base, "deterministic": "yes"}}))
     with pytest.raises(ValueError, match="'bad'.*deterministic"):
         read_bwd_candidates(path)
+
+
+def test_candidate_files_name_a_deterministic_plan_that_exists(tmp_path):
+    """A candidate's "det_plan" is a prepare_bwd.DET_VARIANTS name; a misspelt one is refused by name."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from prepare_bwd import read_bwd_candidates, read_det_plans
+
+    base = dict(num_threads=256, m_block=64, n_block=128, stages_q=1, stages_do=1, deterministic="only")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"a": {**base, "det_plan": "det_fixed_point"}, "b": base}))
+    assert read_det_plans(path) == {"a": "det_fixed_point"}
+    assert set(read_bwd_candidates(path)) == {"a", "b"}
+    path.write_text(json.dumps({"a": {**base, "det_plan": "fixed"}}))
+    with pytest.raises(ValueError, match="'a': det_plan 'fixed'"):
+        read_det_plans(path)
