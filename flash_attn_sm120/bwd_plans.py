@@ -102,6 +102,13 @@ def fixed_point_allowed(user_score_mod: bool) -> bool:
     return not user_score_mod
 
 
+def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool) -> bool:
+    """Whether a deterministic call's dQ adds take turns (else fixed point), the deterministic plan's first
+    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window.
+    dense: no cu_seqlens or seqused."""
+    return not (fixed_point and (local or not (causal and dense)))
+
+
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
                        index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,
                        fixed_point: bool = False, local: bool = False) -> dict:
@@ -142,7 +149,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
             raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
-    elif fixed_point and (local or not (causal and dense)):
+    elif not dq_takes_turns(fixed_point, causal, local, dense):
         return dict(FIXED_POINT_PLAN)
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)

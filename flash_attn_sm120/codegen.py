@@ -313,9 +313,9 @@ def bwd_report_row(
     (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py); mods: a
     driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile);
     deterministic: the dQ the deterministic plan gives a dense call (fixed point without a mask or
-    with a window, turns with a causal mask)."""
+    with a window, turns with a causal mask: a turns_only entry's)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    ordering = {"dq_fixed_point": True} if deterministic and (local or not causal) else None
+    ordering = deterministic_report_plan(config, causal, local) if deterministic else None
     cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
                                         qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse, mods=mods,
                                         deterministic=deterministic, ordering=ordering)
@@ -323,6 +323,14 @@ def bwd_report_row(
     return _row_of_cubin(cubin, smem_dyn, config.num_threads, config, keep_sass,
                          name=name or f"{config.name}-d{head_dim}{mask}", shipped=shipped, head_dim=head_dim,
                          head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)
+
+
+def deterministic_report_plan(config, causal: bool, local: bool = False) -> dict:
+    """The ordering bwd_plans.deterministic_plan gives a dense deterministic call of this config (b2 s4096 on
+    188 SMs; fixed point without a mask or with a window, descending turns with a causal mask)."""
+    from flash_attn_sm120.bwd_plans import deterministic_plan
+
+    return deterministic_plan(188, config, causal, 4096, 4096, fixed_point=True, local=local)
 
 
 def report_mods():

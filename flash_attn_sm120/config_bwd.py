@@ -10,10 +10,11 @@ plain MHA calls (`plain_mha`: one query head per KV head, dense, non-determinist
 modifiers or softcap): a tile measured faster there that spills on sm_120a in the other calls its key
 serves; those take the key's other entry. An entry marked `plain_only = true` serves the plain calls of
 any head ratio (`plain`: dense, non-deterministic, no window, modifiers or softcap; GQA included): a tile
-measured faster there that spills in a deterministic call. An entry marked `deterministic_only = true`
-serves only deterministic calls without user modifiers: a tile measured faster for their ordered or
-fixed-point dQ (fewer dQ reductions per FLOP at n_block 128) than the key's entry. `select_bwd_config` is
-a pure function of the table and the problem's static properties.
+measured faster there that spills in a deterministic call. An entry marked `turns_only = true` (causal
+keys only) serves only the deterministic calls whose dQ adds take turns (dense causal calls without a
+window or user modifiers: bwd_plans.dq_takes_turns), a tile measured faster for the turns (fewer turns
+per FLOP at n_block 128) that may spill with fixed-point dQ, which the key's other calls keep.
+`select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 
 from __future__ import annotations
@@ -70,19 +71,19 @@ class BwdTableEntry:
     modifiers: bool = False  # an entry for calls with user modifiers only (the modifier step)
     plain_mha_only: bool = False  # an entry for plain MHA calls only (dense, MHA, no window, modifiers or determinism)
     plain_only: bool = False  # an entry for plain calls only (plain_mha_only's, any number of query heads per KV head)
-    deterministic_only: bool = False  # an entry for deterministic calls without user modifiers only
+    turns_only: bool = False  # an entry for deterministic calls whose dQ takes turns only
 
     @property
     def key(self) -> tuple:
-        """(head_dim, mask, modifiers, plain_mha_only, plain_only, deterministic_only): unique in a table."""
+        """(head_dim, mask, modifiers, plain_mha_only, plain_only, turns_only): unique in a table."""
         return (self.head_dim, self.mask, self.modifiers, self.plain_mha_only, self.plain_only,
-                self.deterministic_only)
+                self.turns_only)
 
     @property
     def kind(self) -> str:
-        """"", "mods", "mha", "plain" or "det": the calls beside its key's others that the entry serves."""
+        """"", "mods", "mha", "plain" or "turns": the calls beside its key's others that the entry serves."""
         return ("mods" if self.modifiers else "mha" if self.plain_mha_only else "plain" if self.plain_only
-                else "det" if self.deterministic_only else "")
+                else "turns" if self.turns_only else "")
 
 
 def config_from_row(raw: dict) -> BwdConfig:
@@ -119,24 +120,27 @@ def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
             raise ValueError(f"{where}: missing key(s) {e}") from None
         check_entry_key(where, head_dim, mask)
         modifiers, plain_mha_only = raw.get("modifiers", False), raw.get("plain_mha_only", False)
-        plain_only, deterministic_only = raw.get("plain_only", False), raw.get("deterministic_only", False)
+        plain_only, turns_only = raw.get("plain_only", False), raw.get("turns_only", False)
         flags = (("modifiers", modifiers), ("plain_mha_only", plain_mha_only), ("plain_only", plain_only),
-                 ("deterministic_only", deterministic_only))
+                 ("turns_only", turns_only))
         for key, value in flags:
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
-        if modifiers + plain_mha_only + plain_only + deterministic_only > 1:
+        if modifiers + plain_mha_only + plain_only + turns_only > 1:
             raise ValueError(f"{where}: an entry serves calls with modifiers, plain MHA calls, plain calls or "
                              "deterministic calls, one of them")
         for key, value in (("plain_mha_only", plain_mha_only), ("plain_only", plain_only)):
             if value and mask == "local":
                 raise ValueError(f"{where}: {key} excludes windows; a local entry would serve no call")
+        if turns_only and mask != "causal":
+            raise ValueError(f"{where}: turns_only serves dense causal calls (the only ones whose dQ takes turns "
+                             f"without modifiers); a {mask!r} entry would serve no call")
         err = bwd_config_error(head_dim, head_dim, cfg)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
         prov = checked_provenance(where, raw)
         entry = BwdTableEntry(head_dim, mask, cfg, prov, modifiers=modifiers, plain_mha_only=plain_mha_only,
-                              plain_only=plain_only, deterministic_only=deterministic_only)
+                              plain_only=plain_only, turns_only=turns_only)
         if entry.key in seen:
             kind = "".join(f", {k}" for k, v in flags if v)
             raise ValueError(f"{where}: duplicate entry for ({head_dim}, {mask}{kind})")
@@ -159,7 +163,7 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
 @lru_cache(maxsize=1024)
 def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                       modifiers: bool = False, plain_mha: bool = False, plain: bool = False,
-                      deterministic: bool = False) -> BwdConfig:
+                      turns: bool = False) -> BwdConfig:
     """The table's config for this problem, else the first fallback that runs; pure.
 
     Lookup order as the forward's: exact (bucket, mask); local tries causal; then the bucket's
@@ -167,8 +171,8 @@ def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool
     modifier entry comes before its plain one; with `plain_mha` (one query head per KV head, dense,
     non-deterministic, no window, modifiers or softcap), the exact key's plain_mha_only entry does, and
     with `plain` (the same for any head ratio; plain_mha implies it) then its plain_only entry; with
-    `deterministic` and no modifiers, its deterministic_only entry. A config that cannot run the actual
-    head dims is skipped.
+    `turns` (a deterministic call whose dQ takes turns) and no modifiers, its turns_only entry. A config
+    that cannot run the actual head dims is skipped.
     """
     plain = plain or plain_mha
     bucket = head_dim_bucket(head_dim, head_dim_v)
@@ -178,7 +182,7 @@ def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool
         first = [by_key.get((bucket, m, True, False, False, False))] * modifiers
         first += [by_key.get((bucket, m, False, True, False, False))] * (plain_mha and not modifiers and m == kind)
         first += [by_key.get((bucket, m, False, False, True, False))] * (plain and not modifiers and m == kind)
-        first += [by_key.get((bucket, m, False, False, False, True))] * (deterministic and not modifiers and m == kind)
+        first += [by_key.get((bucket, m, False, False, False, True))] * (turns and not modifiers and m == kind)
         for cfg in first + [by_key.get((bucket, m, False, False, False, False))]:
             if cfg is not None and bwd_config_error(head_dim, head_dim_v, cfg) is None:
                 return cfg

@@ -49,6 +49,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     FIXED_POINT_PLAN,
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
+    dq_takes_turns,
     fixed_point_allowed,
     force_deterministic_plan,
     force_launch_plan,
@@ -161,15 +162,16 @@ def clear_cache() -> None:
 
 def choose_config(head_dim: int, head_dim_v: int, causal: bool, local: bool, config: Optional[BwdConfig],
                   modifiers: bool = False, plain_mha: bool = False, plain: bool = False,
-                  deterministic: bool = False) -> BwdConfig:
+                  turns: bool = False) -> BwdConfig:
     """The given or forced config (refused with the reason if SM120 cannot run it), else the table's
     (its modifier entries for a call with user modifiers: `Mods.user`; its plain-MHA and plain entries
-    for a plain MHA / plain call; its deterministic entries for a deterministic call: config_bwd)."""
+    for a plain MHA / plain call; its turns entries for a deterministic call whose dQ takes turns:
+    config_bwd)."""
     if config is None and _forced_config:
         config = _forced_config[-1]
     if config is None:
         return select_bwd_config(load_bwd_table(), head_dim, head_dim_v, causal, local, modifiers, plain_mha, plain,
-                                 deterministic)
+                                 turns)
     err = bwd_config_error(head_dim, head_dim_v, config)
     if err is not None:
         raise ValueError(f"SM120 backward config {config.name} not implementable: {err}")
@@ -430,10 +432,15 @@ def backward(
     no_seqused_or_lists = block_sparse_tensors is None and seqused_q is None and seqused_k is None
     plain = (no_seqused_or_lists and not deterministic and not local and mods.score_mod is None and not mods.user
              and (not packed or qhead_per_kvhead > 1))
+    # the turns entries for deterministic calls whose dQ takes turns, without softcap or modifiers (their
+    # registers: the turns tiles sit at 255)
+    turns_entry = (bool(deterministic) and block_sparse_tensors is None and mods.score_mod is None and not mods.user
+                   and dq_takes_turns(fixed_point, causal, local,
+                                      dense=not packed and seqused_q is None and seqused_k is None))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
                         plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain,
-                        deterministic=bool(deterministic))
+                        turns=turns_entry)
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None

@@ -385,7 +385,8 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     if (local or not case.is_dense or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
-                            modifiers=bool(case.mods), deterministic=True)  # a MODS entry is a user modifier (Mods.user)
+                            modifiers=bool(case.mods),  # a MODS entry is a user modifier (Mods.user)
+                            turns=not case.softcap)  # (the driver's turns entries: no softcap or modifiers)
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
     seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
     seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)

@@ -41,6 +41,13 @@ VARIANTS = {
     "fp16": dict(causal=True, dtype="float16"),
     "det": dict(causal=True, deterministic=True),
     "det_fixed": dict(causal=False, deterministic=True, ordering={"dq_fixed_point": True}),
+    # a deterministic causal entry's other calls: GQA in turns, packed sequences in fixed point (varlen)
+    "det_gqa": dict(causal=True, deterministic=True, qhead_per_kvhead=2),
+    "det_fp16": dict(causal=True, deterministic=True, dtype="float16"),
+    "det_rotated": dict(causal=False, deterministic=True, ordering={"dq_rotated": True, "fused_turns": True}),
+    "det_fixed_causal": dict(causal=True, deterministic=True, ordering={"dq_fixed_point": True}),
+    "det_fixed_varlen_gqa": dict(causal=True, deterministic=True, qhead_per_kvhead=4, varlen=True,
+                                 ordering={"dq_fixed_point": True}),
     "varlen": dict(causal=True, varlen=True),
     "varlen_gqa": dict(causal=True, qhead_per_kvhead=4, varlen=True),
 }

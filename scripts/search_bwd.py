@@ -216,7 +216,7 @@ def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
         entry = tomllib.loads(b)["bwd"][0]
         # modifier, plain-MHA and plain entries stay
         key = (entry["head_dim"], entry["mask"], entry.get("modifiers", False), entry.get("plain_mha_only", False),
-               entry.get("plain_only", False), entry.get("deterministic_only", False))
+               entry.get("plain_only", False), entry.get("turns_only", False))
         blocks[key] = b
     # the run's own command, with the files it read and wrote as committed in the repository
     command = re.sub(r"--bwd-configs \S+", f"--bwd-configs {os.path.relpath(candidates_path, ROOT)}", doc["command"])

@@ -73,7 +73,7 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
         jobs.append(lambda e=e: bwd_report_row(
             e.config, e.head_dim, name=f"bwd/{e.head_dim}/{e.mask}{'/' + e.kind if e.kind else ''}/{e.config.name}",
             shipped=True, causal=e.mask == "causal", local=e.mask == "local", mods=report_mods() if e.modifiers else None,
-            deterministic=e.deterministic_only))
+            deterministic=e.turns_only))
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
         jobs.append(lambda i=i, cfg=cfg, d=d: bwd_report_row(cfg, d, name=f"bwd/fallback{i}/d{d}/{cfg.name}",

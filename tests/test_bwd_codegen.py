@@ -85,13 +85,17 @@ def _shipped_bwd():
 
     # a modifier entry (modifiers = true) is compiled with the modifier step it serves (codegen.report_mods)
     out = [(f"table-d{e.head_dim}-{e.mask}{'-mods' if e.modifiers else ''}{'-mha' if e.plain_mha_only else ''}"
-            f"{'-plain' if e.plain_only else ''}", e.config, e.head_dim, e.mask) for e in load_bwd_table()]
+            f"{'-plain' if e.plain_only else ''}{'-turns' if e.turns_only else ''}", e.config, e.head_dim, e.mask)
+           for e in load_bwd_table()]
     # a plain-MHA entry also serves float16 calls (its tile sits at 255 registers), a plain entry GQA calls
     # of either dtype (the dK/dV accumulators' epilogue)
     out += [(f"table-d{e.head_dim}-{e.mask}-mha-fp16", e.config, e.head_dim, e.mask)
             for e in load_bwd_table() if e.plain_mha_only]
     out += [(f"table-d{e.head_dim}-{e.mask}-plain-gqa{suffix}", e.config, e.head_dim, e.mask)
             for e in load_bwd_table() if e.plain_only for suffix in ("", "-fp16")]
+    # a turns entry runs deterministic causal calls in turns, MHA or GQA, either dtype
+    out += [(f"table-d{e.head_dim}-{e.mask}-turns{suffix}", e.config, e.head_dim, e.mask)
+            for e in load_bwd_table() if e.turns_only for suffix in ("-fp16", "-gqa")]
     for i, cfg in enumerate(BWD_FALLBACKS):
         d = max(d for d in range(8, 257, 8) if bwd_config_error(d, d, cfg) is None)
         out += [(f"fallback{i}-d{d}-{m}", cfg, d, m) for m in ("none", "causal")]
@@ -104,8 +108,11 @@ def test_shipped_backward_configs_do_not_spill_on_sm120a(name, cfg, d, mask):
     mods = codegen.report_mods() if name.endswith("-mods") else None
     dtype = "float16" if name.endswith("-fp16") else "bfloat16"
     gqa = 4 if "-gqa" in name else 1
+    turns = "-turns" in name  # in the deterministic plan's turns
+    ordering = codegen.deterministic_report_plan(cfg, mask == "causal") if turns else None
     res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(cfg, d, causal=mask == "causal", mods=mods,
-                                                                   dtype=dtype, qhead_per_kvhead=gqa)[0])
+                                                                   dtype=dtype, qhead_per_kvhead=gqa,
+                                                                   deterministic=turns, ordering=ordering)[0])
     assert hist.get("HMMA", 0) > 0
     if d > 192:
         # d > 192, the one exception, and why: no 8-warp tile fits 99 KB, so 4 warps hold the dK/dV/dQ

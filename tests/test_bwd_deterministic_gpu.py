@@ -59,6 +59,7 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (1, 777, 900, 4, 4, 128, False),
     (2, 513, 513, 8, 2, 64, True),      # the d64 entry (Q/dO 2 stages)
     (1, 600, 700, 6, 3, 96, False),     # the d96 entry (4 warps, 32x64: the widened preprocess pass)
+    (2, 900, 900, 6, 3, 96, True),      # the d96 turns entry: 8 warps 64x128, V in registers, descending turns, GQA
     (1, 1000, 700, 4, 2, 128, False),   # rotated, d128's 32x128 tile: 32 m_blocks, 6 n_blocks (neither divides), GQA
     (2, 256, 1024, 4, 4, 128, False),   # rotated: as many m_blocks as n_blocks (8)
     (1, 1024, 1024, 4, 4, 128, False),  # rotated: m_blocks a multiple of the n_blocks (32, 8)

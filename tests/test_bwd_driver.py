@@ -125,28 +125,42 @@ def test_plain_entries_serve_plain_calls_of_any_head_ratio_after_the_plain_mha_e
         parse_bwd_table({"schema": 1, "bwd": [{**plain_row, "plain_only": "yes"}]})
 
 
-def test_deterministic_entries_serve_deterministic_calls_without_modifiers():
-    """An entry with deterministic_only = true is tried first by deterministic calls of its exact key (not
-    by a window's fallback to causal, nor with modifiers, which take the modifier step's entry); every other
-    call skips it. The parser refuses a second such entry per key, or one combined with another flag."""
+def test_turns_entries_serve_deterministic_calls_in_turns_only():
+    """An entry with turns_only = true is tried first by the deterministic calls whose dQ takes turns, of its
+    exact key (not by a window's fallback to causal, nor with modifiers, which take the modifier step's
+    entry); every other call skips it. The parser refuses a second such entry per key, one combined with
+    another flag, and one on a key without a causal mask (no call without modifiers takes turns there)."""
     causal_row = {**ROW, "mask": "causal", "stages_q": 2}
-    det_row = {**causal_row, "deterministic_only": True, "m_block": 32, "n_block": 128, "atom_m_sdp": 1,
+    det_row = {**causal_row, "turns_only": True, "m_block": 32, "n_block": 128, "atom_m_sdp": 1,
                "stages_q": 1}
     mods_row = {**causal_row, "modifiers": True, "stages_q": 1}
     table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, causal_row, det_row, mods_row]}))
-    assert [e.kind for e in table] == ["", "", "det", "mods"]
-    assert select_bwd_config(table, 128, 128, True, False, deterministic=True) == table[2].config
+    assert [e.kind for e in table] == ["", "", "turns", "mods"]
+    assert select_bwd_config(table, 128, 128, True, False, turns=True) == table[2].config
     assert select_bwd_config(table, 128, 128, True, False) == table[1].config
     assert select_bwd_config(table, 128, 128, True, False, plain=True, plain_mha=True) == table[1].config
-    assert select_bwd_config(table, 128, 128, True, False, modifiers=True, deterministic=True) == table[3].config
-    assert select_bwd_config(table, 128, 128, True, True, deterministic=True) == table[1].config  # local -> causal
-    assert select_bwd_config(table, 128, 128, False, False, deterministic=True) == table[0].config  # no such key
-    with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, deterministic_only\\)"):
+    assert select_bwd_config(table, 128, 128, True, False, modifiers=True, turns=True) == table[3].config
+    assert select_bwd_config(table, 128, 128, True, True, turns=True) == table[1].config  # local -> causal
+    assert select_bwd_config(table, 128, 128, False, False, turns=True) == table[0].config  # no such key
+    with pytest.raises(ValueError, match="duplicate entry for \\(128, causal, turns_only\\)"):
         parse_bwd_table({"schema": 1, "bwd": [det_row, det_row]})
     with pytest.raises(ValueError, match="one of them"):
         parse_bwd_table({"schema": 1, "bwd": [{**det_row, "plain_only": True}]})
-    with pytest.raises(ValueError, match="deterministic_only must be true or false"):
-        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "deterministic_only": 1}]})
+    with pytest.raises(ValueError, match="turns_only must be true or false"):
+        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "turns_only": 1}]})
+    with pytest.raises(ValueError, match="turns_only serves dense causal calls"):
+        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "mask": "none"}]})
+
+
+def test_the_shipped_turns_entries_serve_the_dense_causal_deterministic_calls_only():
+    """Each shipped turns entry: a causal key that keeps another entry for its fixed-point and other calls."""
+    shipped = config_bwd.load_bwd_table()
+    for e in (e for e in shipped if e.turns_only):
+        other = [o for o in shipped if o.key == (e.head_dim, e.mask, False, False, False, False)]
+        assert e.mask == "causal" and len(other) == 1, e
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, False, turns=True) == e.config
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, False) == other[0].config  # fixed point
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, True, turns=True) != e.config  # a window
 
 
 def test_the_shipped_plain_mha_entry_spills_nowhere_it_serves_and_its_key_has_another():
@@ -167,44 +181,49 @@ class _Chosen(Exception):
 
 
 @pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse", "gqa",
-                                  "deterministic", "window", "varlen", "varlen_gqa", "seqused"])
+                                  "deterministic", "det_causal", "det_causal_seqused", "det_causal_softcap",
+                                  "window", "varlen",
+                                  "varlen_gqa", "seqused"])
 def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
     """backward() asks for the modifier entries for user modifiers (Mods.user) and for the block-sparse
     walk, not for a plain or softcap call (upstream's step); for the plain-MHA entries only for a plain
     call (not GQA, deterministic=True, a window, softcap, modifiers or lists); for the plain entries for
     those plain calls and plain GQA ones, packed GQA (cu_seqlens) included; packed MHA calls take neither
     (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain.
-    A deterministic call asks for the deterministic entries."""
+    A deterministic call asks for the turns entries where its dQ takes turns (dense causal), not where it
+    is added in fixed point (no mask, seqused)."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
 
-    def spy(*args, modifiers=False, plain_mha=False, plain=False, deterministic=False):
-        seen.append((modifiers, plain_mha, plain, deterministic))
+    def spy(*args, modifiers=False, plain_mha=False, plain=False, turns=False):
+        seen.append((modifiers, plain_mha, plain, turns))
         raise _Chosen
 
     monkeypatch.setattr(driver_bwd, "choose_config", spy)
-    kw = dict(softcap=30.0) if kind == "softcap" else dict(mask_mod=prefix_lm) if kind == "mask_mod" else \
+    kw = dict(softcap=30.0) if kind.endswith("softcap") else dict(mask_mod=prefix_lm) if kind == "mask_mod" else \
         dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd) if kind == "score_mod" else \
         dict(aux_tensors=[torch.zeros(4)]) if kind == "aux" else \
         dict(block_sparse_tensors=object()) if kind == "block_sparse" else \
-        dict(deterministic=True) if kind == "deterministic" else {}
+        dict(deterministic=True) if kind.startswith("det") else {}
+    if kind == "det_causal_softcap":
+        kw = dict(kw, softcap=30.0)
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
     if kind.startswith("varlen"):  # two packed sequences of 24 and 40 tokens
         q, lse = q[0], lse[0]
         cu = torch.tensor([0, 24, 64], dtype=torch.int32)
         kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40)
-    elif kind == "seqused":
-        kw = dict(seqused_q=torch.tensor([50], dtype=torch.int32), seqused_k=torch.tensor([50], dtype=torch.int32))
+    elif kind.endswith("seqused"):
+        kw = dict(kw, seqused_q=torch.tensor([50], dtype=torch.int32), seqused_k=torch.tensor([50], dtype=torch.int32))
     kv = q[..., :1, :] if kind.endswith("gqa") else q
     window = (32, 0) if kind == "window" else (None, None)
     with pytest.raises(_Chosen):
-        driver_bwd.backward(q, kv, kv, q, q, lse, softmax_scale=None, causal=False, window_size_left=window[0],
+        driver_bwd.backward(q, kv, kv, q, q, lse, softmax_scale=None, causal=kind.startswith("det_causal"), window_size_left=window[0],
                             window_size_right=window[1], **kw)
     plain_kinds = ("plain", "gqa", "varlen_gqa")
-    assert seen == [(kind not in plain_kinds + ("varlen", "softcap", "deterministic", "window", "seqused"),
-                     kind == "plain", kind in plain_kinds, kind == "deterministic")]
+    assert seen == [(kind not in plain_kinds + ("varlen", "softcap", "window", "seqused") and not kind.startswith("det"),
+                     kind == "plain", kind in plain_kinds, kind == "det_causal")]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)

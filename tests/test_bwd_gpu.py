@@ -27,8 +27,7 @@ EXTRA = [
 ]
 CONFIGS = ([("upstream", upstream_bwd_config(64)), ("upstream", upstream_bwd_config(128))]
            + [(f"fallback{i}", c) for i, c in enumerate(BWD_FALLBACKS)]
-           + [(f"table-d{e.head_dim}-{e.mask}{'-mha' if e.plain_mha_only else ''}{'-plain' if e.plain_only else ''}",
-               e.config) for e in load_bwd_table()]
+           + [(f"table-d{e.head_dim}-{e.mask}{'-' + e.kind if e.kind else ''}", e.config) for e in load_bwd_table()]
            + [("extra", c) for c in EXTRA])
 
 

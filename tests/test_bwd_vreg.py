@@ -192,7 +192,9 @@ def test_probe_refuses_an_unknown_variant():
 
     with pytest.raises(SystemExit):
         bwd_ldsm_probe.main(["128:bwd-w4-32x64-q1do1-a112-vreg", "--variants", "local,sideways"])
-    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "det_fixed", "varlen", "varlen_gqa"}
+    assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "det_fixed", "varlen", "varlen_gqa",
+                                             "det_gqa", "det_fp16", "det_rotated", "det_fixed_causal",
+                                             "det_fixed_varlen_gqa"}
     assert bwd_ldsm_probe.VARIANTS["det_fixed"]["ordering"] == {"dq_fixed_point": True}
 
 

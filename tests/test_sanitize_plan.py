@@ -91,6 +91,7 @@ DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each e
     "bwd-d64-det-varlen": "ascending",
     "bwd-d96-det-seqused-causal": "ascending",
     "bwd-d128-det-varlen-gqa": "fixed",
+    "bwd-d96-det-causal-turns-entry": "descending+reversed",
 }
 
 

@@ -197,6 +197,8 @@ def render_plan_adapter() -> str:
     code = top_level_source(pkg_bwd_plans, "deterministic_plan")
     for old, new in _PLAN_EDITS:
         code = substitute(code, old, new, where=PLAN_WHERE)
+    code = _join_defs([top_level_source(pkg_bwd_plans, "dq_takes_turns"), code])
+    code = rename(code, "dq_takes_turns", "sm120_bwd_dq_takes_turns", where=PLAN_WHERE)
     code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)
     code = rename(code, "BwdConfig", "Sm120BwdConfig", where=PLAN_WHERE)
     left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b", code)
@@ -215,9 +217,9 @@ def render_bwd_configs_module(table) -> str:
     if own_step:
         raise AnchorError(f"{where}: table rows {own_step} keep P/dS in registers, which only the modifier step "
                           "runs; the patched interface builds the tuned class (route them in step_mods.py)")
-    # a plain_mha_only / plain_only row runs a tile only this package's routing takes for plain (MHA) calls
+    # a plain_mha_only / plain_only / turns_only row runs a tile only this package's routing takes (plain or turns calls)
     # (with V in registers on the modifier step); the patched interface never asks for one, so the row stays here
-    table = tuple(e for e in table if not (e.plain_mha_only or e.plain_only))
+    table = tuple(e for e in table if not (e.plain_mha_only or e.plain_only or e.turns_only))
     code = _join_defs(top_level_source(pkg_config_bwd, n) for n in ("BWD_FALLBACKS", "BwdTableEntry", "select_bwd_config"))
     for old, new in _BWD_CONFIG_EDITS:
         code = substitute(code, old, new, where=where)

@@ -246,7 +246,7 @@ def enable_vreg_entries(configs_text: str, table) -> str:
     """The lifted table's entries measured with V in registers, turned on (the previous patch lifts them
     off: its tuned class runs upstream's step, which re-reads V from shared memory)."""
     for e in table:
-        if e.config.v_in_regs and not (e.plain_mha_only or e.plain_only):  # those rows are not lifted (step_bwd_configs)
+        if e.config.v_in_regs and not (e.plain_mha_only or e.plain_only or e.turns_only):  # those rows are not lifted (step_bwd_configs)
             new = table_entry_literal(e, v_in_regs=True).replace(VREG_MARK, VREG_ON_MARK)
             configs_text = substitute(configs_text, table_entry_literal(e, v_in_regs=False), new, where=CONFIGS_REL)
     return configs_text
