@@ -96,6 +96,12 @@ class force_deterministic_plan(_Forced):
     stack, known, what = _forced_plan, _ORDERING_FLAGS, "deterministic ordering flags"
 
 
+def plan_forced() -> bool:
+    """Whether a force_deterministic_plan is active (its calls keep their key's entries: config_bwd's turns
+    entries are measured and spill-checked with the plan's own ordering only)."""
+    return bool(_forced_plan)
+
+
 def fixed_point_allowed(user_score_mod: bool) -> bool:
     """Whether a deterministic call may add dQ in fixed point (kernels/bwd_fixed_point.py): its bound holds
     without a user's score_mod_bwd (softcap's is covered), for dense, varlen and block-sparse calls alike."""

@@ -12,8 +12,9 @@ serves; those take the key's other entry. An entry marked `plain_only = true` se
 any head ratio (`plain`: dense, non-deterministic, no window, modifiers or softcap; GQA included): a tile
 measured faster there that spills in a deterministic call. An entry marked `turns_only = true` (causal
 keys only) serves only the deterministic calls whose dQ adds take turns (dense causal calls without a
-window or user modifiers: bwd_plans.dq_takes_turns), a tile measured faster for the turns (fewer turns
-per FLOP at n_block 128) that may spill with fixed-point dQ, which the key's other calls keep.
+window, softcap or user modifiers: bwd_plans.dq_takes_turns; not under a forced plan), a tile measured
+faster for the turns (fewer turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the
+key's other calls (packed or seqused, causal) keep.
 `select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 

@@ -50,6 +50,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
     dq_takes_turns,
+    plan_forced,
     fixed_point_allowed,
     force_deterministic_plan,
     force_launch_plan,
@@ -433,10 +434,10 @@ def backward(
     plain = (no_seqused_or_lists and not deterministic and not local and mods.score_mod is None and not mods.user
              and (not packed or qhead_per_kvhead > 1))
     # the turns entries for deterministic calls whose dQ takes turns, without softcap or modifiers (their
-    # registers: the turns tiles sit at 255)
+    # registers: the turns tiles sit at 255), in the plan's own ordering (not under a forced plan)
     turns_entry = (bool(deterministic) and block_sparse_tensors is None and mods.score_mod is None and not mods.user
-                   and dq_takes_turns(fixed_point, causal, local,
-                                      dense=not packed and seqused_q is None and seqused_k is None))
+                   and not plan_forced() and dq_takes_turns(fixed_point, causal, local,
+                                                            dense=not packed and seqused_q is None and seqused_k is None))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
                         plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain,

@@ -386,7 +386,8 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
         return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods),  # a MODS entry is a user modifier (Mods.user)
-                            turns=not case.softcap)  # (the driver's turns entries: no softcap or modifiers)
+                            # the driver's turns entries: no softcap, modifiers or forced plan
+                            turns=not case.softcap and not driver_bwd.plan_forced())
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
     seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
     seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)

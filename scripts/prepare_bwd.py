@@ -363,10 +363,13 @@ def read_det_plans(path) -> dict:
     import json
     from pathlib import Path
 
-    plans = {n: c["det_plan"] for n, c in json.loads(Path(path).read_text()).items() if "det_plan" in c}
+    raw = json.loads(Path(path).read_text())
+    plans = {n: c["det_plan"] for n, c in raw.items() if "det_plan" in c}
     for n, plan in plans.items():
         if plan not in DET_VARIANTS:
             raise ValueError(f"candidate {n!r}: det_plan {plan!r} is not one of {sorted(DET_VARIANTS)}")
+        if not raw[n].get("deterministic"):
+            raise ValueError(f"candidate {n!r}: det_plan needs \"deterministic\": true or \"only\"")
     return plans
 
 
@@ -389,6 +392,9 @@ def config_candidates(info, configs: dict, deterministic: bool = False, det_plan
             impl.run = run
         impl.supports = lambda p, _c=cfg, _d=dims: ((_d is None or p.head_dim in _d)
                                                   and bwd_config_error(p.head_dim, p.dv, _c) is None)
+        if plan is not None:  # a forced ordering: where deterministic_variants runs it (turns refuse windows)
+            impl.supports = lambda p, _s=impl.supports, _v=plan in _VARLEN_VARIANTS: (
+                _s(p) and (_v or not p.is_varlen) and p.window == (None, None))
         out.append(impl)
     return out
 

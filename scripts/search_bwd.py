@@ -214,7 +214,7 @@ def stage_write(result: Path, candidates_path: Path, toml_path: Path) -> None:
     for b in old_blocks:
         b = "[[bwd]]" + b.rstrip()
         entry = tomllib.loads(b)["bwd"][0]
-        # modifier, plain-MHA and plain entries stay
+        # modifier, plain-MHA, plain and turns entries stay
         key = (entry["head_dim"], entry["mask"], entry.get("modifiers", False), entry.get("plain_mha_only", False),
                entry.get("plain_only", False), entry.get("turns_only", False))
         blocks[key] = b

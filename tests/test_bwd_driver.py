@@ -2,6 +2,7 @@
 layouts against upstream's, and that autograd reaches driver_bwd in the SM120 modes."""
 
 import math
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +151,26 @@ def test_turns_entries_serve_deterministic_calls_in_turns_only():
         parse_bwd_table({"schema": 1, "bwd": [{**det_row, "turns_only": 1}]})
     with pytest.raises(ValueError, match="turns_only serves dense causal calls"):
         parse_bwd_table({"schema": 1, "bwd": [{**det_row, "mask": "none"}]})
+
+
+def test_a_forced_plan_keeps_the_keys_entry(monkeypatch):
+    """Under force_deterministic_plan (benchmarks, tests of the orderings) a dense causal deterministic call
+    does not take the turns entry: those are measured and spill-checked with the plan's own ordering only
+    (the d96 one spills with fixed-point dQ)."""
+    seen = []
+
+    def spy(*args, turns=False, **kw):
+        seen.append(turns)
+        raise _Chosen
+
+    monkeypatch.setattr(driver_bwd, "choose_config", spy)
+    q = torch.zeros(1, 64, 2, 96, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    for forced in (None, dict(dq_fixed_point=True), dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True)):
+        with pytest.raises(_Chosen), (driver_bwd.force_deterministic_plan(**forced) if forced else nullcontext()):
+            driver_bwd.backward(q, q, q, q, q, lse, softmax_scale=None, causal=True, window_size_left=None,
+                                window_size_right=None, deterministic=True)
+    assert seen == [True, False, False]
 
 
 def test_the_shipped_turns_entries_serve_the_dense_causal_deterministic_calls_only():

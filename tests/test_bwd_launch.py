@@ -192,3 +192,28 @@ def test_candidate_files_name_a_deterministic_plan_that_exists(tmp_path):
     path.write_text(json.dumps({"a": {**base, "det_plan": "fixed"}}))
     with pytest.raises(ValueError, match="'a': det_plan 'fixed'"):
         read_det_plans(path)
+    path.write_text(json.dumps({"a": {**base, "deterministic": False, "det_plan": "det_fixed_point"}}))
+    with pytest.raises(ValueError, match="'a': det_plan needs"):  # it would be ignored
+        read_det_plans(path)
+
+
+def test_a_candidates_forced_ordering_runs_where_the_variant_does():
+    """A det_plan candidate keeps deterministic_variants' filter: turn orders need a dense call without a
+    window; fixed point runs varlen too."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from prepare_bwd import config_candidates
+
+    from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
+
+    cfg = BwdConfig(256, 64, 128, 1, 1, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4, v_in_regs=True)
+    info = SimpleNamespace(emulated=True)
+    impls = config_candidates(info, {"t": (cfg, [96]), "f": (cfg, [96]), "plain": (cfg, [96])}, deterministic=True,
+                              det_plans={"t": "det_fused", "f": "det_fixed_point"})
+    prob = lambda **kw: SimpleNamespace(**{**dict(head_dim=96, dv=96, is_varlen=False, window=(None, None)), **kw})  # noqa: E731
+    support = {i.name: (i.supports(prob()), i.supports(prob(is_varlen=True)), i.supports(prob(window=(32, 0))))
+               for i in impls}
+    assert support == {"t": (True, False, False), "f": (True, True, False), "plain": (True, True, True)}
