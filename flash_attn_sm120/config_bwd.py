@@ -14,7 +14,7 @@ measured faster there that spills in a deterministic call. An entry marked `turn
 keys only) serves only the deterministic calls whose dQ adds take turns (dense causal calls without a
 window, softcap or user modifiers: bwd_plans.dq_takes_turns; not under a forced plan), a tile measured
 faster for the turns (fewer turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the
-key's other calls (packed or seqused, causal) keep.
+key's other calls (packed or seqused, causal) keep. For now MHA calls only (TURNS_ENTRIES_SERVE_GQA).
 `select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 
@@ -43,6 +43,10 @@ from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
 BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)
+# Whether turns entries serve GQA calls too. Off until the shipped one has run GQA on a GPU: its tile was
+# timed and checked against the fp32 reference on MHA problems only (session 34, the device time ran
+# out); GQA calls keep the key's other entry. tests/test_bwd_deterministic_gpu.py runs it on GQA forced.
+TURNS_ENTRIES_SERVE_GQA = False
 
 # Tried in order when the table has no entry that runs the head dims: within 99 KB and spill-free on
 # sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,

@@ -56,7 +56,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     force_launch_plan,
     launch_plan,
 )
-from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, select_bwd_config
+from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, bwd_config_from_name, load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
@@ -436,8 +436,9 @@ def backward(
     # the turns entries for deterministic calls whose dQ takes turns, without softcap or modifiers (their
     # registers: the turns tiles sit at 255), in the plan's own ordering (not under a forced plan)
     turns_entry = (bool(deterministic) and block_sparse_tensors is None and mods.score_mod is None and not mods.user
-                   and not plan_forced() and dq_takes_turns(fixed_point, causal, local,
-                                                            dense=not packed and seqused_q is None and seqused_k is None))
+                   and not plan_forced() and (qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA)
+                   and dq_takes_turns(fixed_point, causal, local,
+                                      dense=not packed and seqused_q is None and seqused_k is None))
     cfg = choose_config(head_dim, head_dim_v, causal, local, config,
                         modifiers=mods.user or block_sparse_tensors is not None,
                         plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain,

@@ -370,7 +370,7 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import driver_bwd
-    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+    from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, load_bwd_table, select_bwd_config
 
     causal, local, user_score_mod = case.causal, case.local, False
     if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
@@ -387,7 +387,8 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
                             modifiers=bool(case.mods),  # a MODS entry is a user modifier (Mods.user)
                             # the driver's turns entries: no softcap, modifiers or forced plan
-                            turns=not case.softcap and not driver_bwd.plan_forced())
+                            turns=not case.softcap and not driver_bwd.plan_forced()
+                            and (case.qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA))
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
     seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
     seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)

@@ -107,8 +107,9 @@ BWD_SHAPES = (
     ("bwd-d64-det-local", AttnCase("bfloat16", 64, 64, 2, None, "local_lr", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((400,), (450,), nheads_kv=1, window_left=100, window_right=30, seed=24)),
-    # the d96 causal turns entry (8 warps 64x128, V in registers: config_bwd turns_only), GQA: descending turns
-    ("bwd-d96-det-causal-turns-entry", AttnCase("bfloat16", 96, 96, 2, None, "causal", 0.0, False, "dense", "dense",
+    # the d96 causal turns entry (8 warps 64x128, V in registers: config_bwd turns_only; MHA calls for now):
+    # descending turns
+    ("bwd-d96-det-causal-turns-entry", AttnCase("bfloat16", 96, 96, 1, None, "causal", 0.0, False, "dense", "dense",
                                                 True, deterministic=True),
      AttnProblem((330,), (300,), nheads_kv=2, seed=27)),
     # the turn orders (kernels/bwd_deterministic.py) with a user score_mod: one per dQ ordering of

@@ -59,7 +59,7 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (1, 777, 900, 4, 4, 128, False),
     (2, 513, 513, 8, 2, 64, True),      # the d64 entry (Q/dO 2 stages)
     (1, 600, 700, 6, 3, 96, False),     # the d96 entry (4 warps, 32x64: the widened preprocess pass)
-    (2, 900, 900, 6, 3, 96, True),      # the d96 turns entry: 8 warps 64x128, V in registers, descending turns, GQA
+    (2, 900, 900, 6, 6, 96, True),      # the d96 turns entry: 8 warps 64x128, V in registers, descending turns
     (1, 1000, 700, 4, 2, 128, False),   # rotated, d128's 32x128 tile: 32 m_blocks, 6 n_blocks (neither divides), GQA
     (2, 256, 1024, 4, 4, 128, False),   # rotated: as many m_blocks as n_blocks (8)
     (1, 1024, 1024, 4, 4, 128, False),  # rotated: m_blocks a multiple of the n_blocks (32, 8)
@@ -71,6 +71,22 @@ def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
     runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
     _assert_bitwise(runs)
     _check(runs[0], *_reference_grads(q, k, v, g, causal))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_turns_entries_on_gqa(dtype):
+    """The table's turns entries (config_bwd turns_only) on GQA calls, in the plan's own ordering (descending
+    turns, ordered dK/dV): they serve MHA calls only until this passes (TURNS_ENTRIES_SERVE_GQA)."""
+    from flash_attn_sm120.config_bwd import load_bwd_table
+
+    entries = [e for e in load_bwd_table() if e.turns_only]
+    assert entries
+    for e in entries:
+        q, k, v, g = _inputs(2, 700, 700, 8, 2, e.head_dim, seed=e.head_dim, dtype=dtype)
+        with driver_bwd.force_config(e.config):
+            runs = [_grads(flash_attn_func, q, k, v, g, causal=True, deterministic=True) for _ in range(3)]
+        _assert_bitwise(runs)
+        _check(runs[0], *_reference_grads(q, k, v, g, True))
 
 
 def test_varlen_gqa_bitwise_and_correct():

@@ -202,7 +202,7 @@ class _Chosen(Exception):
 
 
 @pytest.mark.parametrize("kind", ["plain", "softcap", "mask_mod", "score_mod", "aux", "block_sparse", "gqa",
-                                  "deterministic", "det_causal", "det_causal_seqused", "det_causal_softcap",
+                                  "deterministic", "det_causal", "det_causal_seqused", "det_causal_softcap", "det_causal_gqa",
                                   "window", "varlen",
                                   "varlen_gqa", "seqused"])
 def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, monkeypatch):
@@ -212,7 +212,7 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
     those plain calls and plain GQA ones, packed GQA (cu_seqlens) included; packed MHA calls take neither
     (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain.
     A deterministic call asks for the turns entries where its dQ takes turns (dense causal), not where it
-    is added in fixed point (no mask, seqused)."""
+    is added in fixed point (no mask, seqused), nor with softcap or (for now, TURNS_ENTRIES_SERVE_GQA) GQA."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
