@@ -372,19 +372,23 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, load_bwd_table, select_bwd_config
 
-    causal, local, user_score_mod = case.causal, case.local, False
-    if case.mods:  # a mask_mod replaces the mask flags (upstream's _resolve_causal_local_window)
+    from flash_attn.cute.interface import _resolve_causal_local_window
+
+    mask_mod, user_score_mod = None, False
+    if case.mods:
         from flash_attn_sm120 import testing_mods
 
         spec = testing_mods.spec(case.mods)
-        causal = causal and spec.mask_mod is None
-        local = local and spec.mask_mod is None
+        mask_mod = spec.mask_mod
         user_score_mod = spec.score_mod is not None or spec.score_mod_bwd is not None
+    # the driver's flags: upstream's resolution (a mask_mod replaces the mask flags; a window whose sides
+    # make it causal, e.g. right 0 and no left, is causal without a window)
+    causal, local, _, _ = _resolve_causal_local_window(case.causal, *problem.window(case), mask_mod)
     if case.block_sparse:
         return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
     if (local or not case.is_dense or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
-    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, case.local,
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local,
                             modifiers=bool(case.mods),  # a MODS entry is a user modifier (Mods.user)
                             # the driver's turns entries: no softcap, modifiers or forced plan
                             turns=not case.softcap and not driver_bwd.plan_forced()

@@ -696,6 +696,10 @@ def test_deterministic_order_names_the_plans_choices():
     alibi = dataclasses.replace(causal, mods="alibi")
     am, an = bwd_tile(alibi)
     assert order(alibi, 2 * am, 3 * an) == "descending+reversed"
+    # a right window of 0 and no left one is a causal mask (upstream's resolution, as the driver's): turns
+    right0 = dataclasses.replace(plain, mask="local_r")
+    assert order(right0, 4 * 128, 3 * 128, window_right=0) == "descending+reversed"
+    assert order(right0, 4 * 128, 3 * 128, window_right=5) == "fixed"
 
 
 # ------------------------------------------------------------------------------------------------
