@@ -165,6 +165,33 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
         return tuple(parse_bwd_table(tomllib.load(f)))
 
 
+def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvhead: int, packed: bool,
+                seqused: bool, block_sparse: bool, score_mod: bool, user_mods: bool, fixed_point: bool,
+                plan_forced: bool) -> dict:
+    """Which of the table's special entries a call may take: select_bwd_config's keywords (modifiers,
+    plain_mha, plain, turns), from the call's resolved causal/local flags. The driver's rule, and its
+    tests' (testing.deterministic_order, the fuzz cases).
+
+    * modifiers: user modifiers (score_mod / mask_mod / aux tensors) or the block-sparse walk: the
+      modifier step.
+    * plain: dense or packed, not deterministic, no window, softcap (its pair is a score_mod) or modifiers;
+      packed calls only with GQA (the plain tile ran +4.4% over the key's entry on packed GQA d128 causal
+      but -2% on packed MHA, 2026-12-06_bwd_varlen_emulated.json). plain_mha: plain, dense and MHA (the
+      plain-MHA tile spills 8 B with cu_seqlens: bwd_ldsm_probe.py --variants varlen,varlen_gqa).
+    * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window; `fixed_point`:
+      the call allows fixed point), no softcap, modifiers or block sparsity, not under a forced plan, and
+      MHA unless TURNS_ENTRIES_SERVE_GQA."""
+    from flash_attn_sm120.bwd_plans import dq_takes_turns
+
+    plain = (not (seqused or block_sparse or deterministic or local or score_mod or user_mods)
+             and (not packed or qhead_per_kvhead > 1))
+    turns = (deterministic and not (block_sparse or score_mod or user_mods or plan_forced)
+             and (qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA)
+             and dq_takes_turns(fixed_point, causal, local, dense=not (packed or seqused)))
+    return dict(modifiers=user_mods or block_sparse, plain_mha=plain and qhead_per_kvhead == 1 and not packed,
+                plain=plain, turns=turns)
+
+
 @lru_cache(maxsize=1024)
 def select_bwd_config(table: tuple, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                       modifiers: bool = False, plain_mha: bool = False, plain: bool = False,

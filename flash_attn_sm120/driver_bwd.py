@@ -49,14 +49,13 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     FIXED_POINT_PLAN,
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
-    dq_takes_turns,
     plan_forced,
     fixed_point_allowed,
     force_deterministic_plan,
     force_launch_plan,
     launch_plan,
 )
-from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, bwd_config_from_name, load_bwd_table, select_bwd_config
+from flash_attn_sm120.config_bwd import bwd_config_from_name, entry_kinds, load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
@@ -424,25 +423,13 @@ def backward(
     qhead_per_kvhead = num_heads // num_heads_kv
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
-    # the table's modifier entries where the modifier step runs for the call (the block-sparse walk is one);
-    # its plain entries for plain calls (softcap's pair is a score_mod). Packed GQA calls (cu_seqlens) are
-    # plain: the plain_only tile is spill-free with cu_seqlens and ran +4.4% over the key's entry on packed
-    # GQA d128 causal, but -2% on packed MHA (2026-12-06_bwd_varlen_emulated.json); the plain-MHA tile spills
-    # 8 B with cu_seqlens (scripts/bwd_ldsm_probe.py --variants varlen,varlen_gqa). seqused and lists are not.
-    packed = varlen_q or varlen_k
-    no_seqused_or_lists = block_sparse_tensors is None and seqused_q is None and seqused_k is None
-    plain = (no_seqused_or_lists and not deterministic and not local and mods.score_mod is None and not mods.user
-             and (not packed or qhead_per_kvhead > 1))
-    # the turns entries for deterministic calls whose dQ takes turns, without softcap or modifiers (their
-    # registers: the turns tiles sit at 255), in the plan's own ordering (not under a forced plan)
-    turns_entry = (bool(deterministic) and block_sparse_tensors is None and mods.score_mod is None and not mods.user
-                   and not plan_forced() and (qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA)
-                   and dq_takes_turns(fixed_point, causal, local,
-                                      dense=not packed and seqused_q is None and seqused_k is None))
-    cfg = choose_config(head_dim, head_dim_v, causal, local, config,
-                        modifiers=mods.user or block_sparse_tensors is not None,
-                        plain_mha=plain and qhead_per_kvhead == 1 and not packed, plain=plain,
-                        turns=turns_entry)
+    # the table's modifier, plain, plain-MHA and turns entries where they serve (config_bwd.entry_kinds)
+    kinds = entry_kinds(deterministic=bool(deterministic), causal=causal, local=local,
+                        qhead_per_kvhead=qhead_per_kvhead, packed=varlen_q or varlen_k,
+                        seqused=seqused_q is not None or seqused_k is not None,
+                        block_sparse=block_sparse_tensors is not None, score_mod=mods.score_mod is not None,
+                        user_mods=mods.user, fixed_point=fixed_point, plan_forced=plan_forced())
+    cfg = choose_config(head_dim, head_dim_v, causal, local, config, **kinds)
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None

@@ -362,17 +362,14 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
     return {"err": 0.0, "tol": 0.0, "runs": 2}
 
 
-def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
-    """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one, without a user
-    score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
-    "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
-    driver_bwd.SPARSE_DETERMINISTIC_PLAN).
-    num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
-    from flash_attn_sm120 import driver_bwd
-    from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, load_bwd_table, select_bwd_config
-
+def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None) -> tuple[bool, bool, bool, dict]:
+    """(causal, local, user score_mod, config_bwd.entry_kinds) of a backward case as the driver resolves
+    them: upstream's window resolution (a mask_mod replaces the mask flags; right 0 without a left side
+    is causal) with the problem's window, else the case's own flags; a MODS entry is a user modifier."""
     from flash_attn.cute.interface import _resolve_causal_local_window
+
+    from flash_attn_sm120 import bwd_plans
+    from flash_attn_sm120.config_bwd import entry_kinds
 
     mask_mod, user_score_mod = None, False
     if case.mods:
@@ -381,18 +378,37 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
         spec = testing_mods.spec(case.mods)
         mask_mod = spec.mask_mod
         user_score_mod = spec.score_mod is not None or spec.score_mod_bwd is not None
-    # the driver's flags: upstream's resolution (a mask_mod replaces the mask flags; a window whose sides
-    # make it causal, e.g. right 0 and no left, is causal without a window)
-    causal, local, _, _ = _resolve_causal_local_window(case.causal, *problem.window(case), mask_mod)
+    if problem is not None:
+        causal, local, _, _ = _resolve_causal_local_window(case.causal, *problem.window(case), mask_mod)
+    else:
+        causal, local = case.causal and mask_mod is None, case.local and mask_mod is None
+    layouts = (case.q_layout, case.k_layout)
+    kinds = entry_kinds(deterministic=case.deterministic, causal=causal, local=local,
+                        qhead_per_kvhead=case.qhead_per_kvhead, packed="packed" in layouts,
+                        seqused=case.q_layout == "padded" or case.k_layout in ("padded", "paged"),
+                        block_sparse=bool(case.block_sparse), score_mod=bool(case.softcap),
+                        user_mods=bool(case.mods),
+                        fixed_point=case.deterministic and bwd_plans.fixed_point_allowed(user_score_mod),
+                        plan_forced=bwd_plans.plan_forced())
+    return causal, local, user_score_mod, kinds
+
+
+def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
+    """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
+    forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one, without a user
+    score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
+    "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
+    driver_bwd.SPARSE_DETERMINISTIC_PLAN).
+    num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    causal, local, user_score_mod, kinds = bwd_routing(case, problem)
     if case.block_sparse:
         return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
     if (local or not case.is_dense or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
         return "fixed"
-    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local,
-                            modifiers=bool(case.mods),  # a MODS entry is a user modifier (Mods.user)
-                            # the driver's turns entries: no softcap, modifiers or forced plan
-                            turns=not case.softcap and not driver_bwd.plan_forced()
-                            and (case.qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA))
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local, **kinds)
     width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
     seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
     seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)

@@ -269,14 +269,13 @@ def _bwd_dims(path: KernelPath) -> list:
 
 
 def bwd_tile(case: AttnCase) -> tuple[int, int]:
-    """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd; a
-    deterministic dense causal case without modifiers takes turns, and a turns entry where its key has one)."""
-    from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA, load_bwd_table, select_bwd_config
+    """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd, with
+    the driver's entry kinds: testing.bwd_routing)."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+    from flash_attn_sm120.testing import bwd_routing
 
-    turns = (case.deterministic and not case.mods and not case.softcap and not case.block_sparse and case.causal
-             and not case.local and case.is_dense and (case.qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA))
-    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, case.causal, case.local,
-                            modifiers=bool(case.mods), turns=turns)
+    causal, local, _, kinds = bwd_routing(case)  # (no problem here: the case's own mask flags)
+    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local, **kinds)
     return cfg.m_block, cfg.n_block
 
 

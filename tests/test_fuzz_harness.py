@@ -658,6 +658,35 @@ def test_deterministic_problems_select_their_dq_ordering_with_several_blocks(dat
         assert -(-p.seqlens_k[0] // n) > -(-p.seqlens_q[0] // m)
 
 
+def test_bwd_routing_matches_the_drivers_entry_kinds():
+    """testing.bwd_routing (what the fuzz cases and deterministic_order assume the driver picks) against the
+    driver's own rule, case by case: the plain entries for plain calls (packed only with GQA), the turns
+    entries for deterministic dense causal MHA calls without softcap or modifiers, the modifier entries for
+    MODS cases and lists; a right window of 0 is causal (upstream's resolution)."""
+    from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA
+
+    base = AttnCase("bfloat16", 96, 96, backward=True)
+    kinds = lambda case, **kw: testing.bwd_routing(case, AttnProblem((300,), (300,), **kw))[3]  # noqa: E731
+    k = lambda modifiers=False, plain_mha=False, plain=False, turns=False: dict(  # noqa: E731
+        modifiers=modifiers, plain_mha=plain_mha, plain=plain, turns=turns)
+    assert kinds(base) == k(plain_mha=True, plain=True)
+    assert kinds(dataclasses.replace(base, qhead_per_kvhead=4)) == k(plain=True)
+    assert kinds(dataclasses.replace(base, q_layout="packed", k_layout="packed")) == k()
+    assert kinds(dataclasses.replace(base, qhead_per_kvhead=2, q_layout="packed", k_layout="packed")) == k(plain=True)
+    assert kinds(dataclasses.replace(base, q_layout="padded", k_layout="padded")) == k()  # seqused
+    assert kinds(dataclasses.replace(base, softcap=5.0)) == k()
+    assert kinds(dataclasses.replace(base, mods="position")) == k(modifiers=True)
+    det = dataclasses.replace(base, mask="causal", deterministic=True)
+    assert kinds(det) == k(turns=True)
+    assert kinds(dataclasses.replace(det, qhead_per_kvhead=2)) == k(turns=TURNS_ENTRIES_SERVE_GQA)
+    assert kinds(dataclasses.replace(det, softcap=5.0)) == k()
+    assert kinds(dataclasses.replace(det, mask="none")) == k()  # fixed point
+    assert kinds(dataclasses.replace(det, q_layout="packed", k_layout="packed")) == k()  # fixed point
+    assert kinds(dataclasses.replace(det, mask="local_r"), window_right=0) == k(turns=True)  # causal
+    assert kinds(dataclasses.replace(det, mask="local_r"), window_right=7) == k()  # a window: fixed point
+    assert kinds(dataclasses.replace(det, block_sparse="random")) == k(modifiers=True)
+
+
 def test_deterministic_order_names_the_plans_choices():
     plain = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
     order = lambda c, sq, sk, **kw: testing.deterministic_order(c, AttnProblem((sq,), (sk,), **kw))  # noqa: E731
