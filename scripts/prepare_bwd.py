@@ -281,22 +281,24 @@ _VARLEN_VARIANTS = ("det_fixed_point", "det_ascending")
 
 def deterministic_variants(info, names=None) -> list[BwdImpl]:
     """The table's configs, deterministic, with each DET_VARIANTS ordering forced."""
+    return [with_ordering(sm120_bwd_impl(name, lambda p: None, info, deterministic=True), name)
+            for name in DET_VARIANTS if names is None or name in names]
+
+
+def with_ordering(impl: BwdImpl, variant: str) -> BwdImpl:
+    """`impl` (deterministic) with the DET_VARIANTS ordering `variant` forced, on the problems it can run:
+    the turn orders a dense call without a window, fixed point and the ascending turns varlen too."""
     from flash_attn_sm120 import driver_bwd
 
-    out = []
-    for name, flags in DET_VARIANTS.items():
-        if names is not None and name not in names:
-            continue
-        inner = sm120_bwd_impl(name, lambda p: None, info, deterministic=True)
+    flags = DET_VARIANTS[variant]
 
-        def run(p, x, poisoned, _inner=inner, _flags=flags):
-            with driver_bwd.force_deterministic_plan(**_flags["causal" if p.causal else "none"]):
-                return _inner.run(p, x, poisoned)
+    def run(p, x, poisoned, _inner=impl.run):
+        with driver_bwd.force_deterministic_plan(**flags["causal" if p.causal else "none"]):
+            return _inner(p, x, poisoned)
 
-        dense_only = name not in _VARLEN_VARIANTS
-        out.append(BwdImpl(name, run, "candidate", supports=lambda p, _dense=dense_only: (
-            not (_dense and p.is_varlen) and p.window == (None, None))))
-    return out
+    dense_only = variant not in _VARLEN_VARIANTS
+    return BwdImpl(impl.name, run, impl.kind, supports=lambda p, _s=impl.supports: (
+        _s(p) and not (dense_only and p.is_varlen) and p.window == (None, None)))
 
 
 # The launch plan's options (driver_bwd.launch_plan), each forced on or off, for what each is worth next to the
@@ -377,25 +379,15 @@ def config_candidates(info, configs: dict, deterministic: bool = False, det_plan
     """name -> (BwdConfig, head dims or None): timed on the problems of those head dims (None: every head
     dim the config can run); with `deterministic`, through driver_bwd.deterministic_plan's ordering, or
     the DET_VARIANTS ordering det_plans names for it."""
-    from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.kernels.bwd_tiling import bwd_config_error
 
     out = []
     for name, (cfg, dims) in configs.items():
         impl = sm120_bwd_impl(name, lambda p, _c=cfg: _c, info, deterministic=deterministic)
-        plan = (det_plans or {}).get(name) if deterministic else None
-        if plan is not None:
-            def run(p, x, poisoned, _inner=impl.run, _flags=DET_VARIANTS[plan]):
-                with driver_bwd.force_deterministic_plan(**_flags["causal" if p.causal else "none"]):
-                    return _inner(p, x, poisoned)
-
-            impl.run = run
         impl.supports = lambda p, _c=cfg, _d=dims: ((_d is None or p.head_dim in _d)
                                                   and bwd_config_error(p.head_dim, p.dv, _c) is None)
-        if plan is not None:  # a forced ordering: where deterministic_variants runs it (turns refuse windows)
-            impl.supports = lambda p, _s=impl.supports, _v=plan in _VARLEN_VARIANTS: (
-                _s(p) and (_v or not p.is_varlen) and p.window == (None, None))
-        out.append(impl)
+        plan = (det_plans or {}).get(name) if deterministic else None
+        out.append(impl if plan is None else with_ordering(impl, plan))
     return out
 
 
