@@ -150,14 +150,9 @@ def _pattern_values(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _max_abs_dlse(dlse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                   seqused_q: Optional[torch.Tensor]) -> torch.Tensor:
     """max |dLSE| per head (float64) over the rows the backward reads: dlse (b, h, s) or packed (h, total)."""
-    if cu_seqlens_q is None:
-        x = dlse.transpose(1, 2)  # (b, s, h)
-        if seqused_q is not None:
-            keep = torch.arange(x.shape[1], device=x.device)[None, :] < seqused_q[:, None]
-            x = torch.where(keep[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-        return x.abs().amax(dim=(0, 1)).double()
-    x = used_rows(dlse.t()[..., None], cu_seqlens_q, seqused_q)[..., 0]  # (total, h)
-    return x.abs().amax(dim=0).double()
+    rows = dlse.t() if cu_seqlens_q is not None else dlse.transpose(1, 2)  # (total, h) or (b, s, h)
+    x = used_rows(rows[..., None], cu_seqlens_q, seqused_q)[..., 0]  # used_rows' (.., h, d) with d = 1
+    return x.abs().flatten(0, -2).amax(dim=0).double()
 
 
 def scales_with_dlse(p_do: torch.Tensor, p_k: torch.Tensor, p_v: torch.Tensor, dlse_max: torch.Tensor,
