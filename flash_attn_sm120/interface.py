@@ -192,8 +192,7 @@ def flash_attn_func(
         {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
     if bwd_needed and deterministic and block_sparse_tensors_bwd is None:  # (the list walk takes any window)
-        driver_bwd.check_deterministic(causal, left, right, mask_mod,
-                                       score_mod if score_mod is not None else score_mod_bwd)
+        driver_bwd.check_deterministic(causal, left, right, mask_mod, score_mod, score_mod_bwd)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
@@ -294,8 +293,7 @@ def flash_attn_varlen_func(
         present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
     if bwd_needed and deterministic:
-        driver_bwd.check_deterministic(causal, left, right, mask_mod,
-                                       score_mod if score_mod is not None else score_mod_bwd)
+        driver_bwd.check_deterministic(causal, left, right, mask_mod, score_mod, score_mod_bwd)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 

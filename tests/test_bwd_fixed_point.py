@@ -351,7 +351,7 @@ def test_a_score_mod_bwd_alone_keeps_the_call_off_fixed_point():
     assert driver_bwd.fixed_point_for(resolve(softcap=10.0), True)
     assert driver_bwd.fixed_point_for(resolve(), True) and not driver_bwd.fixed_point_for(resolve(), False)
     with pytest.raises(NotImplementedError, match="sliding window"):
-        driver_bwd.check_deterministic(False, 64, 0, None, position_scale_bwd)
+        driver_bwd.check_deterministic(False, 64, 0, None, score_mod_bwd=position_scale_bwd)
 
 
 def test_the_callers_O_widens_the_bound_and_a_NaN_in_Q_gives_NaN_scales():
