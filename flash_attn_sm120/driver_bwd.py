@@ -49,11 +49,11 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     FIXED_POINT_PLAN,
     SPARSE_DETERMINISTIC_PLAN,
     deterministic_plan,
-    plan_forced,
     fixed_point_allowed,
     force_deterministic_plan,
     force_launch_plan,
     launch_plan,
+    plan_forced,
 )
 from flash_attn_sm120.config_bwd import bwd_config_from_name, entry_kinds, load_bwd_table, select_bwd_config
 from flash_attn_sm120.device import device_info
