@@ -48,6 +48,16 @@ VARIANTS = {
     "det_fixed_causal": dict(causal=True, deterministic=True, ordering={"dq_fixed_point": True}),
     "det_fixed_varlen_gqa": dict(causal=True, deterministic=True, qhead_per_kvhead=4, varlen=True,
                                  ordering={"dq_fixed_point": True}),
+    # a fixed-point entry without a mask (every tile masked: the runtime mask test's registers spill the d96
+    # 64x128 tiles), and its other calls: GQA, float16, packed MHA
+    "det_fixed_mask_always": dict(causal=False, deterministic=True,
+                                  ordering={"dq_fixed_point": True, "mask_where_needed": False}),
+    "det_fixed_mask_always_gqa": dict(causal=False, deterministic=True, qhead_per_kvhead=4,
+                                      ordering={"dq_fixed_point": True, "mask_where_needed": False}),
+    "det_fixed_mask_always_fp16": dict(causal=False, deterministic=True, dtype="float16",
+                                       ordering={"dq_fixed_point": True, "mask_where_needed": False}),
+    "det_fixed_mask_always_varlen": dict(causal=False, deterministic=True, varlen=True,
+                                         ordering={"dq_fixed_point": True, "mask_where_needed": False}),
     "varlen": dict(causal=True, varlen=True),
     "varlen_gqa": dict(causal=True, qhead_per_kvhead=4, varlen=True),
 }

@@ -217,3 +217,28 @@ def test_a_candidates_forced_ordering_runs_where_the_variant_does():
     support = {i.name: (i.supports(prob()), i.supports(prob(is_varlen=True)), i.supports(prob(window=(32, 0))))
                for i in impls}
     assert support == {"t": (True, False, False), "f": (True, True, False), "plain": (True, True, True)}
+
+
+def test_a_det_variants_launch_flags_hold_inside_its_run():
+    """A DET_VARIANTS entry with "launch" (det_fixed_point_mask_always) forces those launch_plan flags beside
+    its ordering while the backward runs, and only then; one without leaves the plan as it is."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from types import SimpleNamespace
+
+    from prepare_bwd import BwdImpl, with_ordering
+
+    from flash_attn_sm120 import bwd_plans
+
+    seen = []
+
+    def inner(p, x, poisoned):
+        seen.append((bwd_plans.launch_plan(False, False, True, True)["mask_where_needed"], bwd_plans.plan_forced()))
+
+    prob = SimpleNamespace(causal=False)
+    for variant in ("det_fixed_point_mask_always", "det_fixed_point"):
+        with_ordering(BwdImpl("c", inner), variant).run(prob, None, False)
+    assert seen == [(False, True), (True, True)]
+    assert bwd_plans.launch_plan(False, False, True, True)["mask_where_needed"]  # popped after the run

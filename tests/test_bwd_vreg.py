@@ -194,7 +194,9 @@ def test_probe_refuses_an_unknown_variant():
         bwd_ldsm_probe.main(["128:bwd-w4-32x64-q1do1-a112-vreg", "--variants", "local,sideways"])
     assert set(bwd_ldsm_probe.VARIANTS) == {"local", "gqa", "fp16", "det", "det_fixed", "varlen", "varlen_gqa",
                                              "det_gqa", "det_fp16", "det_rotated", "det_fixed_causal",
-                                             "det_fixed_varlen_gqa"}
+                                             "det_fixed_varlen_gqa", "det_fixed_mask_always",
+                                             "det_fixed_mask_always_gqa", "det_fixed_mask_always_fp16",
+                                             "det_fixed_mask_always_varlen"}
     assert bwd_ldsm_probe.VARIANTS["det_fixed"]["ordering"] == {"dq_fixed_point": True}
 
 

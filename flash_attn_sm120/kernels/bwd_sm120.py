@@ -50,6 +50,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import copy_utils
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.block_info import BlockInfo
@@ -490,6 +492,11 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         # epilogue the offset that lands on the rounded one makes both agree.
         if const_expr(self.qhead_per_kvhead > 1 and seqlen.has_cu_seqlens_k):
             seqlen = dataclasses.replace(seqlen, offset_k=seqlen.padded_offset_k - batch_idx * self.n_block_size)
+        if const_expr(self.dq_fixed_point):
+            # ptxas keeps the prologue's thread-index products live across the mainloop for this epilogue
+            # (its own tidx); a fresh read lets them die there: the d96 64x128 fixed-point tiles 24 B -> 0 B
+            # on sm_120a. Not for every kernel: it costs the 4-warp d128 MHA entry 8 B.
+            tidx = fresh_thread_idx()
         ordered = self.deterministic and self.qhead_per_kvhead > 1
         if ordered:  # GQA: the group's query heads add into the KV head's dK/dV tiles in head order
             flag = fa_utils.elem_pointer(self._dkv_semaphore, (batch_idx, num_head // self.qhead_per_kvhead, n_block))
@@ -498,6 +505,13 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
                          tiled_mma, tidx, n_block, num_head, batch_idx, seqlen, d_head, d_head_v)
         if ordered:
             self._release(flag)
+
+
+@dsl_user_op
+def fresh_thread_idx(*, loc=None, ip=None) -> Int32:
+    """threadIdx.x, read by a volatile asm that the compiler cannot merge with an earlier read."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _without_sp(storage, dtype):
