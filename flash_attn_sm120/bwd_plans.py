@@ -108,16 +108,27 @@ def fixed_point_allowed(user_score_mod: bool) -> bool:
     return not user_score_mod
 
 
-def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool) -> bool:
+def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool,
+                   rotated_entry: bool = False) -> bool:
     """Whether a deterministic call's dQ adds take turns (else fixed point), the deterministic plan's first
-    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window.
-    dense: no cu_seqlens or seqused."""
-    return not (fixed_point and (local or not (causal and dense)))
+    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window,
+    and a dense call without a mask that its key's turns entry serves in the rotated order (`rotated_entry`:
+    the table has one whose rotated walk fits the call, rotated_walk_fits). dense: no cu_seqlens or seqused."""
+    rotated = rotated_entry and dense and not (causal or local)
+    return not (fixed_point and (local or not (causal and dense))) or rotated
+
+
+def rotated_walk_fits(cfg: BwdConfig, seqlen_q: int, seqlen_k: int, num_sms: int) -> bool:
+    """Whether the rotated dQ order admits a dense call without a mask on this config: a head's n_blocks
+    number at most its m_blocks and are resident (at most num_sms: one CTA per SM, the least any shipped
+    config runs)."""
+    n_blocks, m_blocks = -(-seqlen_k // cfg.n_block), -(-seqlen_q // cfg.m_block)
+    return n_blocks <= m_blocks and n_blocks <= num_sms
 
 
 def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
                        index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,
-                       fixed_point: bool = False, local: bool = False) -> dict:
+                       fixed_point: bool = False, local: bool = False, rotated_entry: bool = False) -> dict:
     """How the deterministic backward orders its dQ additions.
 
     * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a
@@ -127,8 +138,10 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       backward against 0.375x (varlen calls can only take ascending turns); dense without a mask
       +7% to +14% over the rotated turns. The turn orders below refuse windows.
 
-    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; calls with a user
-    score_mod_bwd) turns (kernels/bwd_deterministic.py):
+    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; dense calls without a
+    mask whose key has a turns entry that runs the rotated order, `rotated_entry`, where that entry's
+    tile measured +27% over fixed point at d96; calls with a user score_mod_bwd) turns
+    (kernels/bwd_deterministic.py):
 
     * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
       first, so that every wait is for a CTA launched earlier (no residency condition).
@@ -155,7 +168,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan = {f: bool(_forced_plan[-1].get(f, False)) for f in _ORDERING_FLAGS}
         if plan["dq_fixed_point"] and not fixed_point:
             raise ValueError("dq_fixed_point's bound does not cover this call (a user's score_mod_bwd)")
-    elif not dq_takes_turns(fixed_point, causal, local, dense):
+    elif not dq_takes_turns(fixed_point, causal, local, dense, rotated_entry):
         return dict(FIXED_POINT_PLAN)
     else:
         plan = dict.fromkeys(_ORDERING_FLAGS, False)
@@ -167,7 +180,7 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
             # (with seqused_k the grid's n_blocks past the used keys still visit the last m_blocks, which
             # descending turns counted from the used keys would not wait for: turn -1, a hang)
             plan.update(dq_descending=True, reverse_n_blocks=True)
-        elif not causal and dense and n_blocks <= m_blocks and resident:
+        elif not causal and dense and rotated_walk_fits(cfg, seqlen_q, seqlen_k, num_sms):
             plan.update(dq_rotated=True)
     # an order that can deadlock is refused, forced or not (a hang is the one failure with no message)
     if plan["dq_descending"] and not causal:

@@ -312,10 +312,10 @@ def bwd_report_row(
     """The sm_120a codegen row of one backward kernel (a kernels.bwd_tiling.BwdConfig); block_sparse:
     (q_subtile, kv_subtile, full lists) for the list walk (kernels/bwd_block_sparse.py); mods: a
     driver_bwd.Mods for the modifier step (report_mods: the one the report and tests compile);
-    deterministic: the dQ the deterministic plan gives a dense call (fixed point without a mask or
-    with a window, turns with a causal mask: a turns_only entry's)."""
+    deterministic: the dQ order the deterministic plan gives a dense call on a turns_only entry (descending
+    turns with a causal mask, the rotated turns without one)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    ordering = deterministic_report_plan(config, causal, local) if deterministic else None
+    ordering = deterministic_report_plan(config, causal, local, turns_entry=True) if deterministic else None
     cubin, smem_dyn = compile_bwd_cubin(config, head_dim, head_dim_v, causal=causal, local=local, dtype=dtype,
                                         qhead_per_kvhead=qhead_per_kvhead, block_sparse=block_sparse, mods=mods,
                                         deterministic=deterministic, ordering=ordering)
@@ -325,12 +325,14 @@ def bwd_report_row(
                          head_dim_v=head_dim_v, causal=causal, dtype=dtype, note=note)
 
 
-def deterministic_report_plan(config, causal: bool, local: bool = False) -> dict:
+def deterministic_report_plan(config, causal: bool, local: bool = False, turns_entry: bool = False) -> dict:
     """The ordering bwd_plans.deterministic_plan gives a dense deterministic call of this config (b2 s4096 on
-    188 SMs; fixed point without a mask or with a window, descending turns with a causal mask)."""
+    188 SMs; fixed point without a mask or with a window, descending turns with a causal mask; on a
+    turns_only entry without a mask, `turns_entry`, the rotated turns)."""
     from flash_attn_sm120.bwd_plans import deterministic_plan
 
-    return deterministic_plan(188, config, causal, 4096, 4096, fixed_point=True, local=local)
+    return deterministic_plan(188, config, causal, 4096, 4096, fixed_point=True, local=local,
+                              rotated_entry=turns_entry and not (causal or local))
 
 
 def report_mods():

@@ -10,11 +10,13 @@ plain MHA calls (`plain_mha`: one query head per KV head, dense, non-determinist
 modifiers or softcap): a tile measured faster there that spills on sm_120a in the other calls its key
 serves; those take the key's other entry. An entry marked `plain_only = true` serves the plain calls of
 any head ratio (`plain`: dense, non-deterministic, no window, modifiers or softcap; GQA included): a tile
-measured faster there that spills in a deterministic call. An entry marked `turns_only = true` (causal
-keys only) serves only the deterministic calls whose dQ adds take turns (dense causal calls without a
-window, softcap or user modifiers: bwd_plans.dq_takes_turns; not under a forced plan), a tile measured
-faster for the turns (fewer turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the
-key's other calls (packed or seqused, causal) keep. For now MHA calls only (TURNS_ENTRIES_SERVE_GQA).
+measured faster there that spills in a deterministic call. An entry marked `turns_only = true` serves only
+the deterministic calls whose dQ adds take turns (no window, softcap or user modifiers, not under a forced
+plan): on a causal key the dense causal calls (bwd_plans.dq_takes_turns); on a "none" key the dense calls
+without a mask whose rotated order it runs (`rotated_turns_config`, bwd_plans.rotated_walk_fits: a head's
+n_blocks at most its m_blocks and resident), which would otherwise add dQ in fixed point. A tile measured faster for the turns (fewer
+turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the key's other calls (packed or
+seqused; without a mask, those the rotated order does not admit) keep.
 `select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 
@@ -43,11 +45,6 @@ from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
 BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)
-# Whether turns entries serve GQA calls too. Off until the shipped one has run GQA on a GPU: its tile was
-# timed and checked against the fp32 reference on MHA problems only (session 34, the device time ran
-# out); GQA calls keep the key's other entry. tests/test_bwd_deterministic_gpu.py runs it on GQA forced.
-TURNS_ENTRIES_SERVE_GQA = False
-
 # Tried in order when the table has no entry that runs the head dims: within 99 KB and spill-free on
 # sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,
 # 64x64) is not among them: it spills at d=128 and does not fit above.
@@ -137,9 +134,9 @@ def parse_bwd_table(data: dict) -> list[BwdTableEntry]:
         for key, value in (("plain_mha_only", plain_mha_only), ("plain_only", plain_only)):
             if value and mask == "local":
                 raise ValueError(f"{where}: {key} excludes windows; a local entry would serve no call")
-        if turns_only and mask != "causal":
-            raise ValueError(f"{where}: turns_only serves dense causal calls (the only ones whose dQ takes turns "
-                             f"without modifiers); a {mask!r} entry would serve no call")
+        if turns_only and mask == "local":
+            raise ValueError(f"{where}: turns_only serves dense causal calls and dense calls without a mask (the "
+                             "only ones whose dQ takes turns without modifiers); a 'local' entry would serve no call")
         err = bwd_config_error(head_dim, head_dim, cfg)
         if err:
             raise ValueError(f"{where} ({head_dim}, {mask}): {err}")
@@ -165,9 +162,17 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
         return tuple(parse_bwd_table(tomllib.load(f)))
 
 
+def rotated_turns_config(table: tuple, head_dim: int, head_dim_v: int) -> BwdConfig | None:
+    """The head dims' "none" key's turns entry, if it has one that runs them: a dense call without a mask
+    whose rotated dQ order it fits (bwd_plans.rotated_walk_fits) takes its turns there."""
+    entry = {e.key: e.config for e in table}.get((head_dim_bucket(head_dim, head_dim_v), "none", False, False,
+                                                   False, True))
+    return entry if entry is not None and bwd_config_error(head_dim, head_dim_v, entry) is None else None
+
+
 def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvhead: int, packed: bool,
                 seqused: bool, block_sparse: bool, score_mod: bool, user_mods: bool, fixed_point: bool,
-                plan_forced: bool) -> dict:
+                plan_forced: bool, rotated_entry: bool = False) -> dict:
     """Which of the table's special entries a call may take: select_bwd_config's keywords (modifiers,
     plain_mha, plain, turns), from the call's resolved causal/local flags. The driver's rule, and its
     tests' (testing.deterministic_order, the fuzz cases).
@@ -178,16 +183,16 @@ def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvh
       packed calls only with GQA (the plain tile ran +4.4% over the key's entry on packed GQA d128 causal
       but -2% on packed MHA, 2026-12-06_bwd_varlen_emulated.json). plain_mha: plain, dense and MHA (the
       plain-MHA tile spills 8 B with cu_seqlens: bwd_ldsm_probe.py --variants varlen,varlen_gqa).
-    * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window; `fixed_point`:
-      the call allows fixed point), no softcap, modifiers or block sparsity, not under a forced plan, and
-      MHA unless TURNS_ENTRIES_SERVE_GQA."""
+    * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window, or dense without a
+      mask on a rotated entry, `rotated_entry`: rotated_turns_config; `fixed_point`: the call allows fixed
+      point), no softcap, modifiers or block sparsity, not under a forced plan; any head ratio (the turns
+      entries ran GQA against fp32 on a GPU: test_the_turns_entries_on_gqa)."""
     from flash_attn_sm120.bwd_plans import dq_takes_turns
 
     plain = (not (seqused or block_sparse or deterministic or local or score_mod or user_mods)
              and (not packed or qhead_per_kvhead > 1))
     turns = (deterministic and not (block_sparse or score_mod or user_mods or plan_forced)
-             and (qhead_per_kvhead == 1 or TURNS_ENTRIES_SERVE_GQA)
-             and dq_takes_turns(fixed_point, causal, local, dense=not (packed or seqused)))
+             and dq_takes_turns(fixed_point, causal, local, dense=not (packed or seqused), rotated_entry=rotated_entry))
     return dict(modifiers=user_mods or block_sparse, plain_mha=plain and qhead_per_kvhead == 1 and not packed,
                 plain=plain, turns=turns)
 

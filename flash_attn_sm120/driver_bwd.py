@@ -54,8 +54,15 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     force_launch_plan,
     launch_plan,
     plan_forced,
+    rotated_walk_fits,
 )
-from flash_attn_sm120.config_bwd import bwd_config_from_name, entry_kinds, load_bwd_table, select_bwd_config
+from flash_attn_sm120.config_bwd import (
+    bwd_config_from_name,
+    entry_kinds,
+    load_bwd_table,
+    rotated_turns_config,
+    select_bwd_config,
+)
 from flash_attn_sm120.device import device_info
 from flash_attn_sm120.driver import compile_verified, quiet_compile
 from flash_attn_sm120.kernels.bwd_block_sparse import FlashAttentionBackwardSm120BlockSparse
@@ -421,12 +428,21 @@ def backward(
     qhead_per_kvhead = num_heads // num_heads_kv
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    seqused = seqused_q is not None or seqused_k is not None
+    # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
+    seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]
+    seqlen_k = _host_bound(max_seqlen_k, k.shape[0]) if varlen_k else k.shape[1]
+    # a dense call without a mask takes the rotated turns where its key's turns entry runs them
+    rotated = (rotated_turns_config(load_bwd_table(), head_dim, head_dim_v) if deterministic and config is None
+               and not _forced_config and not (causal or local or varlen_q or varlen_k or seqused) else None)
+    rotated_entry = rotated is not None and rotated_walk_fits(rotated, seqlen_q, seqlen_k,
+                                                              device_info(q.device).num_sms)
     # the table's modifier, plain, plain-MHA and turns entries where they serve (config_bwd.entry_kinds)
     kinds = entry_kinds(deterministic=bool(deterministic), causal=causal, local=local,
-                        qhead_per_kvhead=qhead_per_kvhead, packed=varlen_q or varlen_k,
-                        seqused=seqused_q is not None or seqused_k is not None,
+                        qhead_per_kvhead=qhead_per_kvhead, packed=varlen_q or varlen_k, seqused=seqused,
                         block_sparse=block_sparse_tensors is not None, score_mod=mods.score_mod is not None,
-                        user_mods=mods.user, fixed_point=fixed_point, plan_forced=plan_forced())
+                        user_mods=mods.user, fixed_point=fixed_point, plan_forced=plan_forced(),
+                        rotated_entry=rotated_entry)
     cfg = choose_config(head_dim, head_dim_v, causal, local, config, **kinds)
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
@@ -439,9 +455,6 @@ def backward(
                                              mods.score_mod is not None or mods.aux_tensors is not None,
                                              bool(deterministic), varlen))
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    # host bounds (a tensor max_seqlen, as upstream allows, bounds nothing on the host: the total is used)
-    seqlen_q = _host_bound(max_seqlen_q, q.shape[0]) if varlen_q else q.shape[1]
-    seqlen_k = _host_bound(max_seqlen_k, k.shape[0]) if varlen_k else k.shape[1]
     statics = BwdStatics(
         dtype=str(q.dtype).replace("torch.", ""), head_dim=head_dim, head_dim_v=head_dim_v,
         qhead_per_kvhead=qhead_per_kvhead, causal=causal, local=local,
@@ -453,8 +466,8 @@ def backward(
         broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)), config=cfg,
         emulate_host_smem=emulate_host_smem, deterministic=bool(deterministic),
         **(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point, local=local)
-           if deterministic else {}),
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point, local=local,
+            rotated_entry=kinds["turns"] and rotated_entry) if deterministic else {}),
         **launch_plan(causal, local, bool(deterministic), dense_k=not varlen_k),
         score_mod_hash=_hash(score_mod), score_mod_bwd_hash=_hash(score_mod_bwd), mask_mod_hash=_hash(mask_mod),
         aux_metadata=get_aux_tensor_metadata(list(mods.aux_tensors)) if mods.aux_tensors else None,

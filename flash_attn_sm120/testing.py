@@ -362,14 +362,25 @@ def assert_bitwise_equal(inputs: Inputs, first, second) -> dict:
     return {"err": 0.0, "tol": 0.0, "runs": 2}
 
 
-def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None) -> tuple[bool, bool, bool, dict]:
+def host_seqlens(case: AttnCase, problem: AttnProblem) -> tuple[int, int]:
+    """(seqlen_q, seqlen_k) as the backward driver bounds them on the host: the longest sequence, plus the
+    padding of a padded layout (a dense tensor's width)."""
+    width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731
+    return (width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0),
+            width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0))
+
+
+def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None,
+                num_sms: int = 132) -> tuple[bool, bool, bool, dict]:
     """(causal, local, user score_mod, config_bwd.entry_kinds) of a backward case as the driver resolves
     them: upstream's window resolution (a mask_mod replaces the mask flags; right 0 without a left side
-    is causal) with the problem's window, else the case's own flags; a MODS entry is a user modifier."""
+    is causal) with the problem's window, else the case's own flags; a MODS entry is a user modifier.
+    A dense deterministic case without a mask takes its key's rotated turns entry where the problem's
+    lengths fit it on num_sms SMs (config_bwd.rotated_turns_config); without a problem, never."""
     from flash_attn.cute.interface import _resolve_causal_local_window
 
     from flash_attn_sm120 import bwd_plans
-    from flash_attn_sm120.config_bwd import entry_kinds
+    from flash_attn_sm120.config_bwd import entry_kinds, load_bwd_table, rotated_turns_config
 
     mask_mod, user_score_mod = None, False
     if case.mods:
@@ -383,13 +394,17 @@ def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None) -> tuple[
     else:
         causal, local = case.causal and mask_mod is None, case.local and mask_mod is None
     layouts = (case.q_layout, case.k_layout)
+    rotated = (rotated_turns_config(load_bwd_table(), case.head_dim, case.head_dim_v) if problem is not None
+               and case.deterministic and case.is_dense and not (causal or local) else None)
     kinds = entry_kinds(deterministic=case.deterministic, causal=causal, local=local,
                         qhead_per_kvhead=case.qhead_per_kvhead, packed="packed" in layouts,
                         seqused=case.q_layout == "padded" or case.k_layout in ("padded", "paged"),
                         block_sparse=bool(case.block_sparse), score_mod=bool(case.softcap),
                         user_mods=bool(case.mods),
                         fixed_point=case.deterministic and bwd_plans.fixed_point_allowed(user_score_mod),
-                        plan_forced=bwd_plans.plan_forced())
+                        plan_forced=bwd_plans.plan_forced(),
+                        rotated_entry=rotated is not None and bwd_plans.rotated_walk_fits(
+                            rotated, *host_seqlens(case, problem), num_sms))
     return causal, local, user_score_mod, kinds
 
 
@@ -400,21 +415,21 @@ def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132
     "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
-    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120 import bwd_plans, driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    causal, local, user_score_mod, kinds = bwd_routing(case, problem)
+    causal, local, user_score_mod, kinds = bwd_routing(case, problem, num_sms)
+    fixed_point = driver_bwd.fixed_point_allowed(user_score_mod)
     if case.block_sparse:
-        return "fixed" if driver_bwd.fixed_point_allowed(user_score_mod) else "lists"
-    if (local or not case.is_dense or not causal) and driver_bwd.fixed_point_allowed(user_score_mod):
+        return "fixed" if fixed_point else "lists"
+    if not bwd_plans.dq_takes_turns(fixed_point, causal, local, case.is_dense, kinds["turns"]):
         return "fixed"
     cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local, **kinds)
-    width = lambda kind, lens, pad: max(lens, default=0) + (pad if kind != "packed" else 0)  # noqa: E731  host bound
-    seqlen_q = width(case.q_layout, problem.seqlens_q, problem.pad_q if case.q_layout == "padded" else 0)
-    seqlen_k = width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0)
+    seqlen_q, seqlen_k = host_seqlens(case, problem)
     index = (case.q_layout == "packed" or None, case.k_layout == "packed" or None,
              case.q_layout == "padded" or None, case.k_layout in ("padded", "paged") or None)
-    plan = driver_bwd.deterministic_plan(num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=index)
+    plan = driver_bwd.deterministic_plan(num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=index,
+                                         fixed_point=fixed_point, local=local, rotated_entry=kinds["turns"])
     if plan["dq_rotated"]:
         return "rotated"
     if plan["dq_descending"]:

@@ -45,6 +45,11 @@ VARIANTS = {
     "det_gqa": dict(causal=True, deterministic=True, qhead_per_kvhead=2),
     "det_fp16": dict(causal=True, deterministic=True, dtype="float16"),
     "det_rotated": dict(causal=False, deterministic=True, ordering={"dq_rotated": True, "fused_turns": True}),
+    # a rotated turns entry's other calls (no mask): GQA, float16
+    "det_rotated_gqa": dict(causal=False, deterministic=True, qhead_per_kvhead=4,
+                            ordering={"dq_rotated": True, "fused_turns": True}),
+    "det_rotated_fp16": dict(causal=False, deterministic=True, dtype="float16",
+                             ordering={"dq_rotated": True, "fused_turns": True}),
     "det_fixed_causal": dict(causal=True, deterministic=True, ordering={"dq_fixed_point": True}),
     "det_fixed_varlen_gqa": dict(causal=True, deterministic=True, qhead_per_kvhead=4, varlen=True,
                                  ordering={"dq_fixed_point": True}),

@@ -25,7 +25,7 @@ A small memcheck run takes ~20 s on an H200.
   python scripts/sanitize.py --tools memcheck --paths cpasync-table,cpasync-w4-64x64-s2
   python scripts/sanitize.py --list                     # the cases, no GPU needed
   python scripts/sanitize.py --shapes bwd-d128-mods-varlen,sink-alibi-gqa   # some shapes only
-  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-local,bwd-d128-det-causal-turns,bwd-d128-det-none-turns,bwd-d64-det-varlen,bwd-d96-det-seqused-causal,bwd-d128-det-varlen-gqa,bwd-d96-det-causal-turns-entry
+  python scripts/sanitize.py --shapes bwd-d128-det-none,bwd-d128-det-causal-gqa,bwd-d64-det-local,bwd-d128-det-causal-turns,bwd-d128-det-none-turns,bwd-d64-det-varlen,bwd-d96-det-seqused-causal,bwd-d128-det-varlen-gqa,bwd-d96-det-causal-turns-entry,bwd-d96-det-none-turns-entry
   python scripts/sanitize.py --child cases.json         # internal: what the sanitizer wraps
 """
 
@@ -107,11 +107,14 @@ BWD_SHAPES = (
     ("bwd-d64-det-local", AttnCase("bfloat16", 64, 64, 2, None, "local_lr", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((400,), (450,), nheads_kv=1, window_left=100, window_right=30, seed=24)),
-    # the d96 causal turns entry (8 warps 64x128, V in registers: config_bwd turns_only; MHA calls for now):
-    # descending turns
-    ("bwd-d96-det-causal-turns-entry", AttnCase("bfloat16", 96, 96, 1, None, "causal", 0.0, False, "dense", "dense",
+    # the d96 turns entries (8 warps 64x128, V in registers: config_bwd turns_only), GQA: causal, descending
+    # turns; no mask, the rotated turns (6 m_blocks, 4 n_blocks)
+    ("bwd-d96-det-causal-turns-entry", AttnCase("bfloat16", 96, 96, 2, None, "causal", 0.0, False, "dense", "dense",
                                                 True, deterministic=True),
-     AttnProblem((330,), (300,), nheads_kv=2, seed=27)),
+     AttnProblem((330,), (300,), nheads_kv=1, seed=27)),
+    ("bwd-d96-det-none-turns-entry", AttnCase("float16", 96, 96, 2, None, "none", 0.0, False, "dense", "dense",
+                                              True, deterministic=True),
+     AttnProblem((330,), (400,), nheads_kv=1, seed=28)),
     # the turn orders (kernels/bwd_deterministic.py) with a user score_mod: one per dQ ordering of
     # driver_bwd.deterministic_plan. Causal dense: descending turns, the shortest-first launch, GQA dK/dV
     ("bwd-d128-det-causal-turns", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",

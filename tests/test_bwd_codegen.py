@@ -93,7 +93,8 @@ def _shipped_bwd():
             for e in load_bwd_table() if e.plain_mha_only]
     out += [(f"table-d{e.head_dim}-{e.mask}-plain-gqa{suffix}", e.config, e.head_dim, e.mask)
             for e in load_bwd_table() if e.plain_only for suffix in ("", "-fp16")]
-    # a turns entry runs deterministic causal calls in turns, MHA or GQA, either dtype
+    # a turns entry runs deterministic calls in turns (descending with a causal mask, rotated without), MHA or
+    # GQA, either dtype
     out += [(f"table-d{e.head_dim}-{e.mask}-turns{suffix}", e.config, e.head_dim, e.mask)
             for e in load_bwd_table() if e.turns_only for suffix in ("-fp16", "-gqa")]
     for i, cfg in enumerate(BWD_FALLBACKS):
@@ -109,7 +110,7 @@ def test_shipped_backward_configs_do_not_spill_on_sm120a(name, cfg, d, mask):
     dtype = "float16" if name.endswith("-fp16") else "bfloat16"
     gqa = 4 if "-gqa" in name else 1
     turns = "-turns" in name  # in the deterministic plan's turns
-    ordering = codegen.deterministic_report_plan(cfg, mask == "causal") if turns else None
+    ordering = codegen.deterministic_report_plan(cfg, mask == "causal", turns_entry=True) if turns else None
     res, hist, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(cfg, d, causal=mask == "causal", mods=mods,
                                                                    dtype=dtype, qhead_per_kvhead=gqa,
                                                                    deterministic=turns, ordering=ordering)[0])

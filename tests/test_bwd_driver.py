@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attn_sm120
-from flash_attn_sm120 import config_bwd, driver_bwd, interface
+from flash_attn_sm120 import bwd_plans, config_bwd, driver_bwd, interface
 from flash_attn_sm120.config_bwd import BWD_FALLBACKS, parse_bwd_table, select_bwd_config
 from flash_attn_sm120.device import DeviceInfo
 from flash_attn_sm120.hardware import EmulationHost
@@ -129,8 +129,9 @@ def test_plain_entries_serve_plain_calls_of_any_head_ratio_after_the_plain_mha_e
 def test_turns_entries_serve_deterministic_calls_in_turns_only():
     """An entry with turns_only = true is tried first by the deterministic calls whose dQ takes turns, of its
     exact key (not by a window's fallback to causal, nor with modifiers, which take the modifier step's
-    entry); every other call skips it. The parser refuses a second such entry per key, one combined with
-    another flag, and one on a key without a causal mask (no call without modifiers takes turns there)."""
+    entry); every other call skips it. A "none" key's turns entry serves the calls without a mask whose dQ
+    takes its rotated turns. The parser refuses a second such entry per key, one combined with another flag,
+    and one on a local key (no call takes turns there: windows add dQ in fixed point)."""
     causal_row = {**ROW, "mask": "causal", "stages_q": 2}
     det_row = {**causal_row, "turns_only": True, "m_block": 32, "n_block": 128, "atom_m_sdp": 1,
                "stages_q": 1}
@@ -149,8 +150,14 @@ def test_turns_entries_serve_deterministic_calls_in_turns_only():
         parse_bwd_table({"schema": 1, "bwd": [{**det_row, "plain_only": True}]})
     with pytest.raises(ValueError, match="turns_only must be true or false"):
         parse_bwd_table({"schema": 1, "bwd": [{**det_row, "turns_only": 1}]})
-    with pytest.raises(ValueError, match="turns_only serves dense causal calls"):
-        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "mask": "none"}]})
+    with pytest.raises(ValueError, match="turns_only serves dense causal calls and dense calls without a mask"):
+        parse_bwd_table({"schema": 1, "bwd": [{**det_row, "mask": "local"}]})
+    rotated_row = {**det_row, "mask": "none"}
+    table = tuple(parse_bwd_table({"schema": 1, "bwd": [ROW, rotated_row]}))
+    assert select_bwd_config(table, 128, 128, False, False, turns=True) == table[1].config
+    assert select_bwd_config(table, 128, 128, False, False) == table[0].config
+    assert config_bwd.rotated_turns_config(table, 128, 128) == table[1].config
+    assert config_bwd.rotated_turns_config(table[:1], 128, 128) is None
 
 
 def test_a_forced_plan_keeps_the_keys_entry(monkeypatch):
@@ -173,15 +180,50 @@ def test_a_forced_plan_keeps_the_keys_entry(monkeypatch):
     assert seen == [True, False, False]
 
 
-def test_the_shipped_turns_entries_serve_the_dense_causal_deterministic_calls_only():
-    """Each shipped turns entry: a causal key that keeps another entry for its fixed-point and other calls."""
+def test_the_shipped_turns_entries_serve_the_dense_deterministic_calls_in_turns_only():
+    """Each shipped turns entry: a causal or "none" key that keeps another entry for its fixed-point and other
+    calls; the "none" ones run the rotated order at the seed problems' lengths."""
     shipped = config_bwd.load_bwd_table()
     for e in (e for e in shipped if e.turns_only):
         other = [o for o in shipped if o.key == (e.head_dim, e.mask, False, False, False, False)]
-        assert e.mask == "causal" and len(other) == 1, e
-        assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, False, turns=True) == e.config
-        assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, False) == other[0].config  # fixed point
+        causal = e.mask == "causal"
+        assert e.mask in ("causal", "none") and len(other) == 1, e
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False, turns=True) == e.config
+        assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False) == other[0].config  # fixed point
         assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, True, turns=True) != e.config  # a window
+        if not causal:
+            assert bwd_plans.rotated_walk_fits(e.config, 4096, 4096, 132)
+
+
+@pytest.mark.parametrize("case", ["fits", "gqa", "long_keys", "seqused", "softcap", "causal", "forced_config"])
+def test_dense_deterministic_calls_without_a_mask_take_the_rotated_entry_where_it_fits(case, monkeypatch):
+    """backward() asks for the turns entry of a d96 call without a mask, and plans the rotated turns, where
+    that entry's rotated order fits (a head's n_blocks at most its m_blocks and the SMs); else fixed point on
+    the key's other entry (no turns entry asked for): more n_blocks than m_blocks, seqused, softcap (its
+    score_mod: the key's entry), a forced config."""
+    seen = []
+
+    def spy(*args, turns=False, **kw):
+        seen.append(turns)
+        raise _Chosen
+
+    monkeypatch.setattr(driver_bwd, "choose_config", spy)
+    monkeypatch.setattr(driver_bwd, "device_info", lambda device: SimpleNamespace(num_sms=132))
+    sq, sk = (256, 1024) if case == "long_keys" else (512, 384)  # 64-row m_blocks, 128-key n_blocks
+    q = torch.zeros(1, sq, 4, 96, dtype=torch.bfloat16)
+    kv = torch.zeros(1, sk, 1 if case == "gqa" else 4, 96, dtype=torch.bfloat16)
+    kw = dict(seqused_q=torch.tensor([sq], dtype=torch.int32), seqused_k=torch.tensor([sk], dtype=torch.int32)) \
+        if case == "seqused" else dict(softcap=30.0) if case == "softcap" else {}
+    forced = driver_bwd.force_config(config_bwd.BWD_FALLBACKS[1]) if case == "forced_config" else nullcontext()
+    with pytest.raises(_Chosen), forced:
+        driver_bwd.backward(q, kv, kv, q, q, torch.zeros(1, 4, sq), softmax_scale=None, causal=case == "causal",
+                            window_size_left=None, window_size_right=None, deterministic=True, **kw)
+    assert seen == [case in ("fits", "gqa", "causal")]
+    rotated = config_bwd.rotated_turns_config(config_bwd.load_bwd_table(), 96, 96)
+    assert rotated is not None and rotated.n_block == 128 and rotated.m_block == 64
+    plan = bwd_plans.deterministic_plan(132, rotated, False, 512, 384, fixed_point=True, rotated_entry=True)
+    assert plan["dq_rotated"] and plan["fused_turns"] and not plan["dq_fixed_point"]
+    assert bwd_plans.deterministic_plan(132, rotated, False, 512, 384, fixed_point=True)["dq_fixed_point"]
 
 
 def test_the_shipped_plain_mha_entry_spills_nowhere_it_serves_and_its_key_has_another():
@@ -211,8 +253,8 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
     call (not GQA, deterministic=True, a window, softcap, modifiers or lists); for the plain entries for
     those plain calls and plain GQA ones, packed GQA (cu_seqlens) included; packed MHA calls take neither
     (the plain-MHA tile spills with cu_seqlens, the plain tile measured slower there); seqused are not plain.
-    A deterministic call asks for the turns entries where its dQ takes turns (dense causal), not where it
-    is added in fixed point (no mask, seqused), nor with softcap or (for now, TURNS_ENTRIES_SERVE_GQA) GQA."""
+    A deterministic call asks for the turns entries where its dQ takes turns (dense causal, GQA too), not
+    where it is added in fixed point (no mask at d128, seqused), nor with softcap."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd, prefix_lm
 
     seen = []
@@ -244,7 +286,7 @@ def test_the_driver_takes_modifier_entries_where_the_modifier_step_runs(kind, mo
                             window_size_right=window[1], **kw)
     plain_kinds = ("plain", "gqa", "varlen_gqa")
     assert seen == [(kind not in plain_kinds + ("varlen", "softcap", "window", "seqused") and not kind.startswith("det"),
-                     kind == "plain", kind in plain_kinds, kind == "det_causal")]
+                     kind == "plain", kind in plain_kinds, kind in ("det_causal", "det_causal_gqa"))]
     shipped = config_bwd.load_bwd_table()
     if any(e.modifiers for e in shipped):  # the shipped modifier entries are what those calls run
         e = next(e for e in shipped if e.modifiers)

@@ -196,7 +196,8 @@ def test_probe_refuses_an_unknown_variant():
                                              "det_gqa", "det_fp16", "det_rotated", "det_fixed_causal",
                                              "det_fixed_varlen_gqa", "det_fixed_mask_always",
                                              "det_fixed_mask_always_gqa", "det_fixed_mask_always_fp16",
-                                             "det_fixed_mask_always_varlen"}
+                                             "det_fixed_mask_always_varlen", "det_rotated_gqa",
+                                             "det_rotated_fp16"}
     assert bwd_ldsm_probe.VARIANTS["det_fixed"]["ordering"] == {"dq_fixed_point": True}
 
 

@@ -661,10 +661,9 @@ def test_deterministic_problems_select_their_dq_ordering_with_several_blocks(dat
 def test_bwd_routing_matches_the_drivers_entry_kinds():
     """testing.bwd_routing (what the fuzz cases and deterministic_order assume the driver picks) against the
     driver's own rule, case by case: the plain entries for plain calls (packed only with GQA), the turns
-    entries for deterministic dense causal MHA calls without softcap or modifiers, the modifier entries for
-    MODS cases and lists; a right window of 0 is causal (upstream's resolution)."""
-    from flash_attn_sm120.config_bwd import TURNS_ENTRIES_SERVE_GQA
-
+    entries for deterministic dense causal calls without softcap or modifiers, and for dense ones without a
+    mask whose lengths the rotated entry (d96) fits; the modifier entries for MODS cases and lists; a right
+    window of 0 is causal (upstream's resolution)."""
     base = AttnCase("bfloat16", 96, 96, backward=True)
     kinds = lambda case, **kw: testing.bwd_routing(case, AttnProblem((300,), (300,), **kw))[3]  # noqa: E731
     k = lambda modifiers=False, plain_mha=False, plain=False, turns=False: dict(  # noqa: E731
@@ -678,9 +677,14 @@ def test_bwd_routing_matches_the_drivers_entry_kinds():
     assert kinds(dataclasses.replace(base, mods="position")) == k(modifiers=True)
     det = dataclasses.replace(base, mask="causal", deterministic=True)
     assert kinds(det) == k(turns=True)
-    assert kinds(dataclasses.replace(det, qhead_per_kvhead=2)) == k(turns=TURNS_ENTRIES_SERVE_GQA)
+    assert kinds(dataclasses.replace(det, qhead_per_kvhead=2)) == k(turns=True)
     assert kinds(dataclasses.replace(det, softcap=5.0)) == k()
-    assert kinds(dataclasses.replace(det, mask="none")) == k()  # fixed point
+    none = dataclasses.replace(det, mask="none")
+    assert kinds(none) == k(turns=True)  # 3 n_blocks of 128 keys, 5 m_blocks of 64 rows: the rotated entry
+    assert testing.bwd_routing(none, AttnProblem((100,), (300,)))[3] == k()  # 3 n_blocks > 2 m_blocks: fixed point
+    assert testing.bwd_routing(none)[3] == k()  # no lengths, no rotated entry
+    assert kinds(dataclasses.replace(none, head_dim=128, head_dim_v=128)) == k()  # no rotated entry at d128
+    assert kinds(dataclasses.replace(none, softcap=5.0)) == k()
     assert kinds(dataclasses.replace(det, q_layout="packed", k_layout="packed")) == k()  # fixed point
     assert kinds(dataclasses.replace(det, mask="local_r"), window_right=0) == k(turns=True)  # causal
     assert kinds(dataclasses.replace(det, mask="local_r"), window_right=7) == k()  # a window: fixed point
@@ -729,6 +733,12 @@ def test_deterministic_order_names_the_plans_choices():
     right0 = dataclasses.replace(plain, mask="local_r")
     assert order(right0, 4 * 128, 3 * 128, window_right=0) == "descending+reversed"
     assert order(right0, 4 * 128, 3 * 128, window_right=5) == "fixed"
+    # d96 without a mask: the rotated turns entry (64 x 128) where its rotated order fits, else fixed point
+    d96 = dataclasses.replace(plain, head_dim=96, head_dim_v=96)
+    assert order(d96, 4 * 64, 3 * 128) == "rotated"
+    assert order(d96, 2 * 64, 3 * 128) == "fixed"  # 3 n_blocks > 2 m_blocks
+    assert order(dataclasses.replace(d96, softcap=5.0), 4 * 64, 3 * 128) == "fixed"
+    assert order(dataclasses.replace(d96, q_layout="padded", k_layout="padded"), 4 * 64, 3 * 128) == "fixed"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flash_attn_sm120.config import FwdConfig
-from flash_attn_sm120.config_bwd import load_bwd_table
+from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 from flash_attn_sm120.paths import KernelPath, Supports, kernel_paths
 from flash_attn_sm120.testing import AttnCase, make_inputs
 
@@ -93,6 +93,7 @@ DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each e
     "bwd-d96-det-seqused-causal": "ascending",
     "bwd-d128-det-varlen-gqa": "fixed",
     "bwd-d96-det-causal-turns-entry": "descending+reversed",
+    "bwd-d96-det-none-turns-entry": "rotated",
 }
 
 
@@ -116,9 +117,12 @@ def test_deterministic_backward_shapes_cover_the_dq_orderings_with_interleaving_
         assert case.label.endswith("-bwd-det")
         assert testing.deterministic_order(case, problem) == DET_SHAPES[c["shape"]], c["shape"]
         m, n = bwd_tile(case)
-        if c["shape"] == "bwd-d96-det-causal-turns-entry":  # the table's turns entry, not the key's other one
-            turns = [e.config for e in load_bwd_table() if e.turns_only and e.head_dim == 96]
-            assert turns and (m, n) == (turns[0].m_block, turns[0].n_block) == (64, 128)
+        if c["shape"].endswith("-turns-entry"):  # the table's turns entry, not the key's other one
+            kinds = testing.bwd_routing(case, problem)[3]
+            cfg = select_bwd_config(load_bwd_table(), 96, 96, case.mask == "causal", False, **kinds)
+            turns = [e.config for e in load_bwd_table() if e.turns_only and e.head_dim == 96 and e.mask == case.mask]
+            assert kinds["turns"] and turns == [cfg] and (cfg.m_block, cfg.n_block) == (64, 128)
+            m, n = cfg.m_block, cfg.n_block
         # a sequence of 3+ m_blocks and 3+ n_blocks: several CTAs take turns at several m_blocks
         assert any(-(-sq // m) >= 3 and -(-sk // n) >= 3 for sq, sk in zip(problem.seqlens_q, problem.seqlens_k))
         assert problem.work(case) <= 700_000  # racecheck-sized, like the other backward shapes

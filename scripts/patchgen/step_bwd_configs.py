@@ -145,11 +145,12 @@ PLAN_WHERE = "flash_attn_sm120/bwd_plans.py (deterministic_plan)"
 _PLAN_EDITS = (
     ("def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                       index_tensors: tuple = (None, None, None, None), modifier_step: bool = True,\n"
-     "                       fixed_point: bool = False, local: bool = False) -> dict:\n",
+     "                       fixed_point: bool = False, local: bool = False, rotated_entry: bool = False) -> dict:\n",
      "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                                 index_tensors: tuple = (None, None, None, None),\n"
      "                                 modifier_step: bool = False, fixed_point: bool = False,\n"
-     "                                 local: bool = False, flags: Optional[dict] = None) -> dict:\n"),
+     "                                 local: bool = False, flags: Optional[dict] = None,\n"
+     "                                 rotated_entry: bool = False) -> dict:\n"),
     ("      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured\n"
      "      against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default\n"
      "      backward against 0.375x (varlen calls can only take ascending turns); dense without a mask\n"
@@ -157,9 +158,12 @@ _PLAN_EDITS = (
      "      whose sum has the same bits in any order (an int64 accumulator and per-head scales the interface\n"
      "      does not allocate: it passes fixed_point=False); no CTA waits. The turn orders below refuse\n"
      "      windows; fixed point serves here only when given (`flags`).\n"),
-    ("    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; calls with a user\n"
-     "    score_mod_bwd) turns (kernels/bwd_deterministic.py):\n",
-     "    Otherwise turns:\n"),
+    ("    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; dense calls without a\n"
+     "    mask whose key has a turns entry that runs the rotated order, `rotated_entry`, where that entry's\n"
+     "    tile measured +27% over fixed point at d96; calls with a user score_mod_bwd) turns\n"
+     "    (kernels/bwd_deterministic.py):\n",
+     "    Otherwise turns (`rotated_entry`: the package's deterministic tiles without a mask, which this table\n"
+     "    leaves out; always False here):\n"),
     ("        return dict(FIXED_POINT_PLAN)\n",
      "        return {**dict.fromkeys(_ORDERING_FLAGS, False), \"dq_fixed_point\": True}\n"),
     ("), which needs this package's step (kernels/bwd_mods.py). With\n",
@@ -197,8 +201,10 @@ def render_plan_adapter() -> str:
     code = top_level_source(pkg_bwd_plans, "deterministic_plan")
     for old, new in _PLAN_EDITS:
         code = substitute(code, old, new, where=PLAN_WHERE)
-    code = _join_defs([top_level_source(pkg_bwd_plans, "dq_takes_turns"), code])
+    code = _join_defs([top_level_source(pkg_bwd_plans, "dq_takes_turns"),
+                       top_level_source(pkg_bwd_plans, "rotated_walk_fits"), code])
     code = rename(code, "dq_takes_turns", "sm120_bwd_dq_takes_turns", where=PLAN_WHERE)
+    code = rename(code, "rotated_walk_fits", "sm120_bwd_rotated_walk_fits", where=PLAN_WHERE)
     code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)
     code = rename(code, "BwdConfig", "Sm120BwdConfig", where=PLAN_WHERE)
     left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b", code)

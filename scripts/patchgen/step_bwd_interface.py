@@ -192,14 +192,14 @@ def check_plan_call() -> None:
     sig = list(inspect.signature(pkg_driver_bwd.deterministic_plan).parameters)
     # (modifier_step keeps its patched default, False: the interface builds the tuned class; so do
     # fixed_point and local: the interface allocates no int64 dQ accumulator, keeps the turn orders and
-    # refuses deterministic windows)
+    # refuses deterministic windows; and rotated_entry: the patched table has no turns entries)
     if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors", "modifier_step", "fixed_point",
-               "local"]:
+               "local", "rotated_entry"]:
         raise AnchorError(f"{PLAN_WHERE}: takes {sig}; revisit the interface's sm120_bwd_deterministic_plan call")
     backward = " ".join(inspect.getsource(pkg_driver_bwd.backward).split())
     call = ("**(deterministic_plan(device_info(q.device).num_sms, cfg, causal, seqlen_q, seqlen_k, index_tensors=( "
-            "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point, local=local) "
-            "if deterministic else {})")
+            "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), fixed_point=fixed_point, local=local, "
+            "rotated_entry=kinds[\"turns\"] and rotated_entry) if deterministic else {})")
     if call not in backward:
         raise AnchorError("flash_attn_sm120/driver_bwd.py: backward() no longer calls deterministic_plan as the "
                           "patched interface does; revisit the interface edits in step_bwd.py")
