@@ -16,7 +16,8 @@ plan): on a causal key the dense causal calls (bwd_plans.dq_takes_turns); on a "
 without a mask whose rotated order it runs (`rotated_turns_config`, bwd_plans.rotated_walk_fits: a head's
 n_blocks at most its m_blocks and resident), which would otherwise add dQ in fixed point. A tile measured faster for the turns (fewer
 turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the key's other calls (packed or
-seqused; without a mask, those the rotated order does not admit) keep.
+seqused; without a mask, those the rotated order does not admit, and GQA for now: ROTATED_ENTRIES_SERVE_GQA)
+keep.
 `select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 
@@ -45,6 +46,11 @@ from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
 BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)
+# Whether a "none" key's turns entry (the rotated turns) serves GQA calls too. Off until it has run GQA on a
+# GPU: the d96 one was timed and checked against fp32 on MHA only (session 35; the device time ran out).
+# tests/test_bwd_deterministic_gpu.py runs it on GQA forced (test_the_turns_entries_on_gqa). The causal
+# turns entries serve GQA: that test passed for them (session 35, w43a).
+ROTATED_ENTRIES_SERVE_GQA = False
 # Tried in order when the table has no entry that runs the head dims: within 99 KB and spill-free on
 # sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,
 # 64x64) is not among them: it spills at d=128 and does not fit above.
@@ -185,12 +191,13 @@ def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvh
       plain-MHA tile spills 8 B with cu_seqlens: bwd_ldsm_probe.py --variants varlen,varlen_gqa).
     * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window, or dense without a
       mask on a rotated entry, `rotated_entry`: rotated_turns_config; `fixed_point`: the call allows fixed
-      point), no softcap, modifiers or block sparsity, not under a forced plan; any head ratio (the turns
-      entries ran GQA against fp32 on a GPU: test_the_turns_entries_on_gqa)."""
+      point), no softcap, modifiers or block sparsity, not under a forced plan; any head ratio with a causal
+      mask (test_the_turns_entries_on_gqa passed), MHA only without one unless ROTATED_ENTRIES_SERVE_GQA."""
     from flash_attn_sm120.bwd_plans import dq_takes_turns
 
     plain = (not (seqused or block_sparse or deterministic or local or score_mod or user_mods)
              and (not packed or qhead_per_kvhead > 1))
+    rotated_entry = rotated_entry and (qhead_per_kvhead == 1 or ROTATED_ENTRIES_SERVE_GQA)
     turns = (deterministic and not (block_sparse or score_mod or user_mods or plan_forced)
              and dq_takes_turns(fixed_point, causal, local, dense=not (packed or seqused), rotated_entry=rotated_entry))
     return dict(modifiers=user_mods or block_sparse, plain_mha=plain and qhead_per_kvhead == 1 and not packed,

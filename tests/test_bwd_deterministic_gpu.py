@@ -11,6 +11,8 @@ orders themselves (calls with a user score_mod) run forced through driver_bwd.fo
 every one of them, and with seqused_k through a score_mod.
 """
 
+from contextlib import nullcontext
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -75,24 +77,22 @@ def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_turns_entries_on_gqa(dtype):
-    """The table's turns entries (config_bwd turns_only) on GQA calls, in the plan's own ordering (causal keys:
-    descending turns, forced onto the entry; "none" keys: the rotated turns the table routes these lengths
-    to), ordered dK/dV. Session 35 turned GQA on for them on this test's pass."""
+    """The table's turns entries (config_bwd turns_only) on GQA calls, forced onto the entry in the plan's own
+    ordering (causal keys: descending turns; "none" keys: the rotated turns), ordered dK/dV. The causal ones
+    serve GQA since this passed for them (session 35, w43a); the "none" ones serve MHA only until it passes
+    for them too (config_bwd.ROTATED_ENTRIES_SERVE_GQA)."""
     from flash_attn_sm120 import bwd_plans
-    from flash_attn_sm120.config_bwd import load_bwd_table, rotated_turns_config
+    from flash_attn_sm120.config_bwd import load_bwd_table
 
     entries = [e for e in load_bwd_table() if e.turns_only]
     assert entries
     for e in entries:
         causal = e.mask == "causal"
         q, k, v, g = _inputs(2, 700, 700, 8, 2, e.head_dim, seed=e.head_dim, dtype=dtype)
-        if causal:
-            with driver_bwd.force_config(e.config):
-                runs = [_grads(flash_attn_func, q, k, v, g, causal=True, deterministic=True) for _ in range(3)]
-        else:  # unforced: the driver's own routing to the entry (a forced config takes fixed point)
-            assert rotated_turns_config(load_bwd_table(), e.head_dim, e.head_dim) == e.config
-            assert bwd_plans.rotated_walk_fits(e.config, 700, 700, torch.cuda.get_device_properties(0).multi_processor_count)
-            runs = [_grads(flash_attn_func, q, k, v, g, causal=False, deterministic=True) for _ in range(3)]
+        order = nullcontext() if causal else driver_bwd.force_deterministic_plan(dq_rotated=True, fused_turns=True)
+        assert causal or bwd_plans.rotated_walk_fits(e.config, 700, 700, 132)
+        with driver_bwd.force_config(e.config), order:
+            runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
         _assert_bitwise(runs)
         _check(runs[0], *_reference_grads(q, k, v, g, causal))
 

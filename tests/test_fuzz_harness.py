@@ -685,6 +685,9 @@ def test_bwd_routing_matches_the_drivers_entry_kinds():
     assert testing.bwd_routing(none)[3] == k()  # no lengths, no rotated entry
     assert kinds(dataclasses.replace(none, head_dim=128, head_dim_v=128)) == k()  # no rotated entry at d128
     assert kinds(dataclasses.replace(none, softcap=5.0)) == k()
+    from flash_attn_sm120.config_bwd import ROTATED_ENTRIES_SERVE_GQA
+
+    assert kinds(dataclasses.replace(none, qhead_per_kvhead=2)) == k(turns=ROTATED_ENTRIES_SERVE_GQA)
     assert kinds(dataclasses.replace(det, q_layout="packed", k_layout="packed")) == k()  # fixed point
     assert kinds(dataclasses.replace(det, mask="local_r"), window_right=0) == k(turns=True)  # causal
     assert kinds(dataclasses.replace(det, mask="local_r"), window_right=7) == k()  # a window: fixed point
