@@ -127,6 +127,31 @@ def test_shipped_backward_configs_do_not_spill_on_sm120a(name, cfg, d, mask):
     assert hist.get("LDL", 0) == 0 and hist.get("STL", 0) == 0, name
 
 
+# The deterministic packed calls (cu_seqlens: fixed-point dQ) on each key's regular entry, which serves them,
+# MHA and GQA 2:1. Found spilling in session 35 (the shipped-config test above compiles each entry's own call
+# only): stack bytes on sm_120a, pinned so that a change either way shows. Every other one is spill-free.
+DET_PACKED_SPILLS = {
+    ("d96-causal", 1): 24, ("d96-causal", 2): 48,  # 4 warps 32x64 with V in registers
+    ("d128-none", 2): 16,  # 8 warps 32x128 with V in registers
+}
+
+
+def _det_packed_cases():
+    from flash_attn_sm120.config_bwd import load_bwd_table
+
+    return [(f"d{e.head_dim}-{e.mask}", e.config, e.head_dim, e.mask, g)
+            for e in load_bwd_table() if not e.kind and e.mask in ("none", "causal") for g in (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,cfg,d,mask,gqa", _det_packed_cases(), ids=[f"{c[0]}-g{c[4]}" for c in _det_packed_cases()])
+def test_deterministic_packed_calls_spill_only_where_pinned(key, cfg, d, mask, gqa):
+    res, _, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
+        cfg, d, causal=mask == "causal", deterministic=True, varlen=True, qhead_per_kvhead=gqa,
+        ordering={"dq_fixed_point": True})[0])
+    assert res["stack"] == DET_PACKED_SPILLS.get((key, gqa), 0), (key, gqa, res)
+
+
 def _eight_warp_tiles():
     return [BwdConfig(256, m, n, 1, 1, atom_m_sdp=a, atom_n_dkv=b, atom_m_dq=c)
             for m in (16, 32, 48, 64, 80, 96, 112, 128) for n in (16, 32, 48, 64, 80, 96, 112, 128)
