@@ -12,12 +12,11 @@ serves; those take the key's other entry. An entry marked `plain_only = true` se
 any head ratio (`plain`: dense, non-deterministic, no window, modifiers or softcap; GQA included): a tile
 measured faster there that spills in a deterministic call. An entry marked `turns_only = true` serves only
 the deterministic calls whose dQ adds take turns (no window, softcap or user modifiers, not under a forced
-plan): on a causal key the dense causal calls (bwd_plans.dq_takes_turns); on a "none" key the dense calls
-without a mask whose rotated order it runs (`rotated_turns_config`, bwd_plans.rotated_walk_fits: a head's
-n_blocks at most its m_blocks and resident), which would otherwise add dQ in fixed point. A tile measured faster for the turns (fewer
-turns per FLOP at n_block 128) that may spill with fixed-point dQ, which the key's other calls (packed or
-seqused; without a mask, those the rotated order does not admit, and GQA for now: ROTATED_ENTRIES_SERVE_GQA)
-keep.
+plan): on a causal key the dense causal calls (bwd_plans.dq_takes_turns); on a "none" key the dense MHA calls
+without a mask whose rotated order it runs (`rotated_turns_config`, bwd_plans.rotated_entry_fits), which
+would otherwise add dQ in fixed point (GQA too once ROTATED_ENTRIES_SERVE_GQA). Such a tile is measured faster
+for the turns (fewer turns per FLOP at n_block 128) and may spill with fixed-point dQ; the key's other entry
+serves the key's other calls (packed or seqused; without a mask, those the rotated order does not admit).
 `select_bwd_config` is a pure function of the table and the problem's static properties.
 """
 
@@ -170,7 +169,7 @@ def _load_cached(path: str) -> tuple[BwdTableEntry, ...]:
 
 def rotated_turns_config(table: tuple, head_dim: int, head_dim_v: int) -> BwdConfig | None:
     """The head dims' "none" key's turns entry, if it has one that runs them: a dense call without a mask
-    whose rotated dQ order it fits (bwd_plans.rotated_walk_fits) takes its turns there."""
+    whose rotated dQ order it fits (bwd_plans.rotated_entry_fits) takes its turns there."""
     entry = {e.key: e.config for e in table}.get((head_dim_bucket(head_dim, head_dim_v), "none", False, False,
                                                    False, True))
     return entry if entry is not None and bwd_config_error(head_dim, head_dim_v, entry) is None else None
@@ -190,9 +189,10 @@ def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvh
       but -2% on packed MHA, 2026-12-06_bwd_varlen_emulated.json). plain_mha: plain, dense and MHA (the
       plain-MHA tile spills 8 B with cu_seqlens: bwd_ldsm_probe.py --variants varlen,varlen_gqa).
     * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window, or dense without a
-      mask on a rotated entry, `rotated_entry`: rotated_turns_config; `fixed_point`: the call allows fixed
-      point), no softcap, modifiers or block sparsity, not under a forced plan; any head ratio with a causal
-      mask (test_the_turns_entries_on_gqa passed), MHA only without one unless ROTATED_ENTRIES_SERVE_GQA."""
+      mask on a rotated entry, `rotated_entry`: rotated_turns_config and rotated_entry_fits; `fixed_point`: the
+      call allows fixed point), no softcap, modifiers or block sparsity, not under a forced plan; any head
+      ratio with a causal mask (test_the_turns_entries_on_gqa passed), MHA only without one unless
+      ROTATED_ENTRIES_SERVE_GQA."""
     from flash_attn_sm120.bwd_plans import dq_takes_turns
 
     plain = (not (seqused or block_sparse or deterministic or local or score_mod or user_mods)

@@ -54,7 +54,7 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     force_launch_plan,
     launch_plan,
     plan_forced,
-    rotated_walk_fits,
+    rotated_entry_fits,
 )
 from flash_attn_sm120.config_bwd import (
     bwd_config_from_name,
@@ -435,8 +435,8 @@ def backward(
     # a dense call without a mask takes the rotated turns where its key's turns entry runs them
     rotated = (rotated_turns_config(load_bwd_table(), head_dim, head_dim_v) if deterministic and config is None
                and not _forced_config and not (causal or local or varlen_q or varlen_k or seqused) else None)
-    rotated_entry = rotated is not None and rotated_walk_fits(rotated, seqlen_q, seqlen_k,
-                                                              device_info(q.device).num_sms)
+    rotated_entry = rotated is not None and rotated_entry_fits(rotated, seqlen_q, seqlen_k,
+                                                               device_info(q.device).num_sms)
     # the table's modifier, plain, plain-MHA and turns entries where they serve (config_bwd.entry_kinds)
     kinds = entry_kinds(deterministic=bool(deterministic), causal=causal, local=local,
                         qhead_per_kvhead=qhead_per_kvhead, packed=varlen_q or varlen_k, seqused=seqused,

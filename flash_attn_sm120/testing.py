@@ -403,15 +403,15 @@ def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None,
                         user_mods=bool(case.mods),
                         fixed_point=case.deterministic and bwd_plans.fixed_point_allowed(user_score_mod),
                         plan_forced=bwd_plans.plan_forced(),
-                        rotated_entry=rotated is not None and bwd_plans.rotated_walk_fits(
+                        rotated_entry=rotated is not None and bwd_plans.rotated_entry_fits(
                             rotated, *host_seqlens(case, problem), num_sms))
     return causal, local, user_score_mod, kinds
 
 
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
-    forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one, without a user
-    score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
+    forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one or one a "none" key's
+    rotated turns entry serves, without a user score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
     "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""

@@ -53,9 +53,9 @@ SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
 # ratios, modifier, block-sparse lists); plan.det_cases takes them in this order (cycling), so the fast plan's 4
 # cover fixed point and the three turn orderings, the deep plan's 12 all of them. Fixed point serves sliding
-# windows, varlen calls and block-sparse lists without a user score_mod; the turn orderings serve the other dense
-# calls, with a score_mod ("position", "alibi": testing_mods.MODS) or not, varlen calls with one, and the lists
-# with one.
+# windows, varlen calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse
+# lists, without a user score_mod; the turn orderings serve dense causal calls, with a score_mod ("position",
+# "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, and the lists with one.
 DETERMINISTIC = (
     ("fixed", "local_lr", ("dense", "dense"), (2, 4), "", False),  # GQA sliding window: fixed-point dQ
     ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "", False),  # GQA causal: ordered dQ and dK/dV
@@ -270,7 +270,8 @@ def _bwd_dims(path: KernelPath) -> list:
 
 def bwd_tile(case: AttnCase) -> tuple[int, int]:
     """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd, with
-    the driver's entry kinds: testing.bwd_routing)."""
+    the driver's entry kinds: testing.bwd_routing), before its lengths exist: a dense deterministic case
+    without a mask that the rotated turns entry will serve is sized on the key's other entry."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
     from flash_attn_sm120.testing import bwd_routing
 

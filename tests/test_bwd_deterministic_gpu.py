@@ -62,6 +62,7 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (2, 513, 513, 8, 2, 64, True),      # the d64 entry (Q/dO 2 stages)
     (1, 600, 700, 6, 3, 96, False),     # the d96 entry (4 warps, 32x64: the widened preprocess pass)
     (2, 900, 900, 6, 6, 96, True),      # the d96 turns entry: 8 warps 64x128, V in registers, descending turns
+    (1, 700, 700, 4, 4, 96, False),     # the d96 rotated turns entry (no mask, MHA): 11 m_blocks, 6 n_blocks
     (1, 1000, 700, 4, 2, 128, False),   # rotated, d128's 32x128 tile: 32 m_blocks, 6 n_blocks (neither divides), GQA
     (2, 256, 1024, 4, 4, 128, False),   # rotated: as many m_blocks as n_blocks (8)
     (1, 1024, 1024, 4, 4, 128, False),  # rotated: m_blocks a multiple of the n_blocks (32, 8)
@@ -69,6 +70,9 @@ def _inputs(b, sq, sk, h, hk, d, seed, dtype=torch.bfloat16):
     (1, 512, 1024, 2, 2, 64, False),    # rotated, 2/2 Q/dO stages, M == N == 8 (the wait-before-step crossing)
 ])
 def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
+    if (d, causal, h == hk) == (96, False, True):  # the driver's own routing to the rotated entry
+        case = testing.AttnCase(head_dim=d, head_dim_v=d, backward=True, deterministic=True, mask="none")
+        assert testing.deterministic_order(case, testing.AttnProblem((sq,) * b, (sk,) * b, nheads_kv=hk)) == "rotated"
     q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=sq + d)
     runs = [_grads(flash_attn_func, q, k, v, g, causal=causal, deterministic=True) for _ in range(3)]
     _assert_bitwise(runs)

@@ -192,15 +192,17 @@ def test_the_shipped_turns_entries_serve_the_dense_deterministic_calls_in_turns_
         assert select_bwd_config(shipped, e.head_dim, e.head_dim, causal, False) == other[0].config  # fixed point
         assert select_bwd_config(shipped, e.head_dim, e.head_dim, True, True, turns=True) != e.config  # a window
         if not causal:
-            assert bwd_plans.rotated_walk_fits(e.config, 4096, 4096, 132)
+            assert bwd_plans.rotated_entry_fits(e.config, 4096, 4096, 132)
 
 
-@pytest.mark.parametrize("case", ["fits", "gqa", "long_keys", "seqused", "softcap", "causal", "forced_config"])
+@pytest.mark.parametrize("case", ["fits", "gqa", "long_keys", "half_the_sms", "seqused", "softcap", "causal",
+                                  "forced_config"])
 def test_dense_deterministic_calls_without_a_mask_take_the_rotated_entry_where_it_fits(case, monkeypatch):
     """backward() asks for the turns entry of a d96 call without a mask, and plans the rotated turns, where
     that entry's rotated order fits (a head's n_blocks at most its m_blocks and the SMs); else fixed point on
-    the key's other entry (no turns entry asked for): more n_blocks than m_blocks, seqused, softcap (its
-    score_mod: the key's entry), a forced config, and GQA until ROTATED_ENTRIES_SERVE_GQA."""
+    the key's other entry (no turns entry asked for): more n_blocks than m_blocks or than half the SMs (the
+    margin for other streams' kernels), seqused, softcap (its score_mod: the key's entry), a forced config, and
+    GQA until ROTATED_ENTRIES_SERVE_GQA."""
     seen = []
 
     def spy(*args, turns=False, **kw):
@@ -208,7 +210,8 @@ def test_dense_deterministic_calls_without_a_mask_take_the_rotated_entry_where_i
         raise _Chosen
 
     monkeypatch.setattr(driver_bwd, "choose_config", spy)
-    monkeypatch.setattr(driver_bwd, "device_info", lambda device: SimpleNamespace(num_sms=132))
+    sms = 5 if case == "half_the_sms" else 132  # 3 n_blocks: at most 5 SMs, more than half of them
+    monkeypatch.setattr(driver_bwd, "device_info", lambda device: SimpleNamespace(num_sms=sms))
     sq, sk = (256, 1024) if case == "long_keys" else (512, 384)  # 64-row m_blocks, 128-key n_blocks
     q = torch.zeros(1, sq, 4, 96, dtype=torch.bfloat16)
     kv = torch.zeros(1, sk, 1 if case == "gqa" else 4, 96, dtype=torch.bfloat16)

@@ -153,7 +153,8 @@ def test_fixed_point_postprocess_equals_dequantize_then_upstream(layout, d, tile
 
 @pytest.mark.parametrize("case_kw,seqlens", [
     (dict(head_dim=128, head_dim_v=128, qhead_per_kvhead=2, mask="none", mods="document"), ((300,), (300,))),
-    (dict(head_dim=96, head_dim_v=96, qhead_per_kvhead=1, mask="none", dtype="float16"), ((333,), (260,))),
+    # (more n_blocks than m_blocks on the d96 rotated entry's 64x128 tile: fixed point on the key's entry)
+    (dict(head_dim=96, head_dim_v=96, qhead_per_kvhead=1, mask="none", dtype="float16"), ((120,), (333,))),
     (dict(head_dim=64, head_dim_v=64, qhead_per_kvhead=4, mask="causal", q_layout="padded", k_layout="padded"),
      ((200, 90), (260, 150))),
     # the loss uses the LSE too: dLSE enters D, the scales come from dq_scales' wider bound
@@ -162,9 +163,9 @@ def test_fixed_point_postprocess_equals_dequantize_then_upstream(layout, d, tile
           return_lse=True), ((200, 130), (260, 90))),
 ])
 def test_the_plans_own_fixed_point_calls_run_twice_bitwise_and_correct(case_kw, seqlens, monkeypatch):
-    """Calls the plan now serves in fixed point without forcing (no mask, a mask_mod that replaces the mask,
-    seqused, packed, an LSE gradient): the harness runs the public backward twice, bit for bit, and against
-    fp32 autograd."""
+    """Calls the plan now serves in fixed point without forcing (no mask where no rotated turns entry serves
+    the call, a mask_mod that replaces the mask, seqused, packed, an LSE gradient): the harness runs the
+    public backward twice, bit for bit, and against fp32 autograd."""
     from flash_attn_sm120 import driver_bwd, testing
 
     case = testing.AttnCase(backward=True, deterministic=True, **case_kw)

@@ -612,7 +612,8 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
         assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
         # fixed point: every call without a user score_mod but a dense causal one (a mask_mod replaces the causal
-        # flag, as upstream resolves it); turns the rest
+        # flag, as upstream resolves it) or one the d96 rotated turns entry serves (no DETERMINISTIC row draws
+        # that: its dense rows without a mask carry a score_mod); turns the rest
         spec = testing_mods.spec(c.case.mods) if c.case.mods else None
         no_score_mod = spec is None or spec.score_mod is None
         causal = c.case.mask == "causal" and (spec is None or spec.mask_mod is None)

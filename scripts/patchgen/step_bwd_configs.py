@@ -149,8 +149,14 @@ _PLAN_EDITS = (
      "def sm120_bwd_deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,\n"
      "                                 index_tensors: tuple = (None, None, None, None),\n"
      "                                 modifier_step: bool = False, fixed_point: bool = False,\n"
-     "                                 local: bool = False, flags: Optional[dict] = None,\n"
-     "                                 rotated_entry: bool = False) -> dict:\n"),
+     "                                 local: bool = False, flags: Optional[dict] = None) -> dict:\n"),
+    # (the rotated turns entries: this table leaves turns_only rows out, so no call has one)
+    ("    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a\n"
+     "      dense causal one or one a rotated turns entry serves (`rotated_entry`): no order at all.",
+     "    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a\n"
+     "      dense causal one: no order at all."),
+    ("    elif not dq_takes_turns(fixed_point, causal, local, dense, rotated_entry):\n",
+     "    elif not dq_takes_turns(fixed_point, causal, local, dense):\n"),
     ("      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured\n"
      "      against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default\n"
      "      backward against 0.375x (varlen calls can only take ascending turns); dense without a mask\n"
@@ -162,8 +168,7 @@ _PLAN_EDITS = (
      "    mask whose key has a turns entry that runs the rotated order, `rotated_entry`, where that entry's\n"
      "    tile measured +27% over fixed point at d96; calls with a user score_mod_bwd) turns\n"
      "    (kernels/bwd_deterministic.py):\n",
-     "    Otherwise turns (`rotated_entry`: the package's deterministic tiles without a mask, which this table\n"
-     "    leaves out; always False here):\n"),
+     "    Otherwise turns:\n"),
     ("        return dict(FIXED_POINT_PLAN)\n",
      "        return {**dict.fromkeys(_ORDERING_FLAGS, False), \"dq_fixed_point\": True}\n"),
     ("), which needs this package's step (kernels/bwd_mods.py). With\n",
@@ -188,6 +193,22 @@ _PLAN_EDITS = (
 )
 
 
+# bwd_plans.dq_takes_turns, lifted without its rotated turns entries (this table has no turns_only rows)
+_TURNS_EDITS = (
+    ("def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool,\n"
+     "                   rotated_entry: bool = False) -> bool:\n",
+     "def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool) -> bool:\n"),
+    ("    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window,\n"
+     "    and a dense call without a mask that its key's turns entry serves in the rotated order (`rotated_entry`:\n"
+     "    the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no cu_seqlens or seqused.",
+     "    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window.\n"
+     "    dense: no cu_seqlens or seqused."),
+    ("    rotated = rotated_entry and dense and not (causal or local)\n"
+     "    return not (fixed_point and (local or not (causal and dense))) or rotated\n",
+     "    return not (fixed_point and (local or not (causal and dense)))\n"),
+)
+
+
 def render_plan_adapter() -> str:
     """SM120_BWD_ORDERING_FLAGS and sm120_bwd_deterministic_plan: the package's deterministic_plan (and
     its flag names) in upstream's names, the forced plan as an argument."""
@@ -201,13 +222,16 @@ def render_plan_adapter() -> str:
     code = top_level_source(pkg_bwd_plans, "deterministic_plan")
     for old, new in _PLAN_EDITS:
         code = substitute(code, old, new, where=PLAN_WHERE)
-    code = _join_defs([top_level_source(pkg_bwd_plans, "dq_takes_turns"),
-                       top_level_source(pkg_bwd_plans, "rotated_walk_fits"), code])
+    turns = top_level_source(pkg_bwd_plans, "dq_takes_turns")
+    for old, new in _TURNS_EDITS:
+        turns = substitute(turns, old, new, where=PLAN_WHERE)
+    code = _join_defs([turns, top_level_source(pkg_bwd_plans, "rotated_walk_fits"), code])
     code = rename(code, "dq_takes_turns", "sm120_bwd_dq_takes_turns", where=PLAN_WHERE)
     code = rename(code, "rotated_walk_fits", "sm120_bwd_rotated_walk_fits", where=PLAN_WHERE)
     code = rename(code, "_ORDERING_FLAGS", "SM120_BWD_ORDERING_FLAGS", where=PLAN_WHERE)
     code = rename(code, "BwdConfig", "Sm120BwdConfig", where=PLAN_WHERE)
-    left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b", code)
+    left = re.search(r"_forced_plan|force_deterministic_plan|kernels/|driver_bwd|\bdeterministic_plan\b|rotated_entry",
+                     code)
     if left:
         raise AnchorError(f"{PLAN_WHERE}: package-only name {left.group(0)!r} left in the lifted plan; "
                           "revisit _PLAN_EDITS in step_bwd.py")
