@@ -140,8 +140,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
     """How the deterministic backward orders its dQ additions.
 
     * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a
-      dense causal one or one a rotated turns entry serves (`rotated_entry`): no order at all. Each dQ contribution is added as a 64-bit fixed-point integer,
-      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured
+      dense causal one or one a rotated turns entry serves (`rotated_entry`): no order at all. Each dQ
+      contribution is added as a 64-bit fixed-point integer, whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured
       against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default
       backward against 0.375x (varlen calls can only take ascending turns); dense without a mask
       +7% to +14% over the rotated turns. The turn orders below refuse windows.
@@ -195,7 +195,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
         plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
     if plan["dq_descending"] and used_k:
         raise ValueError("descending dQ turns are counted from the used keys: not with seqused_k")
-    if plan["dq_rotated"] and (causal or not dense or n_blocks > m_blocks or not resident):
+    if plan["dq_rotated"] and (causal or not dense
+                               or not rotated_walk_fits(cfg, seqlen_q, seqlen_k, num_sms)):
         raise ValueError("the rotated dQ order needs a dense problem without a causal mask whose n_blocks are "
                          f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
     if plan["dq_split"] and (cu_q or cu_k):

@@ -411,8 +411,8 @@ def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None,
 def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
     forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one or one a "none" key's
-    rotated turns entry serves, without a user score_mod), else turns: "rotated", "descending" (with "+reversed" for the shortest-first launch) or
-    "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
+    rotated turns entry serves, without a user score_mod), else turns: "rotated", "descending" (with
+    "+reversed" for the shortest-first launch) or "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
     num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
     from flash_attn_sm120 import bwd_plans, driver_bwd

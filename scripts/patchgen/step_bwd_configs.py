@@ -152,9 +152,11 @@ _PLAN_EDITS = (
      "                                 local: bool = False, flags: Optional[dict] = None) -> dict:\n"),
     # (the rotated turns entries: this table leaves turns_only rows out, so no call has one)
     ("    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a\n"
-     "      dense causal one or one a rotated turns entry serves (`rotated_entry`): no order at all.",
+     "      dense causal one or one a rotated turns entry serves (`rotated_entry`): no order at all. Each dQ\n"
+     "      contribution is added as a 64-bit fixed-point integer, whose sum",
      "    * Fixed point, where the call allows it (`fixed_point`: fixed_point_allowed), for every call but a\n"
-     "      dense causal one: no order at all."),
+     "      dense causal one: no order at all. Each dQ contribution is added as a 64-bit fixed-point integer,\n"
+     "      whose sum"),
     ("    elif not dq_takes_turns(fixed_point, causal, local, dense, rotated_entry):\n",
      "    elif not dq_takes_turns(fixed_point, causal, local, dense):\n"),
     ("      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured\n"
