@@ -281,8 +281,8 @@ DET_VARIANTS = {
     "det_fixed_point_mask_always": {"causal": dict(dq_fixed_point=True), "none": dict(dq_fixed_point=True),
                                     "launch": dict(mask_where_needed=False)},
 }
-# the variants whose order needs no dense grid (no rotated walk, descending turns or reversed launch)
-_VARLEN_VARIANTS = ("det_fixed_point", "det_ascending", "det_fixed_point_mask_always")
+# the orderings that need a dense grid: the rotated walk, descending turns, the reversed launch
+_DENSE_GRID_FLAGS = ("dq_rotated", "dq_descending", "reverse_n_blocks")
 
 
 def deterministic_variants(info, names=None) -> list[BwdImpl]:
@@ -303,7 +303,7 @@ def with_ordering(impl: BwdImpl, variant: str) -> BwdImpl:
         with driver_bwd.force_deterministic_plan(**flags["causal" if p.causal else "none"]), launch:
             return _inner(p, x, poisoned)
 
-    dense_only = variant not in _VARLEN_VARIANTS
+    dense_only = any(flags[mask].get(f) for mask in ("causal", "none") for f in _DENSE_GRID_FLAGS)
     return BwdImpl(impl.name, run, impl.kind, supports=lambda p, _s=impl.supports: (
         _s(p) and not (dense_only and p.is_varlen) and p.window == (None, None)))
 
