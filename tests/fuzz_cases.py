@@ -52,10 +52,11 @@ SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
 # ratios, modifier, block-sparse lists); plan.det_cases takes them in this order (cycling), so the fast plan's 4
-# cover fixed point and the three turn orderings, the deep plan's 12 all of them. Fixed point serves sliding
+# cover fixed point and the three turn orderings, the deep plan's 13 all of them. Fixed point serves sliding
 # windows, varlen calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse
 # lists, without a user score_mod; the turn orderings serve dense causal calls, with a score_mod ("position",
-# "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, and the lists with one.
+# "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, the lists with one, and
+# the dense calls without a mask that a rotated turns entry serves (the last row).
 DETERMINISTIC = (
     ("fixed", "local_lr", ("dense", "dense"), (2, 4), "", False),  # GQA sliding window: fixed-point dQ
     ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "", False),  # GQA causal: ordered dQ and dK/dV
@@ -69,6 +70,9 @@ DETERMINISTIC = (
     ("rotated", "none", ("dense", "dense"), (4, 8), "alibi", False),  # rotated with a large group's dK/dV order
     ("descending+reversed", "causal", ("dense", "dense"), (1, 8), "alibi", False),
     ("lists", "causal", ("dense", "dense"), (1, 2), "position", True),  # block-sparse + score_mod: turns from the lists
+    # no mask, dense, no score_mod: the rotated turns entry of a "none" key (config_bwd.rotated_turns_config), at a
+    # head dim that has one; its lengths are sized on that entry's tile (bwd_tile)
+    ("rotated", "none", ("dense", "dense"), (1, 2), "", False),
 )
 DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
@@ -248,6 +252,11 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
         if not s.allows_layout(*layout):
             layout = ("dense", "dense")
         d = cols["d"][i]
+        entry = order == "rotated" and mask == "none" and not mods  # the rotated turns entry's row
+        if entry:
+            dims, ratios = _rotated_entry_dims(path), _rotated_entry_ratios(ratios)
+            d = dims[i % len(dims)] if dims else d
+            order = order if dims else "fixed"  # no "none" key with a turns entry: the call adds in fixed point
         sparse = ""
         if lists and s.block_sparse:  # block-sparse lists (dense layout, a head dim the lists take)
             sparse = DET_SPARSE[(i // len(DETERMINISTIC)) % len(DET_SPARSE)]
@@ -256,7 +265,8 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=rng.choice(ratios), pack_gqa=None,
             mask=mask if _mask_supported(path, mask) else "none",
-            softcap=cols["softcap"][i] if s.softcap and not mods else 0.0,  # (a score_mod excludes softcap)
+            # (a score_mod excludes softcap; softcap keeps a call off the turns entries)
+            softcap=cols["softcap"][i] if s.softcap and not (mods or entry) else 0.0,
             return_lse=cols["lse"][i], q_layout=layout[0], k_layout=layout[1], backward=True, deterministic=True,
             block_sparse=sparse, mods=mods,
         )
@@ -268,16 +278,45 @@ def _bwd_dims(path: KernelPath) -> list:
     return [d for d in path.supports.backward_head_dims if d in path.head_dims()]
 
 
+def _rotated_entry_dims(path: KernelPath) -> list:
+    """The path's backward head dims whose "none" key has a rotated turns entry."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, rotated_turns_config
+
+    return [d for d in _bwd_dims(path) if rotated_turns_config(load_bwd_table(), d, d) is not None]
+
+
+def _rotated_entry_ratios(ratios: tuple) -> tuple:
+    """The row's GQA ratios that a rotated turns entry serves (MHA only unless ROTATED_ENTRIES_SERVE_GQA)."""
+    from flash_attn_sm120.config_bwd import ROTATED_ENTRIES_SERVE_GQA
+
+    return ratios if ROTATED_ENTRIES_SERVE_GQA else tuple(r for r in ratios if r == 1) or (1,)
+
+
 def bwd_tile(case: AttnCase) -> tuple[int, int]:
     """(m_block, n_block) of the backward config the package picks for a case (its table, config_bwd, with
-    the driver's entry kinds: testing.bwd_routing), before its lengths exist: a dense deterministic case
-    without a mask that the rotated turns entry will serve is sized on the key's other entry."""
-    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+    the driver's entry kinds: testing.bwd_routing), before its lengths exist; a dense deterministic case
+    without a mask, softcap or modifiers at a head dim with a rotated turns entry is sized on that entry, whose
+    rotated order its "rotated" lengths (_det_dense_lengths) then fit."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, rotated_turns_config, select_bwd_config
     from flash_attn_sm120.testing import bwd_routing
 
     causal, local, _, kinds = bwd_routing(case)  # (no problem here: the case's own mask flags)
-    cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local, **kinds)
+    if _aims_at_rotated_entry(case, kinds):  # sized on the entry its lengths will select
+        cfg = rotated_turns_config(load_bwd_table(), case.head_dim, case.head_dim_v)
+    else:
+        cfg = select_bwd_config(load_bwd_table(), case.head_dim, case.head_dim_v, causal, local, **kinds)
     return cfg.m_block, cfg.n_block
+
+
+def _aims_at_rotated_entry(case: AttnCase, kinds: dict) -> bool:
+    """A dense deterministic case without a mask, softcap or modifiers at a head dim whose "none" key has a
+    rotated turns entry serving its head ratio: the DETERMINISTIC row that aims at that entry."""
+    from flash_attn_sm120.config_bwd import ROTATED_ENTRIES_SERVE_GQA, load_bwd_table, rotated_turns_config
+
+    return (case.deterministic and case.is_dense and case.mask == "none" and not (case.softcap or case.mods
+            or case.block_sparse) and (case.qhead_per_kvhead == 1 or ROTATED_ENTRIES_SERVE_GQA)
+            and rotated_turns_config(load_bwd_table(), case.head_dim, case.head_dim_v) is not None
+            and not kinds["modifiers"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
+import fuzz_cases
 import fuzz_profiles
 import fuzz_report
 from flash_attn_sm120 import bench, testing, testing_mods
@@ -612,13 +613,15 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
         assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
         # fixed point: every call without a user score_mod but a dense causal one (a mask_mod replaces the causal
-        # flag, as upstream resolves it) or one the d96 rotated turns entry serves (no DETERMINISTIC row draws
-        # that: its dense rows without a mask carry a score_mod); turns the rest
+        # flag, as upstream resolves it) or one a rotated turns entry serves (the last row); turns the rest
         spec = testing_mods.spec(c.case.mods) if c.case.mods else None
         no_score_mod = spec is None or spec.score_mod is None
         causal = c.case.mask == "causal" and (spec is None or spec.mask_mod is None)
-        assert (c.det_order == "fixed") == (no_score_mod and (c.case.local or not c.case.is_dense or not causal
-                                                              or bool(c.case.block_sparse)))
+        entry = fuzz_cases._aims_at_rotated_entry(c.case, testing.bwd_routing(c.case)[3])
+        assert (c.det_order == "fixed") == (no_score_mod and not entry and (
+            c.case.local or not c.case.is_dense or not causal or bool(c.case.block_sparse)))
+        if entry:  # the entry's row: no mask, no softcap, a head dim with the entry
+            assert c.det_order == "rotated" and c.case.mask == "none" and not (c.case.softcap or c.case.mods)
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
         assert c.id.endswith("-bwd-det")
     orders = [c.det_order for c in det]
@@ -634,6 +637,8 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         assert any(c.det_order == "lists" and c.case.block_sparse for c in det)  # the block-sparse walk's turns
         assert any(c.det_order == "fixed" and c.case.block_sparse for c in det)  # and its fixed-point dQ
         assert any(c.det_order == "fixed" and c.case.local for c in det)  # windows, by fixed point
+        # the rotated turns entry (d96's "none" key)
+        assert any(fuzz_cases._aims_at_rotated_entry(c.case, testing.bwd_routing(c.case)[3]) for c in det)
     # the other cases do not move with det_cases
     without = static_cases(paths, dataclasses.replace(plan, det_cases=0), seed=0, mode="emulated")
     assert [c.id for c in without[0] + without[1]] == [c.id for c in fwd + bwd if not c.case.deterministic]
