@@ -44,9 +44,9 @@ from typing import Optional
 
 import torch
 
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 SCALE_LOG2_CEILING = 59  # B_h * 2^k_h <= 2^59: 16x under int64's range for the kernel's rounding
 SCALE_LOG2_RANGE = (-100, 100)  # 2^k_h stays a normal fp32 (k_h clamped: a zero bound takes 2^100)
@@ -66,6 +66,21 @@ def red_add_fixed(address: Int64, value: Float32, scale: Float32, *, loc=None, i
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def head_scale(scales: Int64, head: Int32, *, loc=None, ip=None) -> Float32:
+    """scales[head] (fp32), address and load in one asm with side effects: the compiler keeps it in the loop
+    that asks for it instead of hoisting the 64-bit address out and holding it live (spilled on sm_120a)."""
+    return Float32(llvm.inline_asm(
+        T.f32(),
+        [Int64(scales).ir_value(loc=loc, ip=ip), Int32(head).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .u64 a;\nmad.wide.u32 a, $2, 4, $1;\nld.global.nc.f32 $0, [a];\n}",
+        "=f,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 def int64_address(fp32_address: Int64, base: Int64) -> Int64:

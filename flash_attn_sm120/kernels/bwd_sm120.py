@@ -60,7 +60,7 @@ from flash_attn.cute.tile_scheduler import SingleTileScheduler
 from flash_attn.cute.utils import AuxData
 
 from flash_attn_sm120 import hardware
-from flash_attn_sm120.kernels import bwd_deterministic, bwd_mask
+from flash_attn_sm120.kernels import bwd_deterministic, bwd_fixed_point, bwd_mask
 from flash_attn_sm120.kernels.bwd_tiling import (
     _HDIM_MULTIPLE,
     _SMALL_ALIGN,
@@ -378,7 +378,8 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         mask, kw = ordered.func.__self__, ordered.keywords
         if const_expr(self.dq_fixed_point):  # no turns: the modifier step adds in fixed point
             accumulator, scales = sems[-3:-1] if self.qhead_per_kvhead > 1 else sems[-2:]
-            self._dq_fixed = (accumulator.iterator.toint(), scales[kw["head_idx"]])
+            self._dq_fixed = (accumulator.iterator.toint(),
+                              bwd_fixed_point.head_scale(scales.iterator.toint(), kw["head_idx"]))
             return self._one_m_block(m_block, *args, mask_fn=mask_fn, **kwargs)
         step, m_block_max = m_block, kwargs["m_block_max"]  # the walk's step and its end
         if const_expr(self.dq_rotated):

@@ -124,6 +124,10 @@ _BODY_EDITS = (  # on the package module's code after its imports
     ("        return emulation_storage(self, storage, self.num_threads)\n", "        return storage\n"),
     ("one warp along N of the S tile (bwd_mask.py)\n", "one warp along N of the S tile (layout_free)\n"),
     ("upstream's step (kernels/bwd_mods.py has its own)", "FlashAttentionBackwardSm120's step"),
+    # the fixed-point adds stay in the package (step_mods.py): the scale as a plain load, no bwd_fixed_point
+    ("            self._dq_fixed = (accumulator.iterator.toint(),\n"
+     "                              bwd_fixed_point.head_scale(scales.iterator.toint(), kw[\"head_idx\"]))\n",
+     "            self._dq_fixed = (accumulator.iterator.toint(), scales[kw[\"head_idx\"]])\n"),
     ("        # upstream's __call__ passes its tile scheduler class second to last; the shortest-first launch\n"
      "        # swaps in the same scheduler with the n_blocks reversed (dense problems only), the\n"
      "        # longest-first one the same scheduler re-ordered (dense causal problems)\n",
