@@ -370,13 +370,26 @@ def host_seqlens(case: AttnCase, problem: AttnProblem) -> tuple[int, int]:
             width(case.k_layout, problem.seqlens_k, problem.pad_k if case.k_layout == "padded" else 0))
 
 
+def routing_num_sms(num_sms: Optional[int] = None) -> int:
+    """num_sms, else what the backward driver reads (device_info's count of the current CUDA device), else
+    132 (an H100's or H200's: the emulation hosts) where no CUDA device is present."""
+    if num_sms is not None:
+        return num_sms
+    if not torch.cuda.is_available():
+        return 132
+    from flash_attn_sm120.device import device_info
+
+    return device_info().num_sms
+
+
 def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None,
-                num_sms: int = 132) -> tuple[bool, bool, bool, dict]:
+                num_sms: Optional[int] = None) -> tuple[bool, bool, bool, dict]:
     """(causal, local, user score_mod, config_bwd.entry_kinds) of a backward case as the driver resolves
     them: upstream's window resolution (a mask_mod replaces the mask flags; right 0 without a left side
     is causal) with the problem's window, else the case's own flags; a MODS entry is a user modifier.
     A dense deterministic case without a mask takes its key's rotated turns entry where the problem's
-    lengths fit it on num_sms SMs (config_bwd.rotated_turns_config); without a problem, never."""
+    lengths fit it on num_sms SMs (config_bwd.rotated_turns_config; default routing_num_sms: the driver's
+    count); without a problem, never."""
     from flash_attn.cute.interface import _resolve_causal_local_window
 
     from flash_attn_sm120 import bwd_plans
@@ -404,20 +417,22 @@ def bwd_routing(case: AttnCase, problem: Optional[AttnProblem] = None,
                         fixed_point=case.deterministic and bwd_plans.fixed_point_allowed(user_score_mod),
                         plan_forced=bwd_plans.plan_forced(),
                         rotated_entry=rotated is not None and bwd_plans.rotated_entry_fits(
-                            rotated, *host_seqlens(case, problem), num_sms))
+                            rotated, *host_seqlens(case, problem), routing_num_sms(num_sms)))
     return causal, local, user_score_mod, kinds
 
 
-def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: int = 132) -> str:
+def deterministic_order(case: AttnCase, problem: AttnProblem, num_sms: Optional[int] = None) -> str:
     """The dQ ordering driver_bwd.deterministic_plan picks for a problem (the backward table's config, nothing
     forced): "fixed" (64-bit fixed-point adds, no order: every call but a dense causal one or one a "none" key's
     rotated turns entry serves, without a user score_mod), else turns: "rotated", "descending" (with
     "+reversed" for the shortest-first launch) or "ascending"; "lists" for block-sparse lists with a score_mod (turns from the lists:
     driver_bwd.SPARSE_DETERMINISTIC_PLAN).
-    num_sms: the GPU's (default an H200's; a head's n_blocks are resident when they number at most that)."""
+    num_sms: the GPU's (default routing_num_sms: the driver's count, 132 without CUDA; a head's n_blocks are
+    resident when they number at most that)."""
     from flash_attn_sm120 import bwd_plans, driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
+    num_sms = routing_num_sms(num_sms)
     causal, local, user_score_mod, kinds = bwd_routing(case, problem, num_sms)
     fixed_point = driver_bwd.fixed_point_allowed(user_score_mod)
     if case.block_sparse:

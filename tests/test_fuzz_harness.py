@@ -850,3 +850,22 @@ def test_varlen_block_sparse_case_builds_lists_and_per_sequence_masks():
         assert tuple(keep.shape) == (1, 4, sq, sk), seq
     with pytest.raises(ValueError, match="block-sparse cases take the dense layout"):
         testing.make_inputs(dataclasses.replace(case, block_sparse="q256"), problem, "cpu")  # 256-row blocks: no varlen lists
+
+
+def test_routing_counts_the_drivers_sms(monkeypatch):
+    """testing's routing reads the SM count the driver reads (device_info of the current device), 132 without
+    CUDA: a d96 call without a mask whose rotated walk has 80 n_blocks fits half of 188 SMs, not half of 132."""
+    from types import SimpleNamespace
+
+    import flash_attn_sm120.device as device
+
+    case = AttnCase("bfloat16", 96, 96, backward=True, deterministic=True)
+    problem = AttnProblem((80 * 64,), (80 * 128,))
+    assert testing.routing_num_sms(None) == 132 and testing.routing_num_sms(188) == 188
+    assert testing.deterministic_order(case, problem) == "fixed"  # 80 > 132 / 2
+    assert testing.deterministic_order(case, problem, num_sms=188) == "rotated"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", lambda *a, **k: SimpleNamespace(num_sms=188))
+    assert testing.routing_num_sms(None) == 188
+    assert testing.deterministic_order(case, problem) == "rotated"
+    assert testing.bwd_routing(case, problem)[3]["turns"]
