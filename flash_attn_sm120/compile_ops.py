@@ -100,7 +100,7 @@ def traced_call(args: dict, varlen: bool):
             or any(isinstance(args.get(n), torch.Tensor) for n in ("max_seqlen_q", "max_seqlen_k"))):
         return _eager_graph_break(args, varlen)
     # the eager checks of the flags, before they become op arguments (a bool() would accept "False")
-    validation.check_scalars(args["softmax_scale"], args["softcap"])
+    softcap = validation.check_scalars(args["softmax_scale"], args["softcap"])
     validation.check_flags(causal=args["causal"], pack_gqa=args["pack_gqa"], return_lse=args["return_lse"],
                            deterministic=args["deterministic"])
     validation.check_num_splits(args["num_splits"])
@@ -116,7 +116,7 @@ def traced_call(args: dict, varlen: bool):
     aux = args.get("aux_tensors")
     out, lse = torch.ops.flash_attn_sm120.fwd(
         q, k, v, *(args.get(n) for n in _TENSORS), list(aux or ()), *_encode_scalars(args.get("aux_scalars")),
-        args["softmax_scale"], bool(args["causal"]), left, right, float(args["softcap"] or 0.0),
+        args["softmax_scale"], bool(args["causal"]), left, right, float(softcap or 0.0),
         int(args["num_splits"]), args["pack_gqa"], bool(args["deterministic"]), args.get("max_seqlen_q"),
         args.get("max_seqlen_k"), _name(mods[0]), _name(mods[1]), return_lse, want_lse, needs_grad, varlen,
     )

@@ -18,6 +18,7 @@ import torch
 
 import flash_attn.cute.interface as upstream
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+from flash_attn.cute.cute_dsl_utils import maybe_contiguous
 from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
 
 from flash_attn_sm120 import compile_ops, driver, driver_bwd, driver_splitkv, sinks, validation, validation_paged
@@ -39,17 +40,17 @@ def _check_common_features(
     scheduler_metadata=None, requires_grad=False, deterministic=False, score_mod=None,
     score_mod_bwd=None, mask_mod=None, gather_bwd_recompute_p=False, gather_bwd_token_chunk=None,
 ):
-    validation.check_num_splits(num_splits)
+    # scheduler_metadata: upstream's SM120 path takes it as a scheduling hint only (no result changes);
+    # these kernels schedule without it, so it is accepted and not read
     if (qv is None and gather_kv_indices is None and block_sparse_tensors is None
-            and scheduler_metadata is None and not requires_grad and not gather_bwd_recompute_p
-            and gather_bwd_token_chunk is None):
+            and not requires_grad and not gather_bwd_recompute_p and gather_bwd_token_chunk is None):
         return  # the common case, decided without building the feature tables below (per-call host time)
+    # upstream's own check first: its gather_bwd options without gather_kv_indices are a ValueError
+    upstream._validate_gather_bwd_kwargs(gather_kv_indices, gather_bwd_recompute_p, gather_bwd_token_chunk)
     validation.reject_unsupported(
         qv_MLA_absorbed_attention=qv is not None,
         gather_kv_indices_sparse_MLA=gather_kv_indices is not None,
-        gather_bwd_options=gather_bwd_recompute_p or gather_bwd_token_chunk is not None,
         block_sparsity_with_paged_KV=block_sparse_tensors is not None and page_table is not None,
-        scheduler_metadata=scheduler_metadata is not None,
     )
     if requires_grad:
         validation.reject_unsupported(paged_KV_backward=page_table is not None)
@@ -96,9 +97,9 @@ class _Sm120AttnFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, learnable_sink, *bwd_kwargs.pop("_tensors"))
         ctx.bwd_kwargs = bwd_kwargs
         ctx.return_lse = return_lse
+        # the LSE stays differentiable when the caller did not ask for it, as upstream's does (its gradient
+        # is dropped in backward); marking it would make lse.sum().backward() an error here only
         ctx.set_materialize_grads(False)
-        if lse is not None and not return_lse:
-            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
@@ -165,10 +166,13 @@ def flash_attn_func(
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_func(**_locals_without_target(locals()))
+    q, k, v, learnable_sink = _canonical(q, k, v, learnable_sink)
     validation.validate_dense_memo(q, k, v)
     left, right = validation.normalize_window(window_size)
-    validation.check_scalars(softmax_scale, softcap)
+    softcap = validation.check_scalars(softmax_scale, softcap)
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
+    causal, return_lse, deterministic = bool(causal), bool(return_lse), bool(deterministic)
+    num_splits = validation.check_num_splits(num_splits)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
     aux_scalars = validation.normalize_aux_scalars(aux_scalars)
@@ -256,6 +260,9 @@ def flash_attn_varlen_func(
     target = _sm120_target(q)
     if target is None:
         return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))
+    q, k, v, learnable_sink = _canonical(q, k, v, learnable_sink)
+    if isinstance(page_table, torch.Tensor):
+        page_table = maybe_contiguous(page_table, align_bytes=4)
     if page_table is None:
         validation.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     else:
@@ -264,15 +271,17 @@ def flash_attn_varlen_func(
             seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         )
     left, right = validation.normalize_window(window_size)
-    validation.check_scalars(softmax_scale, softcap)
+    softcap = validation.check_scalars(softmax_scale, softcap)
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
+    causal, return_lse, deterministic = bool(causal), bool(return_lse), bool(deterministic)
+    num_splits = validation.check_num_splits(num_splits)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
     aux_scalars = validation.normalize_aux_scalars(aux_scalars)
     want_lse, requires_grad, bwd_needed = validation.grad_plan(q, k, v, learnable_sink, return_lse)
     _check_common_features(
         qv=qv, gather_kv_indices=gather_kv_indices, num_splits=num_splits,
-        block_sparse_tensors=block_sparse_tensors, page_table=page_table, scheduler_metadata=scheduler_metadata,
+        block_sparse_tensors=block_sparse_tensors, page_table=page_table,
         requires_grad=bwd_needed, deterministic=deterministic, score_mod=score_mod,
         score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, gather_bwd_recompute_p=gather_bwd_recompute_p,
         gather_bwd_token_chunk=gather_bwd_token_chunk,
@@ -320,6 +329,25 @@ def _restore_saved(kw: dict, names, tensors) -> dict:
             kw[name] = t
     kw["aux_tensors"] = aux or None
     return kw
+
+
+def _canonical(q, k, v, learnable_sink) -> tuple:
+    """Upstream's canonical layouts (its maybe_contiguous, as its interface applies them): q/k/v copied when
+    their rows are not 16-byte aligned or their last dim is strided, the sink when not 4-byte aligned.
+    Through autograd like any copy; non-tensors pass through to validation's TypeError."""
+    q, k, v = (_aligned_rows(maybe_contiguous(t)) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    if isinstance(learnable_sink, torch.Tensor):
+        learnable_sink = maybe_contiguous(learnable_sink, align_bytes=4)
+    return q, k, v, learnable_sink
+
+
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where a stride is not a multiple of 16 bytes: maybe_contiguous keeps a tensor
+    torch calls contiguous, whose size-1 dims may carry any stride, and the validation checks every stride."""
+    step = max(1, 16 // t.element_size())
+    if all(s % step == 0 for s in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _locals_without_target(scope: dict) -> dict:

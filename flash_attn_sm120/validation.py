@@ -55,7 +55,8 @@ def _check_tensor(name: str, t, ndim: int) -> None:
 
 
 def _check_alignment(name: str, t: torch.Tensor) -> None:
-    """The kernels assume 16-byte aligned rows (upstream's ABI; upstream copies, we refuse)."""
+    """The kernels assume 16-byte aligned rows (upstream's ABI). The entry points copy q/k/v into it first, as
+    upstream does (interface._canonical); this check guards the other callers (the driver, the harness)."""
     # meta and fake tensors have no address: their storage offset tells the same thing
     no_address = t.device.type == "meta" or isinstance(t, FakeTensor)
     address = t.storage_offset() * t.element_size() if no_address else t.data_ptr()
@@ -142,10 +143,10 @@ def window_bounds(causal: bool, left: Optional[int], right: Optional[int]) -> tu
 
 
 def check_flags(**flags) -> None:
-    """Boolean options: a bool (or 0/1); pack_gqa may also be None. A string such as "False"
-    would otherwise be truthy and silently switch the option on."""
+    """Boolean options: a bool (or 0/1) or None, which upstream's truth tests read as off (pack_gqa's None:
+    automatic). A string such as "False" would otherwise be truthy and silently switch the option on."""
     for name, value in flags.items():
-        if value is None and name == "pack_gqa":
+        if value is None:
             continue
         if isinstance(value, bool) or type(value).__name__ == "bool_":
             continue
@@ -154,14 +155,24 @@ def check_flags(**flags) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def check_num_splits(num_splits) -> None:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+def check_num_splits(num_splits) -> int:
+    """num_splits as a Python int: any integer (numpy's too, as upstream's arithmetic takes), not a bool."""
+    if type(num_splits) is int:
+        return num_splits
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise TypeError(f"num_splits must be an int, got {num_splits!r}")
+    return int(num_splits)
 
 
-def check_scalars(softmax_scale, softcap) -> None:
+def check_scalars(softmax_scale, softcap):
+    """softcap as the kernels take it: |softcap| (upstream's softcap * tanh(s / softcap) is the same function
+    for -softcap, tanh being odd), 0 or None for none.
+
+    softmax_scale must be finite and > 0. Upstream passes any value through, but its kernels scale the
+    -inf of masked scores too: a zero scale gives NaN (0 * -inf) and a negative one +inf in every masked
+    row, so a clear error here is the faithful answer."""
     if softmax_scale is None and type(softcap) is float and softcap == 0.0:
-        return  # the defaults (skips the numbers.Real ABC checks: per-call host time)
+        return softcap  # the defaults (skips the numbers.Real ABC checks: per-call host time)
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
@@ -170,8 +181,10 @@ def check_scalars(softmax_scale, softcap) -> None:
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap must be a float, got {softcap!r}")
-        if not math.isfinite(softcap) or softcap < 0:
-            raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
+        if not math.isfinite(softcap):
+            raise ValueError(f"softcap must be finite (0 disables it), got {softcap}")
+        return abs(softcap)
+    return softcap
 
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)

@@ -140,6 +140,29 @@ def test_forward_computes_lse_for_autograd(monkeypatch, grad, return_lse, want):
         assert seen["bwd_lse"] is not None and q.grad is not None
 
 
+def test_an_lse_not_asked_for_stays_differentiable_and_its_gradient_is_dropped(monkeypatch):
+    """Upstream returns the LSE an autograd call needs with requires_grad and ignores its gradient without
+    return_lse: lse.sum().backward() runs there (zero gradients), so it runs here, and dlse never reaches
+    the backward."""
+    seen = {}
+
+    def fake_forward(q, k, v, need_lse, **kw):
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def fake_bwd(q, k, v, out, dout, lse, dlse=None, **kw):
+        seen["dlse"] = dlse
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(interface.driver_splitkv, "takes_this_path", lambda **kw: False)
+    monkeypatch.setattr(interface.driver, "forward", fake_forward)
+    monkeypatch.setattr(interface.driver_bwd, "backward", fake_bwd)
+    q, k, v = (torch.zeros(1, 32, 2, 64, requires_grad=True) for _ in range(3))
+    out, lse = interface._Sm120AttnFunc.apply(q, k, v, None, {}, dict(_tensors=(), _tensor_names=()), False, True)
+    assert lse.requires_grad
+    lse.sum().backward()
+    assert seen["dlse"] is None and q.grad is not None and not q.grad.any()
+
+
 @pytest.mark.parametrize("sink_kw,match", [
     (dict(shape=(3,)), r"shape \(num_heads,\) = \(4,\)"),
     (dict(shape=(1, 4)), "shape"),
@@ -307,9 +330,6 @@ def test_cpu_tensors_rejected():
     (lambda: (torch.empty(64, 4, 64, device="cuda", dtype=torch.bfloat16),) + _cuda_qkv()[1:], {}, ValueError,
      "4 dimensions"),
     (lambda: (_cuda_qkv()[0], _cuda_qkv()[1].half(), _cuda_qkv()[2]), {}, TypeError, "share one dtype"),
-    (lambda: _cuda_qkv()[:2] + (torch.empty_strided((2, 64, 4, 64), (64 * 4 * 128, 4 * 128, 128, 2),
-                                                     device="cuda", dtype=torch.bfloat16),), {}, ValueError,
-     "contiguous in its last"),
     (lambda: (_cuda_qkv()[0], _cuda_qkv(s=32)[1], _cuda_qkv()[2]), {}, ValueError, "agree"),
     (lambda: (_cuda_qkv()[0], _cuda_qkv(d=32)[1], _cuda_qkv(d=32)[2]), {}, ValueError, "does not match q head dim"),
     (lambda: _cuda_qkv(), dict(window_size=(1.5, 0)), TypeError, "window_size left"),
@@ -326,13 +346,59 @@ def test_bad_inputs(fake_device, make, kwargs, exc, match):
     assert "driver" not in calls
 
 
-def test_non_contiguous_last_dim_rejected(fake_device):
-    set_mode, _ = fake_device
+@pytest.mark.parametrize("varlen", [False, True])
+def test_both_entry_points_copy_layouts_as_upstream_does(fake_device, monkeypatch, varlen):
+    """q, k, v and the sink pass through interface._canonical (upstream's maybe_contiguous: what it copies
+    tests/test_properties.py checks) before validation, and the driver gets what it returns."""
+    set_mode, calls = fake_device
     set_mode("sm120")
     q, k, v = _cuda_qkv()
-    qt = torch.empty_strided(q.shape, (64 * 4 * 64, 1, 64 * 64, 64), device="cuda", dtype=q.dtype)
-    with pytest.raises(ValueError, match="last"):
-        flash_attn_sm120.flash_attn_func(qt, k, v)
+    if varlen:
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    sink = torch.empty(4, device="cuda", dtype=torch.bfloat16)
+    fresh = [torch.empty_like(t) for t in (q, k, v, sink)]
+    seen = []
+    monkeypatch.setattr(interface, "_canonical", lambda *a: seen.append(a) or tuple(fresh))
+    if varlen:
+        cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+        flash_attn_sm120.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
+                                                max_seqlen_k=64, learnable_sink=sink)
+    else:
+        flash_attn_sm120.flash_attn_func(q, k, v, learnable_sink=sink)
+    assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (q, k, v, sink)))
+    assert calls["driver"]["learnable_sink"] is fresh[3]
+
+
+def test_canonical_copies_a_strided_sink():
+    sink = torch.randn(8)[::2]
+    got = interface._canonical(torch.empty(1, 8, 1, 64), torch.empty(1, 8, 1, 64), torch.empty(1, 8, 1, 64), sink)[3]
+    assert got.stride() == (1,) and torch.equal(got, sink)
+
+
+def test_upstream_meanings_of_loose_arguments(fake_device):
+    """What upstream's truth tests and arithmetic accept means the same here: None flags are off, a numpy
+    int is an int, a negative softcap is |softcap| (tanh is odd), scheduler_metadata is a hint the kernels
+    do not need; gather_bwd options without gather_kv_indices are upstream's own ValueError."""
+    import numpy as np
+
+    set_mode, calls = fake_device
+    set_mode("sm120")
+    q, k, v = _cuda_qkv()
+    flash_attn_sm120.flash_attn_func(q, k, v, causal=None, deterministic=None, return_lse=None,
+                                     num_splits=np.int64(1), softcap=-5.0)
+    kw = calls["driver"]
+    assert kw["causal"] is False and kw["softcap"] == 5.0
+    with pytest.raises(ValueError, match="gather_kv_indices is not set"):
+        flash_attn_sm120.flash_attn_func(q, k, v, gather_bwd_recompute_p=True)
+    with pytest.raises(ValueError, match="gather_kv_indices is not set"):
+        flash_attn_sm120.flash_attn_func(q, k, v, gather_bwd_token_chunk=64)
+    with pytest.raises(TypeError, match="num_splits"):
+        flash_attn_sm120.flash_attn_func(q, k, v, num_splits=True)
+    cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+    qv, kv, vv = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    flash_attn_sm120.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
+                                            max_seqlen_k=64, scheduler_metadata=object())
+    assert calls["driver"]["cu_seqlens_q"] is cu
 
 
 def test_mixed_devices_rejected(fake_device):
