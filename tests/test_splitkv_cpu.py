@@ -255,8 +255,7 @@ def test_split_and_decode_route_to_splitkv_plain_prefill_does_not(fake_sm120):
     (lambda q, k, v, pt: (_t(2, 1, 8, 72), _t(64, 64, 2, 72), _t(64, 64, 2, 72), pt), NotImplementedError,
      "multiples of 16"),
     (lambda q, k, v, pt: (q, k.half(), v, pt), TypeError, "dtype"),
-    (lambda q, k, v, pt: (q, torch.empty_strided((64, 64, 2, 128), (64 * 2 * 132, 2 * 132, 132, 1), device="cuda",
-                                                 dtype=torch.bfloat16), v, pt), ValueError, "16-byte"),
+    # (a page pool with misaligned rows is copied, as upstream's maybe_contiguous copies it: interface._canonical)
     (lambda q, k, v, pt: (q, _t(0, 64, 2, 128), _t(0, 64, 2, 128), pt), ValueError, "no pages"),
 ])
 def test_paged_bad_inputs(fake_sm120, mutate, exc, match):
