@@ -224,7 +224,10 @@ def attention_bwd(
     if target is None or target == ("validate-only",):
         raise RuntimeError(f"flash_attn_sm120::bwd: the graph was traced for SM120 kernels, but {q.device} runs "
                            "upstream FA4 now (FLASH_ATTN_SM120_EMULATE changed?); trace it again")
-    dq, dk, dv = (_grad_buffer(x) for x in (q, k, v))
+    dq, dk, dv = (_grad_buffer(x) for x in (q, k, v))  # from the saved inputs' metadata, as the fake op
+    # the forward op copied its inputs into upstream's layouts inside its eager call; the tensors saved for
+    # the backward are the caller's, so the kernels get the same copies here
+    q, k, v, learnable_sink = interface._canonical(q, k, v, learnable_sink)
     dq, dk, dv = driver_bwd.backward(
         q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, window_size_left=window_left,
         window_size_right=window_right, softcap=softcap, emulate_host_smem=target[0], cu_seqlens_q=cu_seqlens_q,

@@ -41,7 +41,8 @@ def _check_common_features(
     score_mod_bwd=None, mask_mod=None, gather_bwd_recompute_p=False, gather_bwd_token_chunk=None,
 ):
     # scheduler_metadata: upstream's SM120 path takes it as a scheduling hint only (no result changes);
-    # these kernels schedule without it, so it is accepted and not read
+    # these kernels schedule without it: checked as upstream checks it (validation.check_scheduler_metadata)
+    # and not read
     if (qv is None and gather_kv_indices is None and block_sparse_tensors is None
             and not requires_grad and not gather_bwd_recompute_p and gather_bwd_token_chunk is None):
         return  # the common case, decided without building the feature tables below (per-call host time)
@@ -275,6 +276,9 @@ def flash_attn_varlen_func(
     validation.check_flags(causal=causal, pack_gqa=pack_gqa, return_lse=return_lse, deterministic=deterministic)
     causal, return_lse, deterministic = bool(causal), bool(return_lse), bool(deterministic)
     num_splits = validation.check_num_splits(num_splits)
+    validation.check_scheduler_metadata(
+        scheduler_metadata, cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0],
+        disable_scheduler_metadata)
     if learnable_sink is not None:
         sinks.check_sink(learnable_sink, q.shape[-2], q.device)
     aux_scalars = validation.normalize_aux_scalars(aux_scalars)

@@ -155,6 +155,31 @@ def check_flags(**flags) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def check_scheduler_metadata(metadata, batch: int, disabled: bool) -> None:
+    """Upstream's checks of a varlen call's scheduler_metadata, which it reads unless disabled: a
+    SchedulerMetadataTensorsTorch whose tensors are on CUDA, (batch,) per-sequence tensors and a (1,)
+    semaphore. The kernels here schedule without it (a hint: no result depends on it)."""
+    if metadata is None or disabled:
+        return
+    from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
+
+    if not isinstance(metadata, SchedulerMetadataTensorsTorch):
+        raise TypeError("scheduler_metadata must be a flash_attn.cute.prepare_scheduler.SchedulerMetadataTensorsTorch"
+                        f" (or None), got {type(metadata).__name__}")
+    for name in metadata._fields:
+        t = getattr(metadata, name)
+        if t is not None and not (isinstance(t, torch.Tensor) and t.is_cuda):
+            raise ValueError(f"scheduler_metadata.{name} must be a CUDA tensor, got "
+                             f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for name in ("num_m_blocks_ptr", "num_splits_dynamic_ptr", "virtual_batch_idx_ptr", "num_nheads_in_l2_ptr"):
+        t = getattr(metadata, name)
+        if t is not None and tuple(t.shape) != (batch,):
+            raise ValueError(f"scheduler_metadata.{name} must have shape (batch_size,) = ({batch},), got {tuple(t.shape)}")
+    if metadata.tile_count_semaphore is not None and tuple(metadata.tile_count_semaphore.shape) != (1,):
+        raise ValueError("scheduler_metadata.tile_count_semaphore must have shape (1,), got "
+                         f"{tuple(metadata.tile_count_semaphore.shape)}")
+
+
 def check_num_splits(num_splits) -> int:
     """num_splits as a Python int: any integer (numpy's too, as upstream's arithmetic takes), not a bool."""
     if type(num_splits) is int:

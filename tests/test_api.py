@@ -1,5 +1,6 @@
 """Drop-in API on the CPU: signatures, dispatch rules, validation before any kernel work."""
 
+import functools
 import inspect
 
 import pytest
@@ -370,9 +371,12 @@ def test_both_entry_points_copy_layouts_as_upstream_does(fake_device, monkeypatc
 
 
 def test_canonical_copies_a_strided_sink():
-    sink = torch.randn(8)[::2]
+    base = torch.randn(8, requires_grad=True)
+    sink = base[::2]
     got = interface._canonical(torch.empty(1, 8, 1, 64), torch.empty(1, 8, 1, 64), torch.empty(1, 8, 1, 64), sink)[3]
     assert got.stride() == (1,) and torch.equal(got, sink)
+    (got * torch.arange(4.0)).sum().backward()  # the sink's gradient reaches the caller's strided view
+    assert torch.equal(base.grad, torch.tensor([0.0, 0, 1, 0, 2, 0, 3, 0]))
 
 
 def test_upstream_meanings_of_loose_arguments(fake_device):
@@ -396,9 +400,37 @@ def test_upstream_meanings_of_loose_arguments(fake_device):
         flash_attn_sm120.flash_attn_func(q, k, v, num_splits=True)
     cu = torch.zeros(3, dtype=torch.int32, device="cuda")
     qv, kv, vv = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
+
+    per_seq = torch.zeros(2, dtype=torch.int32, device="cuda")
+    meta = SchedulerMetadataTensorsTorch(per_seq, per_seq, None, None, torch.zeros(1, dtype=torch.int32, device="cuda"))
     flash_attn_sm120.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
-                                            max_seqlen_k=64, scheduler_metadata=object())
-    assert calls["driver"]["cu_seqlens_q"] is cu
+                                            max_seqlen_k=64, scheduler_metadata=meta)
+    assert calls["driver"]["cu_seqlens_q"] is cu and "scheduler_metadata" not in calls["driver"]
+
+
+def test_scheduler_metadata_is_checked_as_upstream_checks_it(fake_device):
+    """Upstream reads the metadata's fields (an AttributeError for anything else) and asserts CUDA tensors of
+    shape (batch,) and a (1,) semaphore, unless disable_scheduler_metadata; here the same calls are refused by
+    name, and disabled metadata is not read."""
+    from flash_attn.cute.prepare_scheduler import SchedulerMetadataTensorsTorch
+
+    set_mode, _ = fake_device
+    set_mode("sm120")
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in _cuda_qkv())
+    cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+    call = functools.partial(flash_attn_sm120.flash_attn_varlen_func, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=64, max_seqlen_k=64)
+    good = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="SchedulerMetadataTensorsTorch"):
+        call(scheduler_metadata=object())
+    with pytest.raises(ValueError, match=r"num_m_blocks_ptr must have shape \(batch_size,\) = \(2,\)"):
+        call(scheduler_metadata=SchedulerMetadataTensorsTorch(torch.zeros(1, dtype=torch.int32, device="cuda"), good, None, None, None))
+    with pytest.raises(ValueError, match="tile_count_semaphore must have shape"):
+        call(scheduler_metadata=SchedulerMetadataTensorsTorch(good, good, None, None, good))
+    with pytest.raises(ValueError, match="virtual_batch_idx_ptr must be a CUDA tensor"):
+        call(scheduler_metadata=SchedulerMetadataTensorsTorch(good, good, torch.zeros(2, dtype=torch.int32), None, None))
+    call(scheduler_metadata=object(), disable_scheduler_metadata=True)
 
 
 def test_mixed_devices_rejected(fake_device):

@@ -354,3 +354,28 @@ def test_fullgraph_varlen_backward_keeps_the_index_tensors_in_their_slots(cpu_re
     grads_e = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
     for a, b in zip(grads_c, grads_e):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_backward_op_copies_its_inputs_into_upstream_layouts(monkeypatch):
+    """The compiled backward gets the caller's q/k/v (saved by setup_context), not the forward op's copies;
+    a contiguous tensor whose size-1 dim carries an odd stride reaches the kernels copied, as in eager, and
+    the gradient buffers keep the fake op's layouts."""
+    from flash_attn_sm120 import driver_bwd, interface
+
+    seen = {}
+
+    def fake_backward(q, k, v, out, dout, lse, **kw):
+        seen.update(q=q, k=k, v=v)
+        return kw["dq"], kw["dk"], kw["dv"]
+
+    monkeypatch.setattr(interface, "_sm120_target", lambda q: (None,))
+    monkeypatch.setattr(driver_bwd, "backward", fake_backward)
+    q = torch.randn(2, 8, 1, 64, dtype=torch.bfloat16).as_strided((2, 8, 1, 64), (512, 64, 3, 1))
+    k, v = (torch.randn(2, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+    out, dout = torch.randn_like(k), torch.randn_like(k)
+    lse = torch.randn(2, 1, 8)
+    dq, dk, dv, _ = compile_ops.attention_bwd(dout, q, k, v, out, lse, None, None, None, None, None, None,
+                                              None, False, None, None, 0.0, False, None, None)
+    assert seen["q"].stride() == (512, 64, 64, 1) and torch.equal(seen["q"], q)
+    assert seen["k"] is k and seen["v"] is v
+    assert dq.shape == q.shape and dq.stride() == (512, 64, 64, 1)

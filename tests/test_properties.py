@@ -462,8 +462,10 @@ def test_layouts_upstream_copies_are_copied_canonical(data, layout):
     got = dict(zip("qkv", interface._canonical(tensors["q"], tensors["k"], tensors["v"], None)[:3]))
     assert all(_canonical(t) for t in got.values()), layout
     assert got[which].shape == bad.shape and torch.equal(got[which].detach(), bad.detach())
-    got[which].float().sum().backward()
+    weights = torch.randn(bad.shape)
+    (got[which].float() * weights).sum().backward()
     assert bad.grad is not None and bad.grad.shape == bad.shape
+    assert torch.equal(bad.grad.float(), weights.to(bad.dtype).float())  # each element's own gradient, unmoved
 
 
 # scalar options are checked after the devices, so CPU / meta calls stop at "need CUDA" first
