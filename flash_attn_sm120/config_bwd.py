@@ -14,7 +14,7 @@ measured faster there that spills in a deterministic call. An entry marked `turn
 the deterministic calls whose dQ adds take turns (no window, softcap or user modifiers, not under a forced
 plan): on a causal key the dense causal calls (bwd_plans.dq_takes_turns); on a "none" key the dense MHA calls
 without a mask whose rotated order it runs (`rotated_turns_config`, bwd_plans.rotated_entry_fits), which
-would otherwise add dQ in fixed point (GQA too once ROTATED_ENTRIES_SERVE_GQA). Such a tile is measured faster
+would otherwise add dQ in fixed point (GQA too: ROTATED_ENTRIES_SERVE_GQA). Such a tile is measured faster
 for the turns (fewer turns per FLOP at n_block 128) and may spill with fixed-point dQ; the key's other entry
 serves the key's other calls (packed or seqused; without a mask, those the rotated order does not admit).
 `select_bwd_config` is a pure function of the table and the problem's static properties.
@@ -45,11 +45,11 @@ from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error
 
 BWD_TABLE_PATH = CONFIG_DIR / "sm120_bwd.toml"
 BWD_TABLE_ENV = "FLASH_ATTN_SM120_BWD_TABLE"  # path of another table (experiments, searches)
-# Whether a "none" key's turns entry (the rotated turns) serves GQA calls too. Off until it has run GQA on a
-# GPU: the d96 one was timed and checked against fp32 on MHA only (session 35; the device time ran out).
-# tests/test_bwd_deterministic_gpu.py runs it on GQA forced (test_the_turns_entries_on_gqa). The causal
-# turns entries serve GQA: that test passed for them (session 35, w43a).
-ROTATED_ENTRIES_SERVE_GQA = False
+# Whether a "none" key's turns entry (the rotated turns) serves GQA calls too: on since
+# tests/test_bwd_deterministic_gpu.py::test_the_turns_entries_on_gqa passed with the d96 one forced on GQA 8:2
+# (bf16 and fp16: bitwise over 3 runs and against fp32; session 37, w46, H100). The causal turns entries
+# serve GQA since that test passed for them (session 35, w43a).
+ROTATED_ENTRIES_SERVE_GQA = True
 # Tried in order when the table has no entry that runs the head dims: within 99 KB and spill-free on
 # sm_120a up to d=192 (tests/test_bwd_codegen.py compiles each). Upstream's own SM120 config (4 warps,
 # 64x64) is not among them: it spills at d=128 and does not fit above.
@@ -191,8 +191,8 @@ def entry_kinds(*, deterministic: bool, causal: bool, local: bool, qhead_per_kvh
     * turns: deterministic, dQ in turns (bwd_plans.dq_takes_turns: dense causal, no window, or dense without a
       mask on a rotated entry, `rotated_entry`: rotated_turns_config and rotated_entry_fits; `fixed_point`: the
       call allows fixed point), no softcap, modifiers or block sparsity, not under a forced plan; any head
-      ratio with a causal mask (test_the_turns_entries_on_gqa passed), MHA only without one unless
-      ROTATED_ENTRIES_SERVE_GQA."""
+      ratio (test_the_turns_entries_on_gqa passed for both keys; ROTATED_ENTRIES_SERVE_GQA gates the
+      rotated ones)."""
     from flash_attn_sm120.bwd_plans import dq_takes_turns
 
     plain = (not (seqused or block_sparse or deterministic or local or score_mod or user_mods)

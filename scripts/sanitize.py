@@ -108,13 +108,13 @@ BWD_SHAPES = (
                                    deterministic=True),
      AttnProblem((400,), (450,), nheads_kv=1, window_left=100, window_right=30, seed=24)),
     # the d96 turns entries (8 warps 64x128, V in registers: config_bwd turns_only): causal GQA, descending
-    # turns; no mask, the rotated turns (6 m_blocks, 4 n_blocks; MHA: ROTATED_ENTRIES_SERVE_GQA)
+    # turns; no mask, the rotated turns (6 m_blocks, 4 n_blocks; GQA: ROTATED_ENTRIES_SERVE_GQA)
     ("bwd-d96-det-causal-turns-entry", AttnCase("bfloat16", 96, 96, 2, None, "causal", 0.0, False, "dense", "dense",
                                                 True, deterministic=True),
      AttnProblem((330,), (300,), nheads_kv=1, seed=27)),
-    ("bwd-d96-det-none-turns-entry", AttnCase("float16", 96, 96, 1, None, "none", 0.0, False, "dense", "dense",
+    ("bwd-d96-det-none-turns-entry", AttnCase("float16", 96, 96, 2, None, "none", 0.0, False, "dense", "dense",
                                               True, deterministic=True),
-     AttnProblem((330,), (400,), nheads_kv=2, seed=28)),
+     AttnProblem((330,), (400,), nheads_kv=1, seed=28)),
     # the turn orders (kernels/bwd_deterministic.py) with a user score_mod: one per dQ ordering of
     # driver_bwd.deterministic_plan. Causal dense: descending turns, the shortest-first launch, GQA dK/dV
     ("bwd-d128-det-causal-turns", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",

@@ -82,9 +82,9 @@ def test_dense_bitwise_and_correct(b, sq, sk, h, hk, d, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_turns_entries_on_gqa(dtype):
     """The table's turns entries (config_bwd turns_only) on GQA calls, forced onto the entry in the plan's own
-    ordering (causal keys: descending turns; "none" keys: the rotated turns), ordered dK/dV. The causal ones
-    serve GQA since this passed for them (session 35, w43a); the "none" ones serve MHA only until it passes
-    for them too (config_bwd.ROTATED_ENTRIES_SERVE_GQA)."""
+    ordering (causal keys: descending turns; "none" keys: the rotated turns), ordered dK/dV. Both serve GQA
+    since this passed for them (causal: session 35, w43a; "none": session 37, w46;
+    config_bwd.ROTATED_ENTRIES_SERVE_GQA)."""
     from flash_attn_sm120 import bwd_plans
     from flash_attn_sm120.config_bwd import load_bwd_table
 

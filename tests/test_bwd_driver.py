@@ -202,7 +202,7 @@ def test_dense_deterministic_calls_without_a_mask_take_the_rotated_entry_where_i
     that entry's rotated order fits (a head's n_blocks at most its m_blocks and the SMs); else fixed point on
     the key's other entry (no turns entry asked for): more n_blocks than m_blocks or than half the SMs (the
     margin for other streams' kernels), seqused, softcap (its score_mod: the key's entry), a forced config, and
-    GQA until ROTATED_ENTRIES_SERVE_GQA."""
+    GQA as ROTATED_ENTRIES_SERVE_GQA says (on since session 37)."""
     seen = []
 
     def spy(*args, turns=False, **kw):
