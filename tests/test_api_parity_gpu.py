@@ -62,3 +62,30 @@ def test_an_lse_not_asked_for_backpropagates_zero():
 def test_a_negative_softcap_is_its_magnitude():
     q, k, v = _inputs(2)
     assert torch.equal(flash_attn_func(q, k, v, softcap=-30.0)[0], flash_attn_func(q, k, v, softcap=30.0)[0])
+
+
+def _odd_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x (b, s, 1, d): a tensor torch calls contiguous whose size-1 head dim carries stride 3, which the kernels'
+    16-byte stride rule refuses (interface._aligned_rows copies it)."""
+    b, s, one, d = x.shape
+    out = torch.empty_like(x).as_strided(x.shape, (s * d, d, 3, 1))
+    out.copy_(x)
+    return out
+
+
+def test_compiled_backward_copies_layouts_as_eager_does():
+    """Under torch.compile the backward op receives the caller's tensors (the forward op copied them inside its
+    eager call): a size-1 dim's odd stride must reach the kernels copied there too, with the eager call's bits."""
+    q, k, v = _inputs(2, h=1)
+
+    def loss(q, k, v, dout):
+        return (flash_attn_func(q, k, v, causal=True, deterministic=True) * dout).sum()
+
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    eager = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    loss(*eager, dout).backward()
+    odd = [_odd_unit_stride(t).requires_grad_(True) for t in (q, k, v)]
+    assert all(t.is_contiguous() and t.stride(2) == 3 for t in odd)
+    torch.compile(loss, fullgraph=True)(*odd, dout).backward()
+    for a, b in zip(eager, odd):
+        assert b.grad is not None and torch.equal(a.grad, b.grad)
