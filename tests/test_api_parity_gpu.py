@@ -67,7 +67,7 @@ def test_a_negative_softcap_is_its_magnitude():
 def _odd_unit_stride(x: torch.Tensor) -> torch.Tensor:
     """x (b, s, 1, d): a tensor torch calls contiguous whose size-1 head dim carries stride 3, which the kernels'
     16-byte stride rule refuses (interface._aligned_rows copies it)."""
-    b, s, one, d = x.shape
+    b, s, _, d = x.shape
     out = torch.empty_like(x).as_strided(x.shape, (s * d, d, 3, 1))
     out.copy_(x)
     return out
