@@ -144,21 +144,22 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
       contribution is added as a 64-bit fixed-point integer, whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured
       against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default
       backward against 0.375x (varlen calls can only take ascending turns); dense without a mask
-      +7% to +14% over the rotated turns. The turn orders below refuse windows.
+      +7% to +14% over the rotated turns.
 
     Otherwise (dense causal calls, where the descending turns measured 1-13% faster; dense calls without a
     mask whose key has a turns entry that runs the rotated order, `rotated_entry`, where that entry's
-    tile measured +27% over fixed point at d96; calls with a user score_mod_bwd) turns
-    (kernels/bwd_deterministic.py):
+    tile measured +27% over fixed point at d96; calls with a user score_mod or score_mod_bwd, windows
+    included) turns (kernels/bwd_deterministic.py):
 
-    * Causal without cu_seqlens_k or seqused_k: descending turns with the n_blocks launched shortest
-      first, so that every wait is for a CTA launched earlier (no residency condition).
+    * Causal or a window, without cu_seqlens_k or seqused_k: descending turns with the n_blocks
+      launched shortest first, so that every wait is for a CTA launched earlier (no residency
+      condition). A window's CTAs walk m_blocks of equal count, so the launch costs no balance there.
     * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
       most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
       every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel
       sharing the GPU stalls it until its SMs free up.
     * Otherwise (more n_blocks than m_blocks or than SMs, varlen): ascending turns, as the n_block CTAs
-      launch.
+      launch, counted from each m_block's first n_block (a window's left edge).
     The shipped plans place the turns on the step's own barriers (fused_turns: thread 0 waits right
     before the barrier ahead of the dQ adds and releases the previous m_block right after the one ahead
     of the dP product), which needs this package's step (kernels/bwd_mods.py). With
@@ -184,15 +185,15 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
             plan.update(fused_turns=True)
         else:
             plan.update(barrier_release=True, release_deferred=True)
-        if causal and not (cu_k or used_k):
+        if (causal or local) and not (cu_k or used_k):
             # (with seqused_k the grid's n_blocks past the used keys still visit the last m_blocks, which
             # descending turns counted from the used keys would not wait for: turn -1, a hang)
             plan.update(dq_descending=True, reverse_n_blocks=True)
         elif not causal and dense and rotated_walk_fits(cfg, seqlen_q, seqlen_k, num_sms):
             plan.update(dq_rotated=True)
     # an order that can deadlock is refused, forced or not (a hang is the one failure with no message)
-    if plan["dq_descending"] and not causal:
-        plan["dq_descending"] = False  # the kernel ignores it without a causal mask; keep the key canonical
+    if plan["dq_descending"] and not (causal or local):
+        plan["dq_descending"] = False  # the kernel ignores it without a causal or local mask; keep the key canonical
     if plan["dq_descending"] and used_k:
         raise ValueError("descending dQ turns are counted from the used keys: not with seqused_k")
     if plan["dq_rotated"] and (causal or not dense
@@ -201,6 +202,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
                          f"resident and at most its m_blocks ({n_blocks} n_blocks, {m_blocks} m_blocks)")
     if plan["dq_split"] and (cu_q or cu_k):
         raise ValueError("dq_split needs dense dQ accumulators: not with cu_seqlens_q / cu_seqlens_k")
+    if plan["dq_split"] and local and not plan["dq_fixed_point"]:
+        raise ValueError("dq_split groups the n_blocks by n % 2, which a window's turns do not follow")
     if plan["reverse_n_blocks"] and (cu_k or not (plan["dq_descending"] or resident)):
         raise ValueError("the reversed n_block launch needs a dense problem and descending turns or resident n_blocks")
     if plan["dq_descending"] and not plan["reverse_n_blocks"] and not resident:

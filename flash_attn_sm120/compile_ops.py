@@ -166,7 +166,7 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): the eager call; lse is an empty tensor unless want_lse (return_lse: the caller's own
     flag, which decides whether the LSE's gradient counts; needs_grad: the backward will run)."""
-    from flash_attn_sm120 import driver_bwd, interface
+    from flash_attn_sm120 import interface
 
     args = dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
@@ -181,9 +181,6 @@ def attention_fwd(
             qv=None, gather_kv_indices=None, num_splits=num_splits, block_sparse_tensors=None,
             page_table=page_table, requires_grad=True, score_mod=args["score_mod"], mask_mod=args["mask_mod"],
         )
-        if deterministic:
-            driver_bwd.check_deterministic(causal, *validation.normalize_window((window_left, window_right)),
-                                           score_mod=args["score_mod"])
     with torch.no_grad():  # below autograd: the graph's own backward node does the backward
         out, lse = _call_eager(args, varlen)
     return out, (lse if want_lse and lse is not None else _no_lse(q))

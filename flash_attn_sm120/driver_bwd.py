@@ -277,18 +277,6 @@ def compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, cu_q,
     )
 
 
-def check_deterministic(causal: bool, window_size_left: Optional[int], window_size_right: Optional[int],
-                        mask_mod=None, score_mod=None, score_mod_bwd=None) -> None:
-    """NotImplementedError for what the deterministic backward does not cover: a sliding window with a
-    user score_mod or score_mod_bwd (fixed-point dQ, which takes any window, has no bound for either; the
-    turn orders refuse windows). A mask_mod replaces the window, as upstream resolves it."""
-    if fixed_point_allowed(score_mod is not None or score_mod_bwd is not None):
-        return
-    if _resolve_causal_local_window(causal, window_size_left, window_size_right, mask_mod)[1]:
-        raise NotImplementedError("deterministic=True with a sliding window (local attention) and a score_mod is not "
-                                  "supported by the SM120 backward yet (without a score_mod it is)")
-
-
 def fixed_point_for(mods: Mods, deterministic: bool) -> bool:
     """Whether a deterministic call's bound allows fixed-point dQ: no user score function. A score_mod_bwd
     alone counts (it can return any dS, which no bound covers); softcap's pair is covered."""
@@ -412,12 +400,10 @@ def backward(
     causal, local, window_size_left, window_size_right = _resolve_causal_local_window(
         causal, window_size_left, window_size_right, mask_mod
     )
-    # deterministic dQ: in 64-bit fixed point where its bound holds and turns serve badly (a window, which
-    # they refuse; the block-sparse walk, whose list turns wait), else in turns (bwd_plans.deterministic_plan)
+    # deterministic dQ: in 64-bit fixed point where its bound holds and turns serve badly (a window; the
+    # block-sparse walk, whose list turns wait), else in turns (bwd_plans.deterministic_plan)
     fixed_point = fixed_point_for(mods, bool(deterministic))
     sparse_fixed = fixed_point and block_sparse_tensors is not None
-    if deterministic and block_sparse_tensors is None and not fixed_point:  # (the list walk: its lists' order)
-        check_deterministic(causal, window_size_left, window_size_right, mask_mod, score_mod, score_mod_bwd)
     q, k, v, out, dout, lse, dlse = (maybe_contiguous(t) for t in (q, k, v, out, dout, lse, dlse))
     dq, dk, dv = (torch.empty_like(x) if g is None else _checked_grad(name, g, x)
                   for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)))

@@ -196,8 +196,6 @@ def flash_attn_func(
              block_sparse_tensors=block_sparse_tensors_bwd),
         {}, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
-    if bwd_needed and deterministic and block_sparse_tensors_bwd is None:  # (the list walk takes any window)
-        driver_bwd.check_deterministic(causal, left, right, mask_mod, score_mod, score_mod_bwd)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
@@ -305,8 +303,6 @@ def flash_attn_varlen_func(
              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
         present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
-    if bwd_needed and deterministic:
-        driver_bwd.check_deterministic(causal, left, right, mask_mod, score_mod, score_mod_bwd)
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 

@@ -68,19 +68,9 @@ class AttnCase:
             raise ValueError(f"mask {self.mask!r} not in {list(MASKS)}")
         if self.q_layout not in Q_LAYOUTS or self.k_layout not in K_LAYOUTS:
             raise ValueError(f"layouts ({self.q_layout}, {self.k_layout}) not in {Q_LAYOUTS} x {K_LAYOUTS}")
-        if self.deterministic:  # what the package's deterministic backward refuses (driver_bwd) is no case
-            if not self.backward:
-                raise ValueError("deterministic=True needs backward=True: it orders the backward's dQ/dK/dV "
-                                 "additions, a forward case has nothing to order")
-            # sliding windows: fixed point and the block-sparse walk (its lists' order) take them; the
-            # turn orders of a user score_mod do not
-            if self.local and not self.block_sparse and self.mods:
-                from flash_attn_sm120 import testing_mods
-
-                if testing_mods.spec(self.mods).score_mod is not None:
-                    raise ValueError(f"deterministic=True with the local mask {self.mask!r} and a score_mod: the "
-                                     "deterministic backward's turn orders refuse sliding windows "
-                                     "(driver_bwd.check_deterministic: NotImplementedError)")
+        if self.deterministic and not self.backward:
+            raise ValueError("deterministic=True needs backward=True: it orders the backward's dQ/dK/dV "
+                             "additions, a forward case has nothing to order")
 
     @property
     def causal(self) -> bool:

@@ -274,6 +274,10 @@ DET_VARIANTS = {
     "det_deferred_fetch_relaxed": _walk(**_DEFERRED, fetch_early=True, fetch_relaxed=True),
     # no turns: dQ added in 64-bit fixed point (kernels/bwd_fixed_point.py), the same bits in any order
     "det_fixed_point": {"causal": dict(dq_fixed_point=True), "none": dict(dq_fixed_point=True)},
+    # descending turns with the usual launch (a head's longest n_block first) instead of the shortest-first one:
+    # resident calls only (deterministic_plan refuses it otherwise); the list-scheduling model in
+    # scripts/det_launch_model.py puts the shortest-first launch's tail at 2-4% at d128
+    "det_fused_resident": {"causal": dict(dq_descending=True, fused_turns=True), "none": dict(dq_rotated=True, fused_turns=True)},
     # the turns in launch order (what varlen calls took before fixed point served them)
     "det_ascending": {"causal": dict(fused_turns=True), "none": dict(fused_turns=True)},
     # fixed point with every tile masked (its "launch": launch_plan flags forced beside the ordering): the

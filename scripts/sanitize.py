@@ -132,6 +132,14 @@ BWD_SHAPES = (
     ("bwd-d128-det-varlen-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "packed", "packed", True,
                                          deterministic=True),
      AttnProblem((300, 0, 200), (300, 64, 250), nheads_kv=1, seed=24)),
+    # a window with a user score_mod (no fixed point): descending turns from the band's right edge (dense), ascending
+    # from its left edge (varlen; an empty sequence)
+    ("bwd-d128-det-local-turns", AttnCase("bfloat16", 128, 128, 2, None, "local_lr", 0.0, False, "dense", "dense",
+                                          True, mods="position", deterministic=True),
+     AttnProblem((330,), (400,), nheads_kv=1, window_left=100, window_right=30, seed=29)),
+    ("bwd-d64-det-local-varlen", AttnCase("bfloat16", 64, 64, 2, None, "causal_l", 0.0, False, "packed", "packed",
+                                          True, mods="alibi", deterministic=True),
+     AttnProblem((260, 0, 200), (300, 70, 200), nheads_kv=1, window_left=90, seed=30)),
     # seqused, causal: ascending turns (descending ones, counted from the used keys, would miss the grid's
     # n_blocks past them)
     ("bwd-d96-det-seqused-causal", AttnCase("float16", 96, 96, 2, None, "causal", 0.0, False, "padded", "padded",

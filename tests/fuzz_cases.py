@@ -52,7 +52,7 @@ SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
 # ratios, modifier, block-sparse lists); plan.det_cases takes them in this order (cycling), so the fast plan's 4
-# cover fixed point and the three turn orderings, the deep plan's 13 all of them. Fixed point serves sliding
+# cover fixed point and the three turn orderings, the deep plan's 15 all of them. Fixed point serves sliding
 # windows, varlen calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse
 # lists, without a user score_mod; the turn orderings serve dense causal calls, with a score_mod ("position",
 # "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, the lists with one, and
@@ -73,6 +73,9 @@ DETERMINISTIC = (
     # no mask, dense, no score_mod: the rotated turns entry of a "none" key (config_bwd.rotated_turns_config), at a
     # head dim that has one; its lengths are sized on that entry's tile (bwd_tile)
     ("rotated", "none", ("dense", "dense"), (1, 2), "", False),
+    # a window with a user score_mod (no fixed point): turns from the band's edges, descending (dense) and ascending
+    ("descending+reversed", "local_lr", ("dense", "dense"), (1, 2), "position", False),
+    ("ascending", "causal_l", ("packed", "packed"), (2, 4), "alibi", False),
 )
 DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))

@@ -298,23 +298,22 @@ def test_varlen_paged_not_implemented(fake_device):
                                                 page_table=torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
 
 
-def test_deterministic_with_a_window_and_a_score_mod_is_refused_when_grad_needed(fake_device):
-    """deterministic=True with a sliding window runs (fixed-point dQ) unless a user score_mod comes with it
-    (only the turn orders serve a score_mod, and they refuse windows): then it is refused before any work
-    when a backward may follow, and runs as usual without grad."""
+def test_deterministic_with_a_window_and_a_score_mod_reaches_the_kernels(fake_device, monkeypatch):
+    """deterministic=True with a sliding window and a user score_mod (whose dQ takes turns counted from the
+    window's edges: bwd_plans.deterministic_plan) is no longer refused when a backward may follow: the call
+    reaches the forward with the backward's keywords (window, deterministic, the score_mod pair)."""
     from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd
 
     set_mode, calls = fake_device
     set_mode("sm120")
+    monkeypatch.setattr(interface, "_forward", lambda q, k, v, fwd, bwd, *rest: calls.setdefault("bwd", bwd))
     q, k, v = _cuda_qkv()
     q.requires_grad_(True)
     mods = dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd)
-    with pytest.raises(NotImplementedError, match="deterministic=True with a sliding window"):
-        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, window_size=(8, 0), **mods)
-    assert "driver" not in calls
-    with torch.no_grad():  # inference: fine
-        flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, window_size=(8, 0), **mods)
-    # without a score_mod the window passes the check (test_mods; GPU: test_bwd_fixed_point_gpu)
+    flash_attn_sm120.flash_attn_func(q, k, v, deterministic=True, window_size=(8, 0), **mods)
+    bwd = calls["bwd"]
+    assert bwd["deterministic"] and (bwd["window_size_left"], bwd["window_size_right"]) == (8, 0)
+    assert bwd["score_mod"] is position_scale and bwd["score_mod_bwd"] is position_scale_bwd
 
 
 def test_cpu_tensors_rejected():

@@ -221,3 +221,31 @@ def test_split_with_seqused_is_bitwise_and_correct():
     problem = testing.AttnProblem((100, 170), (120, 200), nheads_kv=2, pad_q=60, pad_k=56, seed=32)
     with driver_bwd.force_deterministic_plan(dq_split=True, fused_turns=True):
         testing.run_case("cpasync-table", "public", case, problem)
+
+
+# deterministic=True with a sliding window and a user score_mod (session 38): no fixed point (no bound for a user's
+# score_mod_bwd), so turns counted from the window's edges (kernels/bwd_deterministic.dq_turn): descending with the
+# shortest-first launch on dense calls, ascending on varlen and seqused_k ones. One-sided negative windows as
+# upstream means them (right -1: keys strictly before the diagonal, so a row can be empty).
+@pytest.mark.parametrize("mask,layouts,d,ratio,mods,problem,order", [
+    ("local_lr", ("dense", "dense"), 128, 2, "position",
+     testing.AttnProblem((700, 700), (700, 700), nheads_kv=2, window_left=150, window_right=40, seed=1),
+     "descending+reversed"),
+    ("causal_l", ("dense", "dense"), 64, 1, "alibi",
+     testing.AttnProblem((1000,), (1000,), nheads_kv=3, window_left=200, seed=2), "descending+reversed"),
+    ("local_r", ("dense", "dense"), 96, 1, "position",
+     testing.AttnProblem((300,), (500,), nheads_kv=2, window_right=-1, seed=3), "descending+reversed"),
+    ("local_l", ("dense", "dense"), 128, 4, "position",
+     testing.AttnProblem((400,), (650,), nheads_kv=1, window_left=-1, seed=4), "descending+reversed"),
+    ("causal_l", ("packed", "packed"), 128, 2, "position",
+     testing.AttnProblem((300, 1, 517), (300, 90, 517), nheads_kv=2, window_left=100, seed=5), "ascending"),
+    ("local_lr", ("padded", "padded"), 64, 2, "alibi",
+     testing.AttnProblem((200, 333), (260, 400), nheads_kv=2, window_left=64, window_right=7, pad_q=20, pad_k=44,
+                         seed=6), "ascending"),
+], ids=["lr-gqa-d128", "causal-left-d64", "right-neg-d96", "left-neg-gqa4-d128", "packed-causal-left",
+        "seqused-lr-d64"])
+def test_windows_with_a_score_mod_take_turns(mask, layouts, d, ratio, mods, problem, order):
+    case = testing.AttnCase("bfloat16", d, d, ratio, None, mask, 0.0, False, *layouts, True, mods=mods,
+                            deterministic=True)
+    assert testing.deterministic_order(case, problem) == order
+    testing.run_case("cpasync-table", "public", case, problem)

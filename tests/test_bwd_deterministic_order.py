@@ -4,7 +4,8 @@ The rotated order's two formulas (rotated_m_block, rotated_turn_of) are the kern
 ints: checked against the order's definition (turns follow arrival, by walk step, then n_block), for
 freedom from deadlock under random CTA speeds, and for no waiting in lockstep. The descending order
 with the reversed (shortest-first) launch is simulated with fewer resident CTAs than n_blocks. Then
-driver_bwd.deterministic_plan's choices and refusals, and sm_120a codegen of the new orderings.
+driver_bwd.deterministic_plan's choices and refusals, and sm_120a codegen of the new orderings. Windows:
+the CTAs' walks and the m_blocks' contributors agree (the turns' premise), and their turns never deadlock.
 """
 
 import random
@@ -13,7 +14,7 @@ import pytest
 
 from flash_attn_sm120 import codegen, driver_bwd
 from flash_attn_sm120.kernels.bwd_deterministic import (dq_groups, group_of, hook_plan, rotated_m_block, rotated_turn_of,
-                                                       step_points)
+                                                       step_points, window_ranges)
 from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 DQ_GROUPS = dq_groups(True)
@@ -135,6 +136,7 @@ def _replay(programs, launch_order, capacity):
                 moved = True
             if pc[n] == len(ops):
                 running.remove(n)
+                moved = True  # (a CTA with an empty walk, a window's, finishes without an op)
         if not pending and not running:
             return True
         if not moved:
@@ -338,3 +340,94 @@ def test_fused_turns_gqa_epilogue_keeps_reds():
         CFG, 128, causal=True, deterministic=True, qhead_per_kvhead=2,
         ordering=dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True))[0])
     assert res["stack"] == 0 and hist.get("ATOMG", 0) == 0 and hist.get("REDG", 0) >= 96, hist
+
+
+# ------------------------------------------------------------------------------------------------
+# Windows (a user score_mod with deterministic=True: no fixed point, so turns; session 38)
+# ------------------------------------------------------------------------------------------------
+
+def _windows(rng, count):
+    """Resolved masks as upstream's _resolve_causal_local_window leaves them: (causal, left, right), None an
+    unbounded side; one negative side is a real bound (upstream's meaning, e.g. right = -1: keys strictly
+    before the diagonal)."""
+    fixed = [(True, None, None), (False, 0, 0), (False, None, -1), (False, -1, None), (False, 100, 0),
+             (False, 0, 100), (False, 37, 5), (False, 200, None), (False, None, 3)]
+    drawn = [(False, rng.choice([None, rng.randint(-20, 300)]), rng.choice([None, rng.randint(-20, 300)]))
+             for _ in range(count)]
+    return fixed + [w for w in drawn if w != (False, None, None)]
+
+
+def _window_walks(tile_m, tile_n, sq, sk, causal, left, right):
+    """Each CTA's walk (upstream's get_m_block_min_max) and the m_blocks' contributors (get_n_block_min_max),
+    as bwd_deterministic.window_ranges restates them."""
+    n_range, m_range = window_ranges(tile_m, tile_n, sq, sk, causal, left, right)
+    n_blocks, m_blocks = -(-sk // tile_n), -(-sq // tile_m)
+    walks = {n: list(range(*m_range(n))) for n in range(n_blocks)}
+    return walks, n_range, m_blocks
+
+
+def test_the_walks_and_the_contributors_of_a_window_agree():
+    """The turns count the CTAs in [n_block_min, n_block_max) of an m_block; a CTA that visits the m_block
+    outside that range, or one inside it that does not, would wait forever (or leave a turn untaken). Both
+    ranges are the tiles that meet the mask's band, so they agree: checked over windows (one-sided, negative
+    sides), tiles and sequence lengths, against the band itself computed element by element where small."""
+    rng = random.Random(38)
+    for causal, left, right in _windows(rng, 40):
+        for tile_m, tile_n in ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64)):
+            for sq, sk in ((200, 200), (130, 517), (517, 130), (64, 64), (1, 300), (333, 1)):
+                walks, n_range, m_blocks = _window_walks(tile_m, tile_n, sq, sk, causal, left, right)
+                for m in range(m_blocks):
+                    visitors = [n for n, walk in walks.items() if m in walk]
+                    lo, hi = n_range(m)
+                    assert visitors == list(range(lo, hi)), (causal, left, right, tile_m, tile_n, sq, sk, m)
+                if sq * sk <= 200 * 200:  # the band, element by element (full tiles: padded rows and keys count)
+                    offset = sk - sq
+                    for n, walk in walks.items():
+                        for m in range(m_blocks):
+                            meets = any((causal and j <= i + offset) or (not causal and
+                                        (right is None or j <= i + offset + right) and
+                                        (left is None or j >= i + offset - left))
+                                        for i in range(m * tile_m, (m + 1) * tile_m)
+                                        for j in range(n * tile_n, (n + 1) * tile_n))
+                            assert (m in walk) == meets, (causal, left, right, tile_m, tile_n, sq, sk, m, n)
+
+
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("late", [False, True])
+def test_window_turns_never_deadlock(stages, late):
+    """A window's turns as the plan takes them: descending (n_max(m) - 1 - n) with the reversed launch
+    (dense calls), ascending from the window's left edge (n - n_min(m)) with the usual launch (varlen,
+    seqused_k), each with fewer resident CTAs than n_blocks; and every turn of an m_block is taken once."""
+    rng = random.Random(7)
+    for causal, left, right in _windows(rng, 12):
+        for sq, sk in ((640, 640), (300, 700), (700, 300)):
+            walks, n_range, _ = _window_walks(64, 64, sq, sk, causal, left, right)
+            descending = {n: _protocol(w, lambda i, n=n: n_range(i)[1] - 1 - n, stages, late) for n, w in walks.items()}
+            ascending = {n: _protocol(w, lambda i, n=n: n - n_range(i)[0], stages, late) for n, w in walks.items()}
+            n_blocks = len(walks)
+            for capacity in (1, 3, n_blocks):
+                assert _replay(descending, list(reversed(range(n_blocks))), capacity), (causal, left, right, sq, sk)
+                assert _replay(ascending, list(range(n_blocks)), capacity), (causal, left, right, sq, sk)
+            if any(n_range(i)[0] > 0 for w in walks.values() for i in w):  # the turns must count from the edge
+                plain = {n: _protocol(w, lambda i, n=n: n, stages, late) for n, w in walks.items()}
+                assert not _replay(plain, list(range(n_blocks)), n_blocks), (left, right, sq, sk)
+            turns = {}
+            for n, w in walks.items():
+                for i in w:
+                    turns.setdefault(i, []).append(n_range(i)[1] - 1 - n)
+            assert all(sorted(t) == list(range(len(t))) for t in turns.values())
+
+
+def test_plan_for_a_window_with_a_user_score_mod():
+    """No fixed point (a user score_mod_bwd has no bound), so turns: descending with the reversed launch
+    for a dense call, ascending (counted from the window's edge in the kernel) with cu_seqlens_k or
+    seqused_k; dq_split is refused with a window; fixed point keeps every other windowed call."""
+    plan = driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True)
+    assert plan["dq_descending"] and plan["reverse_n_blocks"] and plan["fused_turns"] and not plan["dq_fixed_point"]
+    for index in ((object(), object(), None, None), (None, None, None, object())):
+        plan = driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, index, local=True)
+        assert not (plan["dq_descending"] or plan["reverse_n_blocks"] or plan["dq_rotated"]) and plan["fused_turns"]
+    assert driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True, fixed_point=True)["dq_fixed_point"]
+    with driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True, dq_split=True,
+                                             fused_turns=True), pytest.raises(ValueError, match="dq_split"):
+        driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True)

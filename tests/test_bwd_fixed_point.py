@@ -131,10 +131,12 @@ def test_the_kernel_refuses_fixed_point_off_its_rules():
         FlashAttentionBackwardSm120Mods(*args, deterministic=True, dq_fixed_point=True, fused_turns=True)
     with pytest.raises(ValueError, match="modifier step"):
         driver_bwd.FlashAttentionBackwardSm120Tuned(*args, deterministic=True, dq_fixed_point=True)
-    # a sliding window: refused by the turn orders, taken by fixed point
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, fused_turns=True)
+    # a sliding window: the turns (counted from the window's edges) and fixed point both take it; two dQ
+    # accumulators (CTA n into n % 2) do not follow a window's turns
+    FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, fused_turns=True)
     FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, dq_fixed_point=True)
+    with pytest.raises(ValueError, match="dq_split"):
+        FlashAttentionBackwardSm120Mods(*args, is_local=True, deterministic=True, fused_turns=True, dq_split=True)
 
 
 @pytest.mark.parametrize("d,causal,local,gqa,varlen", [
@@ -350,8 +352,6 @@ def test_a_score_mod_bwd_alone_keeps_the_call_off_fixed_point():
     assert not driver_bwd.fixed_point_for(resolve(score_mod=position_scale, score_mod_bwd=position_scale_bwd), True)
     assert driver_bwd.fixed_point_for(resolve(softcap=10.0), True)
     assert driver_bwd.fixed_point_for(resolve(), True) and not driver_bwd.fixed_point_for(resolve(), False)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        driver_bwd.check_deterministic(False, 64, 0, None, score_mod_bwd=position_scale_bwd)
 
 
 def test_the_callers_O_widens_the_bound_and_a_NaN_in_Q_gives_NaN_scales():

@@ -498,12 +498,11 @@ def test_profiles_are_registered():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_deterministic_case_needs_backward_and_no_window_with_a_score_mod():
+def test_deterministic_case_needs_backward():
     with pytest.raises(ValueError, match="needs backward=True"):
         AttnCase(deterministic=True)
     for mask in ("local_l", "local_r", "local_lr", "causal_l"):
-        with pytest.raises(ValueError, match="refuse sliding windows"):  # a score_mod: the turn orders
-            AttnCase(mask=mask, backward=True, deterministic=True, mods="position")
+        AttnCase(mask=mask, backward=True, deterministic=True, mods="position")  # turns from the window's edges
         AttnCase(mask=mask, backward=True, deterministic=True)  # fixed point takes windows
         AttnCase(mask=mask, backward=True, deterministic=True, mods="document")  # a mask_mod alone too
         AttnCase(mask=mask, backward=True, deterministic=True, block_sparse="random")  # the list walk takes windows

@@ -59,14 +59,6 @@ def test_the_step_is_chosen_by_the_modifiers():
     assert mod_vec_size(position_scale, False) == 2
 
 
-def test_mask_mod_replaces_the_window_as_upstream_resolves_it():
-    """Upstream's _resolve_causal_local_window turns causal/local off when a mask_mod is given, so a
-    deterministic backward with a window and a mask_mod is not a sliding-window one."""
-    with pytest.raises(NotImplementedError, match="sliding window"):  # a window with a score_mod: turns refuse it
-        driver_bwd.check_deterministic(False, 10, 10, score_mod=position_scale)
-    driver_bwd.check_deterministic(False, 10, 10, mask_mod=same_document, score_mod=position_scale)
-    driver_bwd.check_deterministic(False, 10, 10)  # without a score_mod: fixed-point dQ takes any window
-
 
 def test_aux_scalars_become_cute_numerics():
     out = validation.normalize_aux_scalars([2, 0.5, True, cutlass.Int32(7)])

@@ -41,10 +41,11 @@ for d in (64, 96, 128, 160, 192, 256):
                                      (False, False, True), (True, False, True), (False, True, True)):
         cfg = configs.sm120_bwd_config(d, d, causal, local, modifiers=modifiers)
         out["select"][f"{d}/{causal}/{local}/{modifiers}"] = None if cfg is None else cfg.__dict__
-try:
-    FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(), is_local=True, deterministic=True)
-except NotImplementedError as e:
-    out["refusals"]["deterministic local"] = str(e)
+try:  # a window's turns count from its edges, but two dQ accumulators do not follow them
+    FlashAttentionBackwardSm120Mods(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(), is_local=True,
+                                    deterministic=True, fused_turns=True, dq_split=True)
+except ValueError as e:
+    out["refusals"]["dq_split local"] = str(e)
 try:
     FlashAttentionBackwardSm120Tuned(cutlass.BFloat16, 128, 128, 1, Sm120BwdConfig(v_in_regs=True))
 except ValueError as e:
@@ -53,18 +54,20 @@ for c in cases:
     cfg = Sm120BwdConfig(**c["config"])
     gqa, det, mods = c["qhead_per_kvhead"] > 1, c["deterministic"], c["step"] == "mods"
     # the ordering the patched interface picks for a 4096 x 4096 problem on 188 SMs (or the case's own)
+    local = c.get("local", False)
     plan = configs.sm120_bwd_deterministic_plan(188, cfg, c["causal"], 4096, 4096, modifier_step=mods,
-                                                flags=c.get("flags")) if det else {}
+                                                flags=c.get("flags"), local=local) if det else {}
     cls = FlashAttentionBackwardSm120Mods if mods else FlashAttentionBackwardSm120Tuned
     kernel = cls(cutlass.BFloat16, c["d"], c["d"], c["qhead_per_kvhead"], cfg, is_causal=c["causal"],
-                 deterministic=det, **plan)
+                 is_local=local, deterministic=det, **plan)
+    window = (cutlass.Int32(100), cutlass.Int32(0)) if local else (None, None)
     (q, k, v, _o, do, _dq, dk, dv, _lse, lse_log2, dpsum, dq_accum, dk_accum, dv_accum,
      _scale) = interface.make_fake_bwd_tensors(cutlass.BFloat16, has_gqa=gqa, varlen_q=False, varlen_k=False)
     sem = lambda: make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()))
     sems = (sem(), sem() if gqa else None) if det else (None, None)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_kernel(kernel, q, k, v, do, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk,
-                                  dv_accum if gqa else dv, None, None, None, None, None, None, *sems,
+                                  dv_accum if gqa else dv, None, None, None, None, *window, *sems,
                                   options=f"--keep-cubin --dump-dir={tmp} --gpu-arch={TARGET_ARCH}")
         cubin = cubin_of(compiled)
     res, hist, _ = inspect_cubin(cubin)
@@ -90,7 +93,8 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     CTA-barrier release, and two orderings it can be given: an early relaxed read with a fence per
     thread; per-warp turns), without register spills, the barrier release keeping the dQ adds REDs;
     its table and selection are the package's (entries with V in registers on the modifier class);
-    deterministic + local, and V in registers on the tuned class, are refused."""
+    a window in turns from its edges (GQA, descending); dq_split with a window, and V in registers on the tuned
+    class, are refused."""
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     # the patched interface never asks for a plain-MHA entry (patch generation leaves those rows out)
@@ -103,6 +107,9 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     for e, causal, gqa in ((det, True, 4), (dense, False, 1), (dense, False, 4)):  # what the interface runs
         cases.append(dict(d=e.head_dim, causal=causal, config=e.config.to_dict(), qhead_per_kvhead=gqa,
                           deterministic=True, step="mods"))
+    # a window (the interface passes local: descending turns from the band's right edge, shortest first)
+    cases.append(dict(d=128, causal=False, local=True, config=det.config.to_dict(), qhead_per_kvhead=2,
+                      deterministic=True, step="mods"))
     for causal, gqa, flags in ((True, 4, None), (False, 1, None),
                                (True, 1, dict(dq_descending=True, fetch_early=True, fetch_relaxed=True)),
                                (False, 1, dict(dq_rotated=True, release_deferred=True, warp_turns=True))):
@@ -115,7 +122,7 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
     for key, cfg in result["select"].items():
         d, causal, local, modifiers = int(key.split("/")[0]), *(f == "True" for f in key.split("/")[1:])
         assert cfg == select_bwd_config(tuple(table), d, d, causal, local, modifiers).to_dict(), key
-    assert "sliding window" in result["refusals"].get("deterministic local", ""), result["refusals"]
+    assert "dq_split" in result["refusals"].get("dq_split local", ""), result["refusals"]
     assert "v_in_regs" in result["refusals"].get("v_in_regs", ""), result["refusals"]
     assert len(result["cases"]) == len(cases)
     for c in result["cases"]:
@@ -131,6 +138,7 @@ def test_bwd_patch_compiles_every_table_entry_for_sm120a(tmp_path):
         ("mods", ["dq_descending", "fused_turns", "reverse_n_blocks"]),
         ("mods", ["dq_rotated", "fused_turns"]),
         ("mods", ["dq_rotated", "fused_turns"]),
+        ("mods", ["dq_descending", "fused_turns", "reverse_n_blocks"]),  # the window
         ("tuned", ["barrier_release", "dq_descending", "release_deferred", "reverse_n_blocks"]),
         ("tuned", ["barrier_release", "dq_rotated", "release_deferred"]),
         ("tuned", ["dq_descending", "fetch_early", "fetch_relaxed"]),

@@ -94,6 +94,8 @@ DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each e
     "bwd-d128-det-varlen-gqa": "fixed",
     "bwd-d96-det-causal-turns-entry": "descending+reversed",
     "bwd-d96-det-none-turns-entry": "rotated",
+    "bwd-d128-det-local-turns": "descending+reversed",
+    "bwd-d64-det-local-varlen": "ascending",
 }
 
 

@@ -9,11 +9,13 @@ With `deterministic=True` a semaphore per accumulator tile fixes the order, as u
 SM100 backwards do. A CTA waits until the tile's counter shows its turn, adds, and increments it.
 Which turn a CTA gets at an m_block (driver_bwd.deterministic_plan chooses):
 
-  * ascending, turn = n_block: the launch order of a head's n_block CTAs, so a CTA only ever waits
-    for one launched before it. Costly at the start: CTA n waits for n predecessors' critical sections.
-  * descending (causal), turn = n_max(m) - 1 - n_block: the CTA on the diagonal reaches an m_block
-    first. With the n_blocks launched shortest first (ReversedNBlockScheduler) every wait is again for
-    an earlier-launched CTA; with the usual launch it needs a head's n_blocks resident.
+  * ascending, turn = n_block - n_min(m) (n_min: 0, or a window's left edge): the launch order of a
+    head's n_block CTAs, so a CTA only ever waits for one launched before it. Costly at the start: CTA n
+    waits for n predecessors' critical sections.
+  * descending (causal, a window), turn = n_max(m) - 1 - n_block: the CTA on the diagonal (the band's
+    right edge) reaches an m_block first. With the n_blocks launched shortest first
+    (ReversedNBlockScheduler) every wait is again for an earlier-launched CTA; with the usual launch it
+    needs a head's n_blocks resident.
   * rotated (no mask, n_blocks <= m_blocks, a head's n_blocks resident): CTA n walks the m_blocks
     cyclically from n * M // N, so no two CTAs reach an m_block at the same step, and in steady state
     a turn has come before it is asked for (rotated_m_block, rotated_turn_of).
@@ -69,12 +71,44 @@ def group_of(n_block, n_blocks, groups: int):
 def dq_turn(block_info: BlockInfo, seqlen, m_block: Int32, n_block: Int32,
             descending: cutlass.Constexpr[bool], groups: cutlass.Constexpr[int] = 1) -> Int32:
     """This n_block's turn among the CTAs of its group adding into m_block's dQ rows (ascending:
-    the group's members below it; descending: those above it, up to the m_block's n_block_max)."""
+    the group's members below it, from the m_block's n_block_min, which a window's left edge raises;
+    descending: those above it, up to the m_block's n_block_max). The CTAs that visit m_block (upstream's
+    get_m_block_min_max) are exactly [n_block_min, n_block_max) of get_n_block_min_max: both ranges are
+    the tiles that meet the mask's band (window_ranges restates them; tests replay the protocol on it)."""
     turn = n_block // groups
     if const_expr(descending):
         _, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
         turn = (n_block_max - 1 - n_block) // groups
+    elif const_expr(block_info.is_local):  # (groups == 1: dq_split refuses a window)
+        n_block_min, _ = block_info.get_n_block_min_max(seqlen, m_block)
+        turn = n_block - n_block_min
     return turn
+
+
+def window_ranges(tile_m: int, tile_n: int, seqlen_q: int, seqlen_k: int, causal: bool, left, right):
+    """(n_range(m_block), m_range(n_block)) as upstream's BlockInfo computes them (get_n_block_min_max,
+    get_m_block_min_max; no pack_gqa, no split): plain arithmetic for the tests that check the two agree
+    and replay the turn protocol on windowed walks. left / right: None for an unbounded side."""
+    offset = seqlen_k - seqlen_q
+    local = left is not None or right is not None
+
+    def n_range(m):
+        n_max = -(-seqlen_k // tile_n)
+        if causal or (local and right is not None):
+            n_idx = (m + 1) * tile_m + offset + (0 if causal else right)
+            n_max = min(n_max, -(-n_idx // tile_n))
+        n_min = max((m * tile_m + offset - left) // tile_n, 0) if local and left is not None else 0
+        return n_min, n_max
+
+    def m_range(n):
+        m_min, m_max = 0, -(-seqlen_q // tile_m)
+        if causal or (local and right is not None):
+            m_min = max(m_min, (n * tile_n - offset - (0 if causal else right)) // tile_m)
+        if local and left is not None:
+            m_max = min(m_max, -(-((n + 1) * tile_n - offset + left) // tile_m))
+        return m_min, m_max
+
+    return n_range, m_range
 
 
 @cute.jit

@@ -178,8 +178,9 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         dq_wide_adds: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if deterministic and is_local and not dq_fixed_point:
-            raise NotImplementedError("deterministic backward with a sliding window (local) is not supported yet")
+        if deterministic and is_local and dq_split:
+            raise ValueError("dq_split groups the n_blocks by n % 2, which a window's turns (counted from its "
+                             "left edge) do not follow: not with a sliding window")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"SM120 backward takes Float16 or BFloat16, got {dtype}")
         error = bwd_config_error(head_dim, head_dim_v, config)
@@ -194,7 +195,7 @@ class FlashAttentionBackwardSm120Tuned(FlashAttentionBackwardSm120):
         self.config = config
         self.emulate_host_smem = emulate_host_smem
         self.deterministic = deterministic
-        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order
+        self.dq_descending = dq_descending and (is_causal or is_local)  # bwd_deterministic.py: the dQ turn order
         if dq_rotated and (is_causal or is_local):
             raise ValueError("the rotated dQ order is for attention without a causal or local mask")
         self.dq_rotated = deterministic and dq_rotated

@@ -114,8 +114,8 @@ _BODY_EDITS = (  # on the package module's code after its imports
      "    flash_bwd_sm120_configs.sm120_bwd_deterministic_plan returns; see dq_turn and rotated_turn.\"\"\"\n"),
     ("        emulate_host_smem: Optional[hardware.EmulationHost] = None,\n", ""),
     ("        self.emulate_host_smem = emulate_host_smem\n", ""),
-    ("        self.dq_descending = dq_descending and is_causal  # bwd_deterministic.py: the dQ turn order\n",
-     "        self.dq_descending = dq_descending and is_causal  # the dQ turn order (dq_turn)\n"),
+    ("        self.dq_descending = dq_descending and (is_causal or is_local)  # bwd_deterministic.py: the dQ turn order\n",
+     "        self.dq_descending = dq_descending and (is_causal or is_local)  # the dQ turn order (dq_turn)\n"),
     ("        # filled in at trace time, read by the occupancy check, the codegen report and the tests\n"
      "        self.smem_bytes_unpadded: Optional[int] = None\n"
      "        self.smem_bytes_launched: Optional[int] = None\n"
@@ -405,7 +405,7 @@ def step_sm120_bwd(ctx: Context, table_path: Path = DEFAULT_BWD_TABLE, bench_pat
             "turn counters per (batch, head, m_block) for dQ and per (batch, KV head, n_block) for GQA "
             "dK/dV (3-D, not the 4-D SM90/SM100 ones) and picks the dQ ordering "
             "(sm120_bwd_deterministic_plan, the class's ordering keywords, part of the compile key); with "
-            "a sliding window it raises NotImplementedError. The preprocess runs at the smallest "
+            "a sliding window the turns count from the window's edges (dq_turn). The preprocess runs at the smallest "
             "head-dim multiple whose pass covers no more rows than m_block (preprocess_multiple: at the "
             "default multiple of 32 a pass covers 64 rows at d96, and a 32-row tile's last m_block of a "
             "head zeroed the next head's first dPsum rows, wrong gradients measured at b1 s4096 h16); "

@@ -162,14 +162,14 @@ _PLAN_EDITS = (
     ("      whose sum has the same bits in any order (kernels/bwd_fixed_point.py); no CTA waits. Measured\n"
      "      against the turns (emulated, H200, same runs, session 33): packed documents 0.736x the default\n"
      "      backward against 0.375x (varlen calls can only take ascending turns); dense without a mask\n"
-     "      +7% to +14% over the rotated turns. The turn orders below refuse windows.\n",
+     "      +7% to +14% over the rotated turns.\n",
      "      whose sum has the same bits in any order (an int64 accumulator and per-head scales the interface\n"
-     "      does not allocate: it passes fixed_point=False); no CTA waits. The turn orders below refuse\n"
-     "      windows; fixed point serves here only when given (`flags`).\n"),
+     "      does not allocate: it passes fixed_point=False); no CTA waits. Windows take the turns below,\n"
+     "      counted from their edges; fixed point serves here only when given (`flags`).\n"),
     ("    Otherwise (dense causal calls, where the descending turns measured 1-13% faster; dense calls without a\n"
      "    mask whose key has a turns entry that runs the rotated order, `rotated_entry`, where that entry's\n"
-     "    tile measured +27% over fixed point at d96; calls with a user score_mod_bwd) turns\n"
-     "    (kernels/bwd_deterministic.py):\n",
+     "    tile measured +27% over fixed point at d96; calls with a user score_mod or score_mod_bwd, windows\n"
+     "    included) turns (kernels/bwd_deterministic.py):\n",
      "    Otherwise turns:\n"),
     ("        return dict(FIXED_POINT_PLAN)\n",
      "        return {**dict.fromkeys(_ORDERING_FLAGS, False), \"dq_fixed_point\": True}\n"),

@@ -44,11 +44,6 @@ _BWD_INTERFACE_EDITS = (
         "            )\n"
         "            V_in_regs = sm120_bwd_cfg.v_in_regs\n"
         "            num_threads = sm120_bwd_cfg.num_threads\n"
-        "        if deterministic and local:\n"
-        "            raise NotImplementedError(\n"
-        "                \"deterministic=True with a sliding window (local attention) is not supported by the \"\n"
-        "                \"SM120 backward yet; causal and full attention are\"\n"
-        "            )\n"
         "        assert not deterministic or sm120_bwd_cfg is not None, (\n"
         "            \"deterministic backward not supported on SM 12.0 for these head dims\"\n"
         "        )\n",
@@ -61,10 +56,11 @@ _BWD_INTERFACE_EDITS = (
         "    if deterministic and arch // 10 == 12:\n"
         "        # SM120 (flash_bwd_sm120_tuned.py): int32 turn counters per (batch, head, m_block) for dQ\n"
         "        # and per (batch, KV head, n_block) for GQA dK/dV (dK's serves dV too); the dQ order:\n"
-        "        # descending turns with the n_blocks launched shortest first for causal, the rotated\n"
+        "        # descending turns with the n_blocks launched shortest first for causal and windows, the rotated\n"
         "        # order without a mask when a head's n_blocks are resident, else ascending\n"
         "        sm120_det_plan = sm120_bwd_deterministic_plan(\n"
         "            get_num_sms_for_selection(device.index, arch), sm120_bwd_cfg, causal, seqlen_q, seqlen_k,\n"
+        "            local=local,  # a window's turns count from its edges (dq_turn)\n"
         "            index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),\n"
         "        )\n"
         "        dQ_semaphore = torch.zeros(\n"
@@ -191,8 +187,8 @@ def check_plan_call() -> None:
     takes every ordering flag as a keyword."""
     sig = list(inspect.signature(pkg_driver_bwd.deterministic_plan).parameters)
     # (modifier_step keeps its patched default, False: the interface builds the tuned class; so do
-    # fixed_point and local: the interface allocates no int64 dQ accumulator, keeps the turn orders and
-    # refuses deterministic windows; and rotated_entry: the patched table has no turns entries)
+    # fixed_point: the interface allocates no int64 dQ accumulator and keeps the turn orders, windows
+    # included (it passes local); and rotated_entry: the patched table has no turns entries)
     if sig != ["num_sms", "cfg", "causal", "seqlen_q", "seqlen_k", "index_tensors", "modifier_step", "fixed_point",
                "local", "rotated_entry"]:
         raise AnchorError(f"{PLAN_WHERE}: takes {sig}; revisit the interface's sm120_bwd_deterministic_plan call")
