@@ -55,8 +55,8 @@ SPARSE_HEAD_DIMS = (64, 96, 128)
 # cover fixed point and the three turn orderings, the deep plan's 15 all of them. Fixed point serves sliding
 # windows, varlen calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse
 # lists, without a user score_mod; the turn orderings serve dense causal calls, with a score_mod ("position",
-# "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, the lists with one, and
-# the dense calls without a mask that a rotated turns entry serves (the last row).
+# "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, the lists with one, the
+# dense calls without a mask that a rotated turns entry serves, and windows with a user score_mod (the last rows).
 DETERMINISTIC = (
     ("fixed", "local_lr", ("dense", "dense"), (2, 4), "", False),  # GQA sliding window: fixed-point dQ
     ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "", False),  # GQA causal: ordered dQ and dK/dV
@@ -413,7 +413,9 @@ def problems(draw, fc: FuzzCase, plan: FuzzPlan):
             seqlens_k = tuple(k_len(sq, n + 1 if fc.det_order and i == 0 else k_lo) for i, sq in enumerate(seqlens_q))
     max_k = max(seqlens_k, default=1)
     left = draw(window_size(max_k), label="window_left") if case.has_window[0] else None
-    right = draw(window_size(max_k), label="window_right") if case.has_window[1] else None
+    # (a deterministic case keeps its dQ ordering: both sides negative would be no window at all, another order)
+    both_negative_ok = not (fc.det_order and left is not None and left < 0)
+    right = draw(window_size(max_k, negative=both_negative_ok), label="window_right") if case.has_window[1] else None
     scale = draw(st.one_of(st.none(), st.floats(0.02, 1.0, allow_nan=False, allow_infinity=False)), label="scale")
     pad = st.sampled_from((0, 0, 1, 8, 64, 129))
     return AttnProblem(

@@ -79,7 +79,7 @@ def test_compiled_backward_copies_layouts_as_eager_does():
     q, k, v = _inputs(2, h=1)
 
     def loss(q, k, v, dout):
-        return (flash_attn_func(q, k, v, causal=True, deterministic=True) * dout).sum()
+        return (flash_attn_func(q, k, v, causal=True, deterministic=True)[0] * dout).sum()
 
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     eager = [t.clone().requires_grad_(True) for t in (q, k, v)]
