@@ -13,7 +13,10 @@ The model: P slots (SMs x CTAs per SM), CTAs taken in launch order as slots free
 uniform jitter in [0, jitter); the add at m_block i waits for the predecessor's add there plus `c` (the
 critical section). It prints each order's makespan over the work's lower bound (total steps / P, jitter
 included), e.g. `python scripts/det_launch_model.py --n-blocks 128 --heads 16 --slots 132`.
-Predictions only: prepare.py's det_fused_resident variant times the usual order against the shipped one.
+Predictions only, and wrong where measured: it put the usual order at +4% / +2% over the shipped one at b1 s8192
+/ b2 s4096 d128 causal (132 slots); prepare.py's det_fused_resident variant measured it at 0.69x / 0.92x of the
+shipped order (session 38, emulated on an H100). What the model leaves out (how the hardware hands a later
+head's CTAs to freed SMs while its first CTAs spin) is what costs there.
 """
 
 from __future__ import annotations

@@ -275,8 +275,9 @@ DET_VARIANTS = {
     # no turns: dQ added in 64-bit fixed point (kernels/bwd_fixed_point.py), the same bits in any order
     "det_fixed_point": {"causal": dict(dq_fixed_point=True), "none": dict(dq_fixed_point=True)},
     # descending turns with the usual launch (a head's longest n_block first) instead of the shortest-first one:
-    # resident calls only (deterministic_plan refuses it otherwise); the list-scheduling model in
-    # scripts/det_launch_model.py puts the shortest-first launch's tail at 2-4% at d128
+    # resident calls only (deterministic_plan refuses it otherwise). scripts/det_launch_model.py predicted +2-4%
+    # at d128; measured 0.537x / 0.733x the table at b1 s8192 / b2 s4096 d128 causal against 0.783x / 0.793x
+    # for the shipped launch (session 38, gate_2026-12-07_session38/w48b): not shipped
     "det_fused_resident": {"causal": dict(dq_descending=True, fused_turns=True), "none": dict(dq_rotated=True, fused_turns=True)},
     # the turns in launch order (what varlen calls took before fixed point served them)
     "det_ascending": {"causal": dict(fused_turns=True), "none": dict(fused_turns=True)},

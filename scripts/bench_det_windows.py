@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""What deterministic=True costs on sliding windows, side by side in one process (GPU).
+
+A window with a user score_mod (here testing_mods.position_scale and its score_mod_bwd) has no fixed-point
+bound, so its dQ takes turns counted from the window's edges (kernels/bwd_deterministic.dq_turn): descending
+with the shortest-first launch on dense calls, ascending on varlen ones. Without a score_mod the window's dQ
+is added in 64-bit fixed point (kernels/bwd_fixed_point.py). Each problem is timed four ways on this package's
+backward driver (driver_bwd.backward, the forward's out and LSE computed once with the same modifiers):
+
+  default / deterministic, with the score_mod pair; default / deterministic, without it.
+
+Rows: ms and TFLOPS (the band's FLOPs, bench.backward_flops) of each, and deterministic / default per pair.
+Every time is the mean of two CUDA-event medians taken in A B B A order (clock drift cancels).
+
+  FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_det_windows.py --json det_windows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flash_attn_sm120 import bench, harness, occupancy, progress  # noqa: E402
+from flash_attn_sm120.bench import Problem  # noqa: E402
+
+PROBLEMS = (
+    Problem(1, 8192, 8192, 16, 16, 128, window=(1024, 0), tag="det_windows"),  # sliding window, dense: descending
+    Problem(2, 4096, 4096, 16, 16, 128, window=(512, 512), tag="det_windows"),
+    Problem(4, 2048, 2048, 32, 32, 64, window=(256, 0), tag="det_windows"),
+    # packed documents: ascending turns from the window's left edge
+    Problem(4, 0, 0, 16, 16, 128, window=(1024, 0), seqlens_q=(4096, 1024, 2048, 1000),
+            seqlens_k=(4096, 1024, 2048, 1000), tag="det_windows"),
+)
+
+
+def _state(p: Problem, info, mods: dict, seed: int) -> dict:
+    """Inputs, the forward's out / LSE with these modifiers, and a random dO."""
+    import torch
+
+    from flash_attn_sm120 import driver
+
+    x = bench.make_inputs(p, seed=seed)
+    varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in x}
+    out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=False, window_size_left=p.window[0],
+                              window_size_right=p.window[1], softcap=None, pack_gqa=None, need_lse=True,
+                              emulate_host_smem=info.emulate_host_smem, score_mod=mods.get("score_mod"), **varlen)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x.update(out=out, lse=lse, dout=torch.randn(out.shape, generator=g, device="cuda").to(out.dtype))
+    return x
+
+
+def main(argv=None) -> int:
+    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120.device import device_info
+    from flash_attn_sm120.testing_mods import position_scale, position_scale_bwd
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here (prepare.py-style header)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per median (default 10)")
+    args = ap.parse_args(argv)
+    info = device_info()
+    if not info.uses_sm120_kernels:
+        raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
+    rows = []
+    for p in progress.bar(PROBLEMS, desc="problems", unit="problem"):
+        for with_mod in (True, False):
+            mods = dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd) if with_mod else {}
+            sets = [_state(p, info, mods, seed=i) for i in range(2)]
+
+            def call(i, det, x=sets, p=p, mods=mods):
+                x = x[i]
+                varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") if n in x}
+                return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None,
+                                           causal=False, window_size_left=p.window[0], window_size_right=p.window[1],
+                                           emulate_host_smem=info.emulate_host_smem, deterministic=det, **mods,
+                                           **varlen)
+
+            ms = {False: [], True: []}
+            for det in (False, True, True, False):
+                ms[det].append(bench.time_cuda(lambda i, det=det: call(i, det), rotations=2, reps=args.reps).median_ms)
+            plain, det = (sum(ms[d]) / 2 for d in (False, True))
+            flops = bench.backward_flops(p)
+            row = dict(problem=p.name, score_mod=with_mod, ms=plain, ms_deterministic=det,
+                       tflops=flops / plain / 1e9, tflops_deterministic=flops / det / 1e9, ratio=plain / det)
+            rows.append(row)
+            progress.write(f"[{info.mode}] {p.name:36s} {'score_mod' if with_mod else 'plain    '} "
+                           f"{row['tflops']:7.1f} -> det {row['tflops_deterministic']:7.1f} TFLOPS  "
+                           f"({row['ratio']:.3f}x)")
+    if args.json:
+        doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
+               "gpu": info.name, "mode": info.mode, "mode_label": info.label(), "commit": harness.git_commit(),
+               "occupancy_verified": occupancy.all_verified(), "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
