@@ -153,7 +153,8 @@ def deterministic_plan(num_sms: int, cfg: BwdConfig, causal: bool, seqlen_q: int
 
     * Causal or a window, without cu_seqlens_k or seqused_k: descending turns with the n_blocks
       launched shortest first, so that every wait is for a CTA launched earlier (no residency
-      condition). A window's CTAs walk m_blocks of equal count, so the launch costs no balance there.
+      condition). With a two-sided window the CTAs walk about equal counts, so the launch order costs
+      little balance there; with a left side only the shortest walks launch first, as with causal.
     * No mask, dense: the rotated order when a head's n_blocks fit on the GPU at once and number at
       most its m_blocks: no CTA waits in steady state. It assumes this kernel gets at least one CTA on
       every SM and that CTAs start in launch order (as upstream's ordered backwards do); a kernel

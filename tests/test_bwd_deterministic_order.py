@@ -14,7 +14,7 @@ import pytest
 
 from flash_attn_sm120 import codegen, driver_bwd
 from flash_attn_sm120.kernels.bwd_deterministic import (dq_groups, group_of, hook_plan, rotated_m_block, rotated_turn_of,
-                                                       step_points, window_ranges)
+                                                       step_points, turn_in_range)
 from flash_attn_sm120.kernels.bwd_tiling import BwdConfig
 
 DQ_GROUPS = dq_groups(True)
@@ -354,15 +354,25 @@ def _windows(rng, count):
              (False, 0, 100), (False, 37, 5), (False, 200, None), (False, None, 3)]
     drawn = [(False, rng.choice([None, rng.randint(-20, 300)]), rng.choice([None, rng.randint(-20, 300)]))
              for _ in range(count)]
-    return fixed + [w for w in drawn if w != (False, None, None)]
+    both_negative = lambda w: w[1] is not None and w[2] is not None and w[1] < 0 and w[2] < 0  # no window  # noqa: E731
+    return fixed + [w for w in drawn if w != (False, None, None) and not both_negative(w)]
 
 
-def _window_walks(tile_m, tile_n, sq, sk, causal, left, right):
-    """Each CTA's walk (upstream's get_m_block_min_max) and the m_blocks' contributors (get_n_block_min_max),
-    as bwd_deterministic.window_ranges restates them."""
-    n_range, m_range = window_ranges(tile_m, tile_n, sq, sk, causal, left, right)
+def _window_walks(tile_m, tile_n, sq, sk, causal, left, right, grid_extra=0):
+    """Each CTA's walk (upstream's BlockInfo.get_m_block_min_max) and the m_blocks' contributors
+    (get_n_block_min_max): upstream's own methods run on ints (their undecorated functions), as the kernel
+    builds its BlockInfo (kernels/bwd_sm120.py: the mask's windows, no pack_gqa, no split). grid_extra: CTAs
+    past the keys (seqused_k: the grid is sized on the storage, sk the used keys), which walk as well."""
+    from types import SimpleNamespace
+
+    from flash_attn.cute.block_info import BlockInfo
+
+    info = BlockInfo(tile_m, tile_n, causal, left is not None or right is not None, False, left, right)
+    seqlen = SimpleNamespace(seqlen_q=sq, seqlen_k=sk)
+    n_range = lambda m: tuple(BlockInfo.get_n_block_min_max.__wrapped__(info, seqlen, m))  # noqa: E731
+    m_range = lambda n: tuple(BlockInfo.get_m_block_min_max.__wrapped__(info, seqlen, n))  # noqa: E731
     n_blocks, m_blocks = -(-sk // tile_n), -(-sq // tile_m)
-    walks = {n: list(range(*m_range(n))) for n in range(n_blocks)}
+    walks = {n: list(range(*m_range(n))) for n in range(n_blocks + grid_extra)}
     return walks, n_range, m_blocks
 
 
@@ -380,7 +390,8 @@ def test_the_walks_and_the_contributors_of_a_window_agree():
                     visitors = [n for n, walk in walks.items() if m in walk]
                     lo, hi = n_range(m)
                     assert visitors == list(range(lo, hi)), (causal, left, right, tile_m, tile_n, sq, sk, m)
-                if sq * sk <= 200 * 200:  # the band, element by element (full tiles: padded rows and keys count)
+                band = left is None or right is None or left + right >= 0  # (else no element: the ranges are per side)
+                if band and sq * sk <= 200 * 200:  # the band, element by element (full tiles: padded rows and keys count)
                     offset = sk - sq
                     for n, walk in walks.items():
                         for m in range(m_blocks):
@@ -402,8 +413,10 @@ def test_window_turns_never_deadlock(stages, late):
     for causal, left, right in _windows(rng, 12):
         for sq, sk in ((640, 640), (300, 700), (700, 300)):
             walks, n_range, _ = _window_walks(64, 64, sq, sk, causal, left, right)
-            descending = {n: _protocol(w, lambda i, n=n: n_range(i)[1] - 1 - n, stages, late) for n, w in walks.items()}
-            ascending = {n: _protocol(w, lambda i, n=n: n - n_range(i)[0], stages, late) for n, w in walks.items()}
+            descending = {n: _protocol(w, lambda i, n=n: turn_in_range(n, *n_range(i), True), stages, late)
+                          for n, w in walks.items()}
+            ascending = {n: _protocol(w, lambda i, n=n: turn_in_range(n, *n_range(i), False), stages, late)
+                         for n, w in walks.items()}
             n_blocks = len(walks)
             for capacity in (1, 3, n_blocks):
                 assert _replay(descending, list(reversed(range(n_blocks))), capacity), (causal, left, right, sq, sk)
@@ -411,11 +424,24 @@ def test_window_turns_never_deadlock(stages, late):
             if any(n_range(i)[0] > 0 for w in walks.values() for i in w):  # the turns must count from the edge
                 plain = {n: _protocol(w, lambda i, n=n: n, stages, late) for n, w in walks.items()}
                 assert not _replay(plain, list(range(n_blocks)), n_blocks), (left, right, sq, sk)
+            # seqused_k: two more CTAs past the used keys (the ascending order's case) take turns after the others
+            used, _, _ = _window_walks(64, 64, sq, sk, causal, left, right, grid_extra=2)
+            ascending = {n: _protocol(w, lambda i, n=n: turn_in_range(n, *n_range(i), False), stages, late)
+                         for n, w in used.items()}
+            for capacity in (1, 3, len(used)):
+                assert _replay(ascending, list(range(len(used))), capacity), (causal, left, right, sq, sk)
+            after = {}
+            for n, w in used.items():
+                for i in w:
+                    after.setdefault(i, []).append(turn_in_range(n, *n_range(i), False))
+            assert all(sorted(t) == list(range(len(t))) for t in after.values())
             turns = {}
             for n, w in walks.items():
                 for i in w:
-                    turns.setdefault(i, []).append(n_range(i)[1] - 1 - n)
-            assert all(sorted(t) == list(range(len(t))) for t in turns.values())
+                    turns.setdefault(i, []).append((turn_in_range(n, *n_range(i), True),
+                                                    turn_in_range(n, *n_range(i), False)))
+            for t in turns.values():  # each order's turns at an m_block: 0 .. k-1, each taken once
+                assert sorted(d for d, _ in t) == sorted(a for _, a in t) == list(range(len(t)))
 
 
 def test_plan_for_a_window_with_a_user_score_mod():

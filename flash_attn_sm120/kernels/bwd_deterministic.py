@@ -67,6 +67,12 @@ def group_of(n_block, n_blocks, groups: int):
     return group, n_block // groups, (n_blocks - group + groups - 1) // groups
 
 
+def turn_in_range(n_block, n_block_min, n_block_max, descending: bool):
+    """CTA n_block's turn among the CTAs [n_block_min, n_block_max) that add into an m_block (plain arithmetic:
+    Int32 in the kernel, int in the tests): descending from n_block_max - 1, else ascending from n_block_min."""
+    return n_block_max - 1 - n_block if descending else n_block - n_block_min
+
+
 @cute.jit
 def dq_turn(block_info: BlockInfo, seqlen, m_block: Int32, n_block: Int32,
             descending: cutlass.Constexpr[bool], groups: cutlass.Constexpr[int] = 1) -> Int32:
@@ -74,41 +80,13 @@ def dq_turn(block_info: BlockInfo, seqlen, m_block: Int32, n_block: Int32,
     the group's members below it, from the m_block's n_block_min, which a window's left edge raises;
     descending: those above it, up to the m_block's n_block_max). The CTAs that visit m_block (upstream's
     get_m_block_min_max) are exactly [n_block_min, n_block_max) of get_n_block_min_max: both ranges are
-    the tiles that meet the mask's band (window_ranges restates them; tests replay the protocol on it)."""
+    the tiles that meet the mask's band (tests/test_bwd_deterministic_order.py checks it on upstream's
+    BlockInfo and replays the protocol on those ranges)."""
     turn = n_block // groups
-    if const_expr(descending):
-        _, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
-        turn = (n_block_max - 1 - n_block) // groups
-    elif const_expr(block_info.is_local):  # (groups == 1: dq_split refuses a window)
-        n_block_min, _ = block_info.get_n_block_min_max(seqlen, m_block)
-        turn = n_block - n_block_min
+    if const_expr(descending or block_info.is_local):  # (ascending with groups > 1: no window, n_block_min 0)
+        n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+        turn = turn_in_range(n_block, n_block_min, n_block_max, descending) // groups
     return turn
-
-
-def window_ranges(tile_m: int, tile_n: int, seqlen_q: int, seqlen_k: int, causal: bool, left, right):
-    """(n_range(m_block), m_range(n_block)) as upstream's BlockInfo computes them (get_n_block_min_max,
-    get_m_block_min_max; no pack_gqa, no split): plain arithmetic for the tests that check the two agree
-    and replay the turn protocol on windowed walks. left / right: None for an unbounded side."""
-    offset = seqlen_k - seqlen_q
-    local = left is not None or right is not None
-
-    def n_range(m):
-        n_max = -(-seqlen_k // tile_n)
-        if causal or (local and right is not None):
-            n_idx = (m + 1) * tile_m + offset + (0 if causal else right)
-            n_max = min(n_max, -(-n_idx // tile_n))
-        n_min = max((m * tile_m + offset - left) // tile_n, 0) if local and left is not None else 0
-        return n_min, n_max
-
-    def m_range(n):
-        m_min, m_max = 0, -(-seqlen_q // tile_m)
-        if causal or (local and right is not None):
-            m_min = max(m_min, (n * tile_n - offset - (0 if causal else right)) // tile_m)
-        if local and left is not None:
-            m_max = min(m_max, -(-((n + 1) * tile_n - offset + left) // tile_m))
-        return m_min, m_max
-
-    return n_range, m_range
 
 
 @cute.jit
