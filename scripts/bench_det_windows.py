@@ -91,11 +91,12 @@ def main(argv=None) -> int:
             progress.write(f"[{info.mode}] {p.name:36s} {'score_mod' if with_mod else 'plain    '} "
                            f"{row['tflops']:7.1f} -> det {row['tflops_deterministic']:7.1f} TFLOPS  "
                            f"({row['ratio']:.3f}x)")
-    if args.json:
-        doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-               "gpu": info.name, "mode": info.mode, "mode_label": info.label(), "commit": harness.git_commit(),
-               "occupancy_verified": occupancy.all_verified(), "rows": rows}
-        args.json.write_text(json.dumps(doc, indent=1))
+            if args.json:  # after every row: a run cut short keeps what it timed
+                doc = {"command": "python " + " ".join(sys.argv),
+                       "date": _dt.datetime.now().isoformat(timespec="seconds"), "gpu": info.name, "mode": info.mode,
+                       "mode_label": info.label(), "commit": harness.git_commit(),
+                       "occupancy_verified": occupancy.all_verified(), "rows": rows}
+                args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 
