@@ -111,15 +111,11 @@ def fixed_point_allowed(user_score_mod: bool) -> bool:
 def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool,
                    rotated_entry: bool = False) -> bool:
     """Whether a deterministic call's dQ adds take turns (else fixed point), the deterministic plan's first
-    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal or windowed call
-    (descending turns) and a dense call without a mask that its key's turns entry serves in the rotated order
-    (`rotated_entry`: the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no
-    cu_seqlens or seqused. Windows (session 38, emulated on an H100, gate_2026-12-07_session38/w49): the
-    descending turns ran 0.76-0.80x the default backward with a score_mod, fixed point 0.58-0.73x without one
-    (149 vs 143, 148 vs 144, 92 vs 76 TFLOPS, the turns carrying the score_mod); packed windows stay in fixed
-    point (0.72x; ascending turns 0.26x)."""
+    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window,
+    and a dense call without a mask that its key's turns entry serves in the rotated order (`rotated_entry`:
+    the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no cu_seqlens or seqused."""
     rotated = rotated_entry and dense and not (causal or local)
-    return not fixed_point or (dense and (causal or local)) or rotated
+    return not (fixed_point and (local or not (causal and dense))) or rotated
 
 
 def rotated_walk_fits(cfg: BwdConfig, seqlen_q: int, seqlen_k: int, num_sms: int) -> bool:

@@ -7,11 +7,10 @@ with the shortest-first launch on dense calls, ascending on varlen ones. Without
 is added in 64-bit fixed point (kernels/bwd_fixed_point.py). Each problem is timed four ways on this package's
 backward driver (driver_bwd.backward, the forward's out and LSE computed once with the same modifiers):
 
-  default / deterministic, with the score_mod pair; default / deterministic / deterministic in fixed point
-  (forced), without it (the plan's choice for a dense window is the descending turns since session 38).
+  default / deterministic, with the score_mod pair; default / deterministic, without it.
 
 Rows: ms and TFLOPS (the band's FLOPs, bench.backward_flops) of each, and deterministic / default per pair.
-Every time is the mean of two CUDA-event medians taken in A B C C B A order (clock drift cancels).
+Every time is the mean of two CUDA-event medians taken in A B B A order (clock drift cancels).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_det_windows.py --json det_windows.json
 """
@@ -19,7 +18,6 @@ Every time is the mean of two CUDA-event medians taken in A B C C B A order (clo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import sys
@@ -77,30 +75,22 @@ def main(argv=None) -> int:
             def call(i, det, x=sets, p=p, mods=mods):
                 x = x[i]
                 varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") if n in x}
-                forced = (driver_bwd.force_deterministic_plan(dq_fixed_point=True) if det == "fixed"
-                          else contextlib.nullcontext())
-                with forced:
-                    return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"],
-                                               softmax_scale=None, causal=False, window_size_left=p.window[0],
-                                               window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
-                                               deterministic=bool(det), **mods, **varlen)
+                return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None,
+                                           causal=False, window_size_left=p.window[0], window_size_right=p.window[1],
+                                           emulate_host_smem=info.emulate_host_smem, deterministic=det, **mods,
+                                           **varlen)
 
-            variants = (False, True) if with_mod else (False, True, "fixed")
-            ms = {v: [] for v in variants}
-            for v in variants + variants[::-1]:
-                ms[v].append(bench.time_cuda(lambda i, v=v: call(i, v), rotations=2, reps=args.reps).median_ms)
-            plain, det = (sum(ms[v]) / 2 for v in (False, True))
+            ms = {False: [], True: []}
+            for det in (False, True, True, False):
+                ms[det].append(bench.time_cuda(lambda i, det=det: call(i, det), rotations=2, reps=args.reps).median_ms)
+            plain, det = (sum(ms[d]) / 2 for d in (False, True))
             flops = bench.backward_flops(p)
             row = dict(problem=p.name, score_mod=with_mod, ms=plain, ms_deterministic=det,
                        tflops=flops / plain / 1e9, tflops_deterministic=flops / det / 1e9, ratio=plain / det)
-            if "fixed" in ms:
-                fixed = sum(ms["fixed"]) / 2
-                row.update(ms_fixed_point=fixed, tflops_fixed_point=flops / fixed / 1e9, ratio_fixed_point=plain / fixed)
             rows.append(row)
             progress.write(f"[{info.mode}] {p.name:36s} {'score_mod' if with_mod else 'plain    '} "
                            f"{row['tflops']:7.1f} -> det {row['tflops_deterministic']:7.1f} TFLOPS  "
-                           f"({row['ratio']:.3f}x)" + (f"  fixed point {row['tflops_fixed_point']:7.1f} "
-                                                       f"({row['ratio_fixed_point']:.3f}x)" if "fixed" in ms else ""))
+                           f"({row['ratio']:.3f}x)")
             if args.json:  # after every row: a run cut short keeps what it timed
                 doc = {"command": "python " + " ".join(sys.argv),
                        "date": _dt.datetime.now().isoformat(timespec="seconds"), "gpu": info.name, "mode": info.mode,

@@ -249,22 +249,3 @@ def test_windows_with_a_score_mod_take_turns(mask, layouts, d, ratio, mods, prob
                             deterministic=True)
     assert testing.deterministic_order(case, problem) == order
     testing.run_case("cpasync-table", "public", case, problem)
-
-
-# Dense windows without a user score_mod take the same descending turns (session 38: faster than fixed point there);
-# packed ones keep fixed point.
-@pytest.mark.parametrize("mask,layouts,d,ratio,problem,order", [
-    ("local_lr", ("dense", "dense"), 128, 2,
-     testing.AttnProblem((600, 600), (700, 700), nheads_kv=2, window_left=200, window_right=50, seed=11),
-     "descending+reversed"),
-    ("causal_l", ("dense", "dense"), 96, 1,
-     testing.AttnProblem((900,), (900,), nheads_kv=3, window_left=128, seed=12), "descending+reversed"),
-    ("local_l", ("dense", "dense"), 64, 4,
-     testing.AttnProblem((500,), (520,), nheads_kv=1, window_left=-1, seed=13), "descending+reversed"),
-    ("local_lr", ("packed", "packed"), 128, 2,
-     testing.AttnProblem((300, 517), (300, 517), nheads_kv=2, window_left=100, window_right=0, seed=14), "fixed"),
-], ids=["lr-gqa-d128", "causal-left-d96", "left-neg-gqa4-d64", "packed-fixed"])
-def test_windows_without_a_score_mod(mask, layouts, d, ratio, problem, order):
-    case = testing.AttnCase("bfloat16", d, d, ratio, None, mask, 0.0, False, *layouts, True, deterministic=True)
-    assert testing.deterministic_order(case, problem) == order
-    testing.run_case("cpasync-table", "public", case, problem)

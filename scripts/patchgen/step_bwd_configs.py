@@ -200,18 +200,14 @@ _TURNS_EDITS = (
     ("def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool,\n"
      "                   rotated_entry: bool = False) -> bool:\n",
      "def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool) -> bool:\n"),
-    ("    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal or windowed call\n"
-     "    (descending turns) and a dense call without a mask that its key's turns entry serves in the rotated order\n"
-     "    (`rotated_entry`: the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no\n"
-     "    cu_seqlens or seqused. Windows (session 38, emulated on an H100, gate_2026-12-07_session38/w49): the\n"
-     "    descending turns ran 0.76-0.80x the default backward with a score_mod, fixed point 0.58-0.73x without one\n"
-     "    (149 vs 143, 148 vs 144, 92 vs 76 TFLOPS, the turns carrying the score_mod); packed windows stay in fixed\n"
-     "    point (0.72x; ascending turns 0.26x).",
-     "    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal or windowed call\n"
-     "    (descending turns). dense: no cu_seqlens or seqused."),
+    ("    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window,\n"
+     "    and a dense call without a mask that its key's turns entry serves in the rotated order (`rotated_entry`:\n"
+     "    the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no cu_seqlens or seqused.",
+     "    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window.\n"
+     "    dense: no cu_seqlens or seqused."),
     ("    rotated = rotated_entry and dense and not (causal or local)\n"
-     "    return not fixed_point or (dense and (causal or local)) or rotated\n",
-     "    return not fixed_point or (dense and (causal or local))\n"),
+     "    return not (fixed_point and (local or not (causal and dense))) or rotated\n",
+     "    return not (fixed_point and (local or not (causal and dense)))\n"),
 )
 
 
