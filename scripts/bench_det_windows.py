@@ -7,10 +7,13 @@ with the shortest-first launch on dense calls, ascending on varlen ones. Without
 is added in 64-bit fixed point (kernels/bwd_fixed_point.py). Each problem is timed four ways on this package's
 backward driver (driver_bwd.backward, the forward's out and LSE computed once with the same modifiers):
 
-  default / deterministic, with the score_mod pair; default / deterministic, without it.
+  default / deterministic, with the score_mod pair; default / deterministic (the plan: fixed point on windows) /
+  deterministic with the descending turns forced (the order a score_mod's calls take), without it: whether the
+  turns should serve dense windows without a score_mod too (their w49 ratios, 0.76-0.80x with a score_mod against
+  fixed point's 0.58-0.73x without, say so across calls; this times it on the same call).
 
 Rows: ms and TFLOPS (the band's FLOPs, bench.backward_flops) of each, and deterministic / default per pair.
-Every time is the mean of two CUDA-event medians taken in A B B A order (clock drift cancels).
+Every time is the mean of two CUDA-event medians taken in A B C C B A order (clock drift cancels).
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_det_windows.py --json det_windows.json
 """
@@ -18,6 +21,7 @@ Every time is the mean of two CUDA-event medians taken in A B B A order (clock d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import sys
@@ -75,22 +79,32 @@ def main(argv=None) -> int:
             def call(i, det, x=sets, p=p, mods=mods):
                 x = x[i]
                 varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") if n in x}
-                return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], softmax_scale=None,
-                                           causal=False, window_size_left=p.window[0], window_size_right=p.window[1],
-                                           emulate_host_smem=info.emulate_host_smem, deterministic=det, **mods,
-                                           **varlen)
+                forced = (driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True,
+                                                              fused_turns=True) if det == "turns"
+                          else contextlib.nullcontext())
+                with forced:
+                    return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"],
+                                               softmax_scale=None, causal=False, window_size_left=p.window[0],
+                                               window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
+                                               deterministic=bool(det), **mods, **varlen)
 
-            ms = {False: [], True: []}
-            for det in (False, True, True, False):
-                ms[det].append(bench.time_cuda(lambda i, det=det: call(i, det), rotations=2, reps=args.reps).median_ms)
-            plain, det = (sum(ms[d]) / 2 for d in (False, True))
+            # (the forced turns need a dense call: varlen ones take ascending turns, 0.26x in w49)
+            variants = (False, True) if with_mod or p.is_varlen else (False, True, "turns")
+            ms = {v: [] for v in variants}
+            for v in variants + variants[::-1]:
+                ms[v].append(bench.time_cuda(lambda i, v=v: call(i, v), rotations=2, reps=args.reps).median_ms)
+            plain, det = (sum(ms[v]) / 2 for v in (False, True))
             flops = bench.backward_flops(p)
             row = dict(problem=p.name, score_mod=with_mod, ms=plain, ms_deterministic=det,
                        tflops=flops / plain / 1e9, tflops_deterministic=flops / det / 1e9, ratio=plain / det)
+            if "turns" in ms:
+                turns = sum(ms["turns"]) / 2
+                row.update(ms_turns=turns, tflops_turns=flops / turns / 1e9, ratio_turns=plain / turns)
             rows.append(row)
             progress.write(f"[{info.mode}] {p.name:36s} {'score_mod' if with_mod else 'plain    '} "
                            f"{row['tflops']:7.1f} -> det {row['tflops_deterministic']:7.1f} TFLOPS  "
-                           f"({row['ratio']:.3f}x)")
+                           f"({row['ratio']:.3f}x)" + (f"  turns forced {row['tflops_turns']:7.1f} "
+                                                       f"({row['ratio_turns']:.3f}x)" if "turns" in ms else ""))
             if args.json:  # after every row: a run cut short keeps what it timed
                 doc = {"command": "python " + " ".join(sys.argv),
                        "date": _dt.datetime.now().isoformat(timespec="seconds"), "gpu": info.name, "mode": info.mode,

@@ -187,6 +187,20 @@ def _det_window_cases():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("d,gqa", [(d, g) for d in (64, 96, 128) for g in (1, 2)])
+def test_dense_windows_without_a_score_mod_compile_spill_free_in_turns(d, gqa):
+    """The descending turns on a dense window without a score_mod (the plan keeps fixed point there until they are
+    measured on the same call: scripts/bench_det_windows.py), on the entry such a call takes."""
+    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
+
+    cfg = select_bwd_config(load_bwd_table(), d, d, False, True)
+    res, _, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
+        cfg, d, local=True, deterministic=True, qhead_per_kvhead=gqa,
+        ordering=dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True))[0])
+    assert res["stack"] == 0 and res["local"] == 0, (d, gqa, res)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("d,varlen,gqa", _det_window_cases(),
                          ids=[f"d{d}-{'varlen' if v else 'dense'}-g{g}" for d, v, g in _det_window_cases()])
 def test_deterministic_windows_with_a_score_mod_spill_only_where_pinned(d, varlen, gqa):
