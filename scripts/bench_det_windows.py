@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flash_attn_sm120 import bench, harness, occupancy, progress  # noqa: E402
+import prepare_bwd  # noqa: E402  (scripts/, beside this file)
+from flash_attn_sm120 import bench, harness, progress  # noqa: E402
 from flash_attn_sm120.bench import Problem  # noqa: E402
 
 PROBLEMS = (
@@ -40,22 +41,6 @@ PROBLEMS = (
     Problem(4, 0, 0, 16, 16, 128, window=(1024, 0), seqlens_q=(4096, 1024, 2048, 1000),
             seqlens_k=(4096, 1024, 2048, 1000), tag="det_windows"),
 )
-
-
-def _state(p: Problem, info, mods: dict, seed: int) -> dict:
-    """Inputs, the forward's out / LSE with these modifiers, and a random dO."""
-    import torch
-
-    from flash_attn_sm120 import driver
-
-    x = bench.make_inputs(p, seed=seed)
-    varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in x}
-    out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=False, window_size_left=p.window[0],
-                              window_size_right=p.window[1], softcap=None, pack_gqa=None, need_lse=True,
-                              emulate_host_smem=info.emulate_host_smem, score_mod=mods.get("score_mod"), **varlen)
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    x.update(out=out, lse=lse, dout=torch.randn(out.shape, generator=g, device="cuda").to(out.dtype))
-    return x
 
 
 def main(argv=None) -> int:
@@ -74,11 +59,10 @@ def main(argv=None) -> int:
     for p in progress.bar(PROBLEMS, desc="problems", unit="problem"):
         for with_mod in (True, False):
             mods = dict(score_mod=position_scale, score_mod_bwd=position_scale_bwd) if with_mod else {}
-            sets = [_state(p, info, mods, seed=i) for i in range(2)]
+            sets = [prepare_bwd.forward_state(p, info, seed=i, score_mod=mods.get("score_mod")) for i in range(2)]
 
             def call(i, det, x=sets, p=p, mods=mods):
                 x = x[i]
-                varlen = {n: x[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k") if n in x}
                 forced = (driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True,
                                                               fused_turns=True) if det == "turns"
                           else contextlib.nullcontext())
@@ -86,7 +70,7 @@ def main(argv=None) -> int:
                     return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"],
                                                softmax_scale=None, causal=False, window_size_left=p.window[0],
                                                window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
-                                               deterministic=bool(det), **mods, **varlen)
+                                               deterministic=bool(det), **mods, **prepare_bwd._varlen_args(x))
 
             # (the forced turns need a dense call: varlen ones take ascending turns, 0.26x in w49)
             variants = (False, True) if with_mod or p.is_varlen else (False, True, "turns")
@@ -106,10 +90,8 @@ def main(argv=None) -> int:
                            f"({row['ratio']:.3f}x)" + (f"  turns forced {row['tflops_turns']:7.1f} "
                                                        f"({row['ratio_turns']:.3f}x)" if "turns" in ms else ""))
             if args.json:  # after every row: a run cut short keeps what it timed
-                doc = {"command": "python " + " ".join(sys.argv),
-                       "date": _dt.datetime.now().isoformat(timespec="seconds"), "gpu": info.name, "mode": info.mode,
-                       "mode_label": info.label(), "commit": harness.git_commit(),
-                       "occupancy_verified": occupancy.all_verified(), "rows": rows}
+                doc = harness.measurement_doc([], {}, info, "det_windows")
+                doc["rows"] = rows  # (dicts: measurement_doc takes dataclass rows)
                 args.json.write_text(json.dumps(doc, indent=1))
     return 0
 

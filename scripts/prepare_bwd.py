@@ -37,8 +37,9 @@ class BwdImpl:
     supports: Callable[[Problem], bool] = lambda p: True
 
 
-def forward_state(p: Problem, info, seed: int = 0) -> dict:
-    """Inputs, the shipped forward's out and LSE, and a random dO for one problem."""
+def forward_state(p: Problem, info, seed: int = 0, score_mod=None) -> dict:
+    """Inputs, the shipped forward's out and LSE (with `score_mod`, the modifier the backward will get), and a
+    random dO for one problem."""
     import torch
 
     from flash_attn_sm120 import driver
@@ -47,7 +48,7 @@ def forward_state(p: Problem, info, seed: int = 0) -> dict:
     out, lse = driver.forward(x["q"], x["k"], x["v"], softmax_scale=None, causal=p.causal,
                               window_size_left=p.window[0], window_size_right=p.window[1], softcap=None,
                               pack_gqa=None, need_lse=True, emulate_host_smem=info.emulate_host_smem,
-                              **_varlen_args(x, with_max=False))
+                              score_mod=score_mod, **_varlen_args(x, with_max=False))
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     x.update(out=out, lse=lse, dout=torch.randn(out.shape, generator=g, device="cuda").to(out.dtype))
     return x

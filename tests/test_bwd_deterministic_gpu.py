@@ -27,11 +27,11 @@ def _grads(fn, q, k, v, g, **kw):
     return torch.autograd.grad(out, (q, k, v), g)
 
 
-def _reference_grads(q, k, v, g, causal):
+def _reference_grads(q, k, v, g, causal, window=(None, None)):
     out = []
     for upcast in (True, False):
         leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in (q, k, v)]
-        o, _ = testing.attention_ref(*leaves, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        o, _ = testing.attention_ref(*leaves, causal=causal, window=window, upcast=upcast, reorder_ops=not upcast)
         out.append(torch.autograd.grad(o, leaves, g.to(o.dtype)))
     return out
 
@@ -268,13 +268,4 @@ def test_windows_without_a_score_mod_in_forced_turns(b, sq, sk, h, hk, d, window
     with driver_bwd.force_deterministic_plan(**WINDOW_TURNS):
         runs = [_grads(flash_attn_func, q, k, v, g, window_size=window, deterministic=True) for _ in range(3)]
     _assert_bitwise(runs)
-    _check(runs[0], *_reference_grads_window(q, k, v, g, window))
-
-
-def _reference_grads_window(q, k, v, g, window):
-    out = []
-    for upcast in (True, False):
-        leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in (q, k, v)]
-        o, _ = testing.attention_ref(*leaves, window=window, upcast=upcast, reorder_ops=not upcast)
-        out.append(torch.autograd.grad(o, leaves, g.to(o.dtype)))
-    return out
+    _check(runs[0], *_reference_grads(q, k, v, g, False, window))
