@@ -554,9 +554,11 @@ def compile_bwd_cubin(
     # unless `ordering` sets its flags
     launch = launch_plan(causal, local, deterministic, dense_k=not varlen)
     # the non-deterministic list walk launches its K/V tiles longest first, as the driver's does
-    ordered = block_sparse is not None and not deterministic
+    # (a varlen walk keeps upstream's grid: per-sequence lists whose rows may end early, rows_end)
+    ordered = block_sparse is not None and not deterministic and not varlen
     kernel = kernel_for(cdtype, head_dim, head_dim_v, qhead_per_kvhead, config, mods,
-                        block_sparse_key=None if block_sparse is None else (*block_sparse, None), is_causal=causal,
+                        block_sparse_key=None if block_sparse is None else (*block_sparse[:3], None, varlen),
+                        is_causal=causal,
                         is_local=local, emulate_host_smem=emulate_host_smem, deterministic=deterministic,
                         **{"dq_descending": dq_descending, **launch, **(ordering or {})},
                         **({"ordered_tiles": True} if ordered else {}))

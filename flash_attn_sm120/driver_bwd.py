@@ -41,7 +41,7 @@ from flash_attn.cute.interface import (
 )
 from flash_attn.cute.utils import AuxData
 
-from flash_attn_sm120 import block_sparse, driver, occupancy
+from flash_attn_sm120 import block_sparse, block_sparse_bwd, driver, occupancy
 from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver's plans, by their old names)
     _LAUNCH_FLAGS,
     _ORDERING_FLAGS,
@@ -130,7 +130,8 @@ class BwdStatics:
     mask_mod_hash: object = False
     aux_metadata: object = None
     aux_scalar_kinds: Optional[tuple] = None
-    # block sparsity (kernels/bwd_block_sparse.py): (q_subtile, kv_subtile, has full lists, stride-0 dims)
+    # block sparsity (kernels/bwd_block_sparse.py): (q_subtile, kv_subtile, has full lists, stride-0 dims,
+    # varlen: per-sequence lists whose rows may end early)
     block_sparse: Optional[tuple] = None
     # block sparsity: K/V tiles launched longest first, in an order the host computes (block_sparse.tile_order)
     ordered_tiles: bool = False
@@ -247,11 +248,11 @@ def kernel_for(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, con
     args = (dtype, head_dim, head_dim_v, qhead_per_kvhead, config)
     kwargs.update(score_mod=mods.score_mod, score_mod_bwd=mods.score_mod_bwd)
     own_step = kwargs.pop("own_step", False)  # the launch plan's: only chooses this package's step (the walk's own)
-    if block_sparse_key is not None:
-        q_sub, kv_sub, has_full = block_sparse_key[:3]
+    if block_sparse_key is not None:  # (q_subtile, kv_subtile, has full lists, stride-0 dims, varlen rows)
+        q_sub, kv_sub, has_full, _pattern, rows_end = block_sparse_key
         return FlashAttentionBackwardSm120BlockSparse(
             *args, mask_mod=mods.mask_mod, has_aux_tensors=mods.aux_tensors is not None, q_subtile_factor=q_sub,
-            kv_subtile_factor=kv_sub, has_full=has_full, **kwargs)
+            kv_subtile_factor=kv_sub, has_full=has_full, rows_end=rows_end, **kwargs)
     # options of the modifier step (this package's own step), P/dS and V in registers among them
     if mods.user or config.pds_in_regs or config.v_in_regs or own_step or any(kwargs.get(f) for f in _OWN_STEP_FLAGS):
         return FlashAttentionBackwardSm120Mods(*args, mask_mod=mods.mask_mod,
@@ -284,11 +285,14 @@ def fixed_point_for(mods: Mods, deterministic: bool) -> bool:
     return deterministic and fixed_point_allowed(user_score)
 
 
-def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False) -> None:
-    """NotImplementedError for what the block-sparse backward walk does not cover: varlen; deterministic=True
-    unless the caller gives the walk its dQ turns (`turns_from_lists`: block_sparse.dq_turns, as this
-    package's driver does). Causal and local windows apply inside the listed tiles."""
-    for what, used in (("deterministic=True", deterministic and not turns_from_lists), ("varlen", varlen)):
+def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False,
+                       per_sequence_lists: bool = False) -> None:
+    """NotImplementedError for what the block-sparse backward walk is not given: deterministic=True unless the
+    caller gives the walk its dQ turns (`turns_from_lists`: block_sparse.dq_turns); varlen unless the caller gives
+    it per-sequence lists and launches it with `rows_end` (`per_sequence_lists`: block_sparse_bwd.py). This
+    package's driver does both. Causal and local windows apply inside the listed tiles."""
+    for what, used in (("deterministic=True", deterministic and not turns_from_lists),
+                       ("varlen", varlen and not per_sequence_lists)):
         if used:
             raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
 
@@ -315,18 +319,30 @@ def sparse_preferred_config(
 
 def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal: bool, local: bool,
                        deterministic: bool, varlen: bool, config_given: bool,
-                       preferred: Optional[BwdConfig] = None):
+                       preferred: Optional[BwdConfig] = None, batch: Optional[int] = None,
+                       bounds: Optional[tuple[int, int]] = None, q_varlen: bool = False):
     """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
     one Q and one dO stage (a given config: at most two unless deterministic; kernels/bwd_block_sparse.py),
     else upstream's SM120 default tile when the chosen one does not divide the sparse block. `preferred`
-    (sparse_preferred_config), when no config is given, goes before the chosen one.
-    NotImplementedError names what the walk does not cover."""
+    (sparse_preferred_config), when no config is given, goes before the chosen one. A varlen call (`varlen`,
+    with its `batch`, host `bounds` (seqlen_q, seqlen_k) and whether q rows vary, `q_varlen`) takes its lists
+    per sequence, with any number of rows (block_sparse_bwd.py). NotImplementedError names what the walk does not
+    cover."""
     from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
 
-    check_block_sparse(deterministic, varlen, turns_from_lists=True)
+    check_block_sparse(deterministic, varlen, turns_from_lists=True, per_sequence_lists=True)
     if tensors.block_size is None:
         raise ValueError("block_sparse_tensors_bwd needs block_size (the BlockMask's BLOCK_SIZE)")
     bq, bk = (int(x) for x in tensors.block_size)
+    if bq <= 0 or bk <= 0:
+        raise ValueError(f"block_sparse_tensors_bwd.block_size must be positive, got {tensors.block_size}")
+    if varlen:  # the shapes upstream's normalization checks are the lists' own (rows past them are empty)
+        tensors = block_sparse_bwd.per_sequence_lists(tensors, batch=batch, bound_q=bounds[0], bound_k=bounds[1],
+                                                      q_varlen=q_varlen, block_size=(bq, bk))
+        batch_size, num_head = batch, q.shape[-2]
+        seqlen_q, seqlen_k = tensors.mask_block_idx.shape[-1] * bq, tensors.mask_block_cnt.shape[-1] * bk
+    else:
+        batch_size, num_head, seqlen_q, seqlen_k = q.shape[0], q.shape[2], q.shape[1], k.shape[1]
     candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [
         cfg, upstream_bwd_config(q.shape[-1])]
     for c in candidates:
@@ -338,15 +354,15 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
         if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], head_dim_v, c) is not None:
             continue
         norm, pattern = normalize_block_sparse_config_bwd(
-            tensors, batch_size=q.shape[0], num_head=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+            tensors, batch_size=batch_size, num_head=num_head, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             block_size=(c.m_block, c.n_block), q_subtile_factor=bq // c.m_block, kv_subtile_factor=bk // c.n_block)
         # deterministic: each list entry's dQ turn, in upstream's dq_write_order fields (ascending, computed
         # here from the lists: a given order or spt is not needed); otherwise none (the compile key has none)
         turns = (block_sparse.dq_turns(norm.mask_block_cnt, norm.mask_block_idx, norm.full_block_cnt,
-                                       norm.full_block_idx, -(-q.shape[1] // bq)) if deterministic else (None, None))
+                                       norm.full_block_idx, -(-seqlen_q // bq)) if deterministic else (None, None))
         norm = norm._replace(dq_write_order=turns[0], dq_write_order_full=turns[1])
         wrapped = NormalizedBlockSparseConfig(norm, pattern, bq // c.m_block, bk // c.n_block)
-        return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern))
+        return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern, varlen))
     raise ValueError(f"block_sparse_tensors_bwd: sparse block {tensors.block_size} is not a multiple of the backward "
                      f"tile ({cfg.m_block}, {cfg.n_block}) or of upstream's SM120 default")
 
@@ -435,6 +451,8 @@ def backward(
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
         cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
                                          local=local, deterministic=deterministic and not sparse_fixed, varlen=varlen,
+                                         batch=_batch(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                                         bounds=(seqlen_q, seqlen_k), q_varlen=varlen_q or seqused_q is not None,
                                          config_given=config is not None or bool(_forced_config),
                                          preferred=sparse_preferred_config(
                                              head_dim, head_dim_v, causal, local,
@@ -463,8 +481,9 @@ def backward(
     turn_lists = deterministic and sparse is not None and not sparse_fixed
     if deterministic and sparse is not None:  # the list walk: fixed point, or turns from its lists (dq_turns)
         statics = replace(statics, **(FIXED_POINT_PLAN if sparse_fixed else SPARSE_DETERMINISTIC_PLAN))
-    order = None  # the list walk's launch order, longest first (the walk with list turns keeps the grid's)
-    if sparse is not None and not turn_lists:
+    order = None  # the list walk's launch order, longest first (the walk with list turns keeps the grid's;
+    # a varlen call keeps upstream's grid, whose tile order the ordered scheduler does not know)
+    if sparse is not None and not turn_lists and not sparse[1][4]:
         statics = replace(statics, ordered_tiles=True)
         order = block_sparse.tile_order(sparse[0], batch=batch, grid_heads=num_heads,
                                         num_block=-(-seqlen_k // cfg.n_block),
@@ -525,6 +544,17 @@ def backward(
             _bwd_postprocess_convert(accum, grad, scale, cu_seqlens_k, seqused_k, POSTPROCESS_ARCH, cute_dtype, d,
                                      cfg.n_block, cfg.num_threads, cfg.atom_n_dkv, cfg.dkv_swapab, **post)
     return dq, dk, dv
+
+
+def _batch(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> int:
+    """The call's number of sequences, as upstream's kernels count them."""
+    for t in (cu_seqlens_q, cu_seqlens_k):
+        if t is not None:
+            return t.shape[0] - 1
+    for t in (seqused_q, seqused_k):
+        if t is not None:
+            return t.shape[0]
+    return q.shape[0]
 
 
 def _hash(fn) -> object:

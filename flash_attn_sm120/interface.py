@@ -233,6 +233,8 @@ def flash_attn_varlen_func(
     disable_scheduler_metadata: bool = False,
     gather_bwd_recompute_p: bool = False,
     gather_bwd_token_chunk: Optional[int] = None,
+    *,
+    block_sparse_tensors_bwd: Optional[BlockSparseTensorsTorch] = None,
 ):
     """Variable-length attention: q (total_q, h, d) with cu_seqlens_q, k/v likewise; returns (out, lse).
 
@@ -242,6 +244,9 @@ def flash_attn_varlen_func(
     seqused_k). Not with cu_seqlens_k. A host max_seqlen_k longer than a page-table row holds is
     refused; seqused_k values and page indices are device data and are not checked (no sync).
     num_splits: as in flash_attn_func (1 off, n clamped to the useful maximum, <= 0 automatic).
+    block_sparse_tensors_bwd (keyword only; upstream's varlen function has no such parameter, and without it
+    the backward is dense with the mask_mod everywhere, as upstream's): the backward's Q-direction lists, per
+    sequence or in the packed varlen form (block_sparse_bwd.py).
     """
     if torch.compiler.is_compiling():
         args = dict(
@@ -254,11 +259,16 @@ def flash_attn_varlen_func(
             aux_scalars=aux_scalars, return_lse=return_lse, scheduler_metadata=scheduler_metadata,
             seqlen_k_per_split=seqlen_k_per_split, disable_scheduler_metadata=disable_scheduler_metadata,
             gather_bwd_recompute_p=gather_bwd_recompute_p, gather_bwd_token_chunk=gather_bwd_token_chunk,
+            block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         )
         return compile_ops.traced_call(args, varlen=True)
     target = _sm120_target(q)
     if target is None:
-        return upstream.flash_attn_varlen_func(**_locals_without_target(locals()))
+        if block_sparse_tensors_bwd is not None:
+            raise ValueError("block_sparse_tensors_bwd in flash_attn_varlen_func is this package's, for its SM120 "
+                             "kernels; upstream FA4 (this GPU's path) has no varlen block-sparse backward")
+        return upstream.flash_attn_varlen_func(
+            **_locals_without_target(locals(), *OWN_PARAMETERS["flash_attn_varlen_func"]))
     q, k, v, learnable_sink = _canonical(q, k, v, learnable_sink)
     if isinstance(page_table, torch.Tensor):
         page_table = maybe_contiguous(page_table, align_bytes=4)
@@ -300,11 +310,14 @@ def flash_attn_varlen_func(
     bwd_kwargs = _bwd_kwargs(
         dict(softmax_scale=softmax_scale, causal=causal, softcap=softcap, window_size_left=left,
              window_size_right=right, emulate_host_smem=target[0], deterministic=deterministic,
-             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
+             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_sparse_tensors=block_sparse_tensors_bwd),
         present, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
     ) if requires_grad else None  # only the autograd Function reads them
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
+
+# this package's parameters beyond upstream's (keyword-only, None by default): refused on the upstream path
+OWN_PARAMETERS = {"flash_attn_varlen_func": ("block_sparse_tensors_bwd",)}
 
 _AUX = "aux_tensors#"  # saved-tensor names of the aux tensors, in order
 
@@ -350,5 +363,6 @@ def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _locals_without_target(scope: dict) -> dict:
-    return {name: value for name, value in scope.items() if name != "target"}
+def _locals_without_target(scope: dict, *own: str) -> dict:
+    """The call's arguments for upstream's function: less `target` and this package's own parameters."""
+    return {name: value for name, value in scope.items() if name != "target" and name not in own}

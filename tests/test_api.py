@@ -17,12 +17,18 @@ from flash_attn_sm120.device import DeviceInfo, mode_for_capability
 
 @pytest.mark.parametrize("name", ["flash_attn_func", "flash_attn_varlen_func"])
 def test_signature_matches_upstream(name):
+    """Upstream's parameters, in order, kinds and defaults; then this package's own ones (interface.OWN_PARAMETERS),
+    keyword-only and None by default, so that no upstream call reads differently."""
     ours = inspect.signature(getattr(flash_attn_sm120, name))
     theirs = inspect.signature(getattr(upstream, name))
-    assert list(ours.parameters) == list(theirs.parameters)
+    own = interface.OWN_PARAMETERS.get(name, ())
+    assert list(ours.parameters) == list(theirs.parameters) + list(own)
     for p in theirs.parameters.values():
         assert ours.parameters[p.name].default == p.default, p.name
         assert ours.parameters[p.name].kind == p.kind, p.name
+    for n in own:
+        assert n not in theirs.parameters
+        assert ours.parameters[n].kind == inspect.Parameter.KEYWORD_ONLY and ours.parameters[n].default is None, n
 
 
 def test_mode_rules():
@@ -260,7 +266,8 @@ def test_block_sparse_forward_reaches_the_unsplit_driver(fake_device):
 
 def test_block_sparse_backward_takes_causal_and_deterministic_and_paged_is_refused(fake_device):
     """Backward lists take causal masks, windows and deterministic=True (the walk applies the rule inside its
-    listed tiles and orders dQ by its lists): the walk's check refuses only varlen; the check without turns
+    listed tiles and orders dQ by its lists): the walk's check refuses varlen only without per-sequence lists; the
+    check without turns
     (patch 0006's interface) still refuses deterministic=True (GPU tests run the backward). Paged KV takes no
     lists."""
     from flash_attn_sm120 import driver_bwd
@@ -270,8 +277,9 @@ def test_block_sparse_backward_takes_causal_and_deterministic_and_paged_is_refus
     driver_bwd.check_block_sparse(True, False, turns_from_lists=True)
     with pytest.raises(NotImplementedError, match="deterministic=True"):
         driver_bwd.check_block_sparse(True, False)
-    with pytest.raises(NotImplementedError, match="varlen"):
+    with pytest.raises(NotImplementedError, match="varlen"):  # patch 0006's interface: no per-sequence lists
         driver_bwd.check_block_sparse(False, True, turns_from_lists=True)
+    driver_bwd.check_block_sparse(False, True, turns_from_lists=True, per_sequence_lists=True)
     q, k, v = _cuda_qkv()
     for kwargs in (dict(causal=True), dict(deterministic=True, window_size=(8, 0))):
         calls.clear()

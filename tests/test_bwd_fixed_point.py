@@ -177,7 +177,7 @@ def test_block_sparse_walk_in_fixed_point_keeps_the_non_deterministic_walk(causa
     assert "REDG.E.ADD.64" in sass and "F2I.S64" in sass
     import cutlass
 
-    two_stages = kernel_for(cutlass.BFloat16, 128, 128, 1, cfg, Mods(), block_sparse_key=(2, 2, True, None),
+    two_stages = kernel_for(cutlass.BFloat16, 128, 128, 1, cfg, Mods(), block_sparse_key=(2, 2, True, None, False),
                             deterministic=True, dq_fixed_point=True, ordered_tiles=True)
     assert not two_stages.turn_lists
 

@@ -48,7 +48,10 @@ list first (WorkOrderedTileScheduler in ordered_scheduler.py). A K/V block of gl
 by every Q block, and in grid order its CTAs would start late and run alone. The deterministic walk
 keeps the grid order, which its no-deadlock argument needs.
 
-Not here: varlen.
+Varlen (cu_seqlens_*, seqused_*; `rows_end`): the lists are per sequence, (batch, heads, kv_blocks[, width]) with
+the sequence's own block indices, and may have fewer rows than a sequence has K/V blocks (the longest sequence is
+device data; block_sparse_bwd.py): a K/V tile past the rows is named by no list, so it reads none and takes no step.
+The grid is upstream's (the varlen scheduler with cu_seqlens_k), launched without a tile order.
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
     """The modifier backward walking upstream's Q-direction block-sparse lists (module docstring)."""
 
     def __init__(self, *args, q_subtile_factor: int = 1, kv_subtile_factor: int = 1, has_full: bool = False,
-                 is_causal: bool = False, is_local: bool = False, ordered_tiles: bool = False, **kwargs):
+                 is_causal: bool = False, is_local: bool = False, ordered_tiles: bool = False, rows_end: bool = False,
+                 **kwargs):
         # the mainloop without the window (its m range covers every list position); the step applies it
         super().__init__(*args, is_causal=False, is_local=False, **kwargs)
         self.mask_causal, self.mask_local = is_causal, is_local
@@ -127,6 +131,8 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         self.q_subtile_factor = q_subtile_factor
         self.kv_subtile_factor = kv_subtile_factor
         self.has_full = has_full
+        # varlen: a K/V tile past the lists' rows has empty lists (module docstring)
+        self.rows_end = rows_end
         self._prologue = True
         if ordered_tiles and self.turn_lists:
             raise ValueError("the deterministic walk launches its K/V tiles in grid order (a tile waits only for "
@@ -242,15 +248,20 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
         kw = mask_fn.keywords
         batch_idx, head_idx = kw["batch_idx"], kw["head_idx"]
         kv_sparse = kw["n_block"] // self.kv_subtile_factor
+        if const_expr(self.rows_end):  # a row past the lists: any row's pointer, and no count read from it
+            kv_sparse = cutlass.min(kv_sparse, cutlass.max(lists[0].shape[2] - 1, 0))
         mask_idx = lists[1][batch_idx, head_idx, kv_sparse, None]
         full_idx = lists[4][batch_idx, head_idx, kv_sparse, None] if const_expr(self.has_full) else None
         state = self._walk_state  # (mask-list tiles, full-list tiles), read from memory at position 0 only
         if position == 0:
             num_m_tiles = cute.ceil_div(mask_fn.func.__self__.seqlen_info.seqlen_q, self.m_block_size)
-            state[0] = _tiles_in_list(lists[0][batch_idx, head_idx, kv_sparse], mask_idx, F, num_m_tiles)
+            state[0] = Int32(0)
             state[1] = Int32(0)
-            if const_expr(self.has_full):
-                state[1] = _tiles_in_list(lists[3][batch_idx, head_idx, kv_sparse], full_idx, F, num_m_tiles)
+            if const_expr(self.rows_end):
+                if kw["n_block"] // self.kv_subtile_factor < lists[0].shape[2]:
+                    self._read_counts(state, lists, batch_idx, head_idx, kv_sparse, mask_idx, full_idx, num_m_tiles)
+            else:
+                self._read_counts(state, lists, batch_idx, head_idx, kv_sparse, mask_idx, full_idx, num_m_tiles)
         mask_tiles = state[0]
         count = mask_tiles + state[1]
 
@@ -309,6 +320,15 @@ class FlashAttentionBackwardSm120BlockSparse(FlashAttentionBackwardSm120Mods):
                 bwd_deterministic.call_if(position == count - 1, partial(
                     bwd_deterministic.release_after_barrier,
                     fa_utils.elem_pointer(dq_semaphore, (batch_idx, head_idx, m_block))))
+
+    @cute.jit
+    def _read_counts(self, state: cute.Tensor, lists: list, batch_idx: Int32, head_idx: Int32, kv_sparse: Int32,
+                     mask_idx: cute.Tensor, full_idx: Optional[cute.Tensor], num_m_tiles: Int32):
+        """state <- (mask-list tiles, full-list tiles) of this K/V tile's lists."""
+        F = self.q_subtile_factor
+        state[0] = _tiles_in_list(lists[0][batch_idx, head_idx, kv_sparse], mask_idx, F, num_m_tiles)
+        if const_expr(self.has_full):
+            state[1] = _tiles_in_list(lists[3][batch_idx, head_idx, kv_sparse], full_idx, F, num_m_tiles)
 
     @cute.jit
     def _fuse_turns(self, position: Int32, m_block: Int32, mask_idx: cute.Tensor, mask_tiles: Int32,

@@ -13,8 +13,10 @@ Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
 Q-direction lists) and makes `_flash_attn_bwd` on SM120 build it for `block_sparse_tensors`, with
 one Q/dO stage on the table's tile or SM120's earlier default tile, whichever divides the sparse
 block, as the package's `driver_bwd._block_sparse_plan` does (varlen refused by
-name: `driver_bwd.check_block_sparse`, lifted; deterministic lists take their dQ turns from
-`block_sparse.dq_turns`, lifted, as the package's driver does).
+name: `driver_bwd.check_block_sparse`, lifted, called without per-sequence lists, as upstream's
+`_flash_attn_bwd` refuses varlen lists on every GPU; the package's varlen lists, block_sparse_bwd.py,
+are not in the patch; deterministic lists take their dQ turns from `block_sparse.dq_turns`, lifted,
+as the package's driver does).
 
 The interface edits live in `step_block_sparse_interface.py`; this file lifts the modules, renders the
 config helpers and writes the patch. The commit message quotes the session record of the GPU tests
@@ -261,7 +263,7 @@ def patch_fwd_configs(ctx: Context) -> None:
 
 # ------------------------------------------------------------ the backward's config (host side)
 _PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sparse_config restates it
-    "check_block_sparse(deterministic, varlen, turns_from_lists=True)",
+    "check_block_sparse(deterministic, varlen, turns_from_lists=True, per_sequence_lists=True)",
     "if tensors.block_size is None:",
     "candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [",
     "cfg, upstream_bwd_config(q.shape[-1])]",
