@@ -140,7 +140,7 @@ def api_kwargs(inputs: Inputs, case: AttnCase, problem: AttnProblem) -> dict:
 
         if case.q_layout == "packed":  # upstream's varlen lists, from each sequence's part of the map
             kw.update(testing_sparse.case_varlen_lists(case.block_sparse, inputs.sparse_kinds, problem.seqlens_q,
-                                                       problem.seqlens_k))
+                                                       problem.seqlens_k, case.backward))
         else:
             kw.update(testing_sparse.case_lists(case.block_sparse, inputs.sparse_kinds, case.backward))
     if case.deterministic:  # only then: forward-only callers pass these to upstream's _flash_attn_fwd as well

@@ -59,7 +59,7 @@ class AttnCase:
     sink: bool = False  # a learnable_sink (h,) (public API only: the kernels fold it in, sink_fold.py)
     mods: str = ""  # a testing_mods.MODS name: score_mod / mask_mod / aux data (public API only)
     block_sparse: str = ""  # a testing_sparse.CASES name: random block lists (public API; dense layout, or packed
-    # q and k/v for a forward case: testing_sparse.varlen_case_ok)
+    # q and k/v: testing_sparse.varlen_case_ok)
     # the public API's deterministic=True: backward cases only, run twice and compared bit for bit
     deterministic: bool = False
 
@@ -290,8 +290,8 @@ def make_inputs(case: AttnCase, problem: AttnProblem, device="cuda", requires_gr
 
         if not case.is_dense and not testing_sparse.varlen_case_ok(case.block_sparse, case.q_layout, case.k_layout,
                                                                    case.backward):
-            raise ValueError("block-sparse cases take the dense layout, or packed q and k/v in a forward case "
-                             f"whose sparse Q block is one kernel tile ({sorted(testing_sparse.VARLEN_CASES)})")
+            raise ValueError("block-sparse cases take the dense layout, or packed q and k/v in a case whose sparse "
+                             f"Q block is one kernel tile ({sorted(testing_sparse.VARLEN_CASES)})")
         inputs.sparse_kinds = testing_sparse.case_map(case.block_sparse, problem.batch, h, max(problem.seqlens_q),
                                                       max(problem.seqlens_k), gen, device)
     if requires_grad:

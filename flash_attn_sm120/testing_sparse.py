@@ -138,21 +138,25 @@ def case_lists(name: str, kinds: torch.Tensor, backward: bool) -> dict:
     return kw
 
 
-# cases whose sparse Q block is one kernel tile: upstream's varlen lists take only those (forward; the
-# varlen backward, as upstream's, applies the mask_mod without lists)
+# cases whose sparse Q block is one kernel tile: upstream's varlen lists take only those (the forward's; a
+# backward case's lists are the same maps transposed, flash_attn_varlen_func's block_sparse_tensors_bwd)
 VARLEN_CASES = frozenset(n for n, ((bq, _), _, _) in CASES.items() if bq <= 128)
 
 
 def varlen_case_ok(name: str, q_layout: str, k_layout: str, backward: bool) -> bool:
-    """Whether a block-sparse case runs in these storage layouts with varlen lists."""
-    return (q_layout, k_layout) == ("packed", "packed") and not backward and name in VARLEN_CASES
+    """Whether a block-sparse case runs in these storage layouts with varlen lists (forward or backward)."""
+    return (q_layout, k_layout) == ("packed", "packed") and name in VARLEN_CASES
 
 
-def case_varlen_lists(name: str, kinds: torch.Tensor, seqlens_q, seqlens_k) -> dict:
-    """The public API's varlen block_sparse_tensors of a case: sequence b's part of the block map."""
+def case_varlen_lists(name: str, kinds: torch.Tensor, seqlens_q, seqlens_k, backward: bool = False) -> dict:
+    """The public API's varlen block_sparse_tensors of a case: sequence b's part of the block map; with
+    `backward`, block_sparse_tensors_bwd too: the parts transposed, in the packed form (block_sparse_bwd.py)."""
     block, with_full, _ = case_spec(name)
     maps = [kinds[b, :, :-(-sq // block[0]), :-(-sk // block[1])] for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k))]
-    return {"block_sparse_tensors": varlen_lists_from_maps(maps, block, with_full)}
+    kw = {"block_sparse_tensors": varlen_lists_from_maps(maps, block, with_full)}
+    if backward:
+        kw["block_sparse_tensors_bwd"] = varlen_lists_from_maps([m.transpose(1, 2) for m in maps], block, with_full)
+    return kw
 
 
 def case_keep(name: str, kinds: torch.Tensor, seq: int, seqlen_q: int, seqlen_k: int,

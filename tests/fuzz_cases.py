@@ -76,6 +76,10 @@ DETERMINISTIC = (
     # a window with a user score_mod (no fixed point): turns from the band's edges, descending (dense) and ascending
     ("descending+reversed", "local_lr", ("dense", "dense"), (1, 2), "position", False),
     ("ascending", "causal_l", ("packed", "packed"), (2, 4), "alibi", False),
+    # varlen block-sparse lists (flash_attn_varlen_func's block_sparse_tensors_bwd, packed form): fixed point, and
+    # the list turns with a score_mod
+    ("fixed", "none", ("packed", "packed"), (1, 2), "", True),
+    ("lists", "causal", ("packed", "packed"), (2, 4), "position", True),
 )
 DET_SPARSE = ("random", "q256", "nofull")  # the lists a "lists" case draws, in turn
 TILE_EDGES = tuple(sorted({t + o for t in (16, 32, 64, 80, 96, 128, 192, 256, 512, 1024, 2048, 3072) for o in (-1, 0, 1)}))
@@ -221,8 +225,13 @@ def _backward_cases(rng: random.Random, paths: Sequence[KernelPath], n: int, mod
         layout = cols["layout"][i] if "varlen" not in gaps and s.allows_layout(*cols["layout"][i]) else ("dense", "dense")
         softcap = cols["softcap"][i] if s.softcap else 0.0
         sparse = cols["sparse"][i] if s.block_sparse and d in SPARSE_HEAD_DIMS else ""
-        if sparse:  # the backward lists' limits: dense layout; causal applies inside the listed tiles
-            layout, mask = ("dense", "dense"), mask if mask in ("none", "causal") else "none"
+        if sparse:  # the backward lists' limits: dense layout or varlen lists (packed, both directions' lists);
+            # causal applies inside the listed tiles
+            if sparse in testing_sparse.VARLEN_CASES and "varlen" not in gaps and i % 2 == 0:
+                layout = ("packed", "packed")  # every other such case: varlen lists (no draw: the stream stays)
+            if not testing_sparse.varlen_case_ok(sparse, *layout, backward=True):
+                layout = ("dense", "dense")
+            mask = mask if mask in ("none", "causal") else "none"
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],
             head_dim=d, head_dim_v=d, qhead_per_kvhead=cols["ratio"][i], pack_gqa=None, mask=mask,
@@ -261,8 +270,10 @@ def _deterministic_cases(rng: random.Random, paths: Sequence[KernelPath], n: int
             d = dims[i % len(dims)] if dims else d
             order = order if dims else "fixed"  # no "none" key with a turns entry: the call adds in fixed point
         sparse = ""
-        if lists and s.block_sparse:  # block-sparse lists (dense layout, a head dim the lists take)
+        if lists and s.block_sparse:  # block-sparse lists (a head dim the lists take; packed: varlen lists)
             sparse = DET_SPARSE[(i // len(DETERMINISTIC)) % len(DET_SPARSE)]
+            if not testing_sparse.varlen_case_ok(sparse, *layout, backward=True) and layout != ("dense", "dense"):
+                sparse = sorted(testing_sparse.VARLEN_CASES)[0]
             d = d if d in SPARSE_HEAD_DIMS else SPARSE_HEAD_DIMS[i % len(SPARSE_HEAD_DIMS)]
         case = AttnCase(
             dtype=cols["dtype"][i] if cols["dtype"][i] in s.dtypes else s.dtypes[0],

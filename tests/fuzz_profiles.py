@@ -53,7 +53,7 @@ PLANS = {
     # ~27 compile keys: about 4-5 minutes on one H200 in emulation, compiles included
     "fast": FuzzPlan("fast", 20, 4, 8, 4, 2048, 1024, 4, 3, 1 << 25, 1 << 23, 200, det_cases=4, det_examples=3),
     # ~120 compile keys, ~3100 examples: shard it (FLASH_ATTN_SM120_FUZZ_SHARD) over GPUs or commands
-    "deep": FuzzPlan("deep", 96, 16, 30, 12, 3072, 1536, 5, 4, 1 << 26, 1 << 24, 2000, det_cases=15, det_examples=8),
+    "deep": FuzzPlan("deep", 96, 16, 30, 12, 3072, 1536, 5, 4, 1 << 26, 1 << 24, 2000, det_cases=17, det_examples=8),
 }
 
 

@@ -26,7 +26,7 @@ from hypothesis import Phase, given, settings, strategies as st
 import fuzz_cases
 import fuzz_profiles
 import fuzz_report
-from flash_attn_sm120 import bench, testing, testing_mods
+from flash_attn_sm120 import bench, testing, testing_mods, testing_sparse
 from flash_attn_sm120.config import FwdConfig, parse_fwd_table
 from flash_attn_sm120.paths import BACKWARD_GAPS, kernel_paths
 from flash_attn_sm120.testing import AttnCase, AttnProblem, CheckFailure
@@ -344,13 +344,14 @@ def test_block_sparse_cases_are_drawn_within_their_limits():
     assert {c.case.block_sparse for c in sparse} == set(testing_sparse.CASES)
     for c in sparse:
         assert c.api == "public" and c.path.supports.block_sparse
-        # dense, or varlen lists in a forward case whose sparse Q block is one kernel tile, GQA unpacked
+        # dense, or varlen lists in a case whose sparse Q block is one kernel tile, GQA unpacked
         assert c.case.is_dense or (testing_sparse.varlen_case_ok(c.case.block_sparse, c.case.q_layout,
                                                                  c.case.k_layout, c.case.backward)
                                    and not c.case.pack_gqa), c.id
         assert c.case.head_dim == c.case.head_dim_v and c.case.head_dim in testing_sparse.HEAD_DIMS
         assert c.case.mask in ("none", "causal")
     assert any(not c.case.is_dense for c in sparse)  # varlen lists are drawn
+    assert any(not c.case.is_dense for c in bwd if c.case.block_sparse)  # the varlen backward's lists too
     assert any(c.case.mask == "causal" for c in bwd if c.case.block_sparse)  # the walk's causal tiles are drawn
 
 
@@ -610,7 +611,9 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
     for c in det:
         assert c.api == "public" and c.case.backward
         assert c.det_order != "lists" or c.case.block_sparse  # the lists' turns only with lists
-        assert not c.case.block_sparse or (c.case.is_dense and c.det_order in ("fixed", "lists"))
+        assert not c.case.block_sparse or (c.det_order in ("fixed", "lists") and (
+            c.case.is_dense or testing_sparse.varlen_case_ok(c.case.block_sparse, c.case.q_layout, c.case.k_layout,
+                                                             backward=True)))
         # fixed point: every call without a user score_mod but a dense causal one (a mask_mod replaces the causal
         # flag, as upstream resolves it) or one a rotated turns entry serves (the last row); turns the rest
         spec = testing_mods.spec(c.case.mods) if c.case.mods else None
