@@ -171,6 +171,11 @@ SPARSE_SHAPES = (
     ("bs-bwd-d128-causal-det-gqa", AttnCase("bfloat16", 128, 128, 2, None, "causal", 0.0, False, "dense", "dense",
                                             True, block_sparse="random", deterministic=True),
      AttnProblem((300, 300), (520, 520), nheads_kv=2, seed=20)),
+    # the varlen backward walk (flash_attn_varlen_func's block_sparse_tensors_bwd, packed form copied per sequence;
+    # rows_end): an empty sequence, one with fewer keys than a block, GQA, a mask_mod on the partial blocks
+    ("bs-bwd-d128-varlen-prefix-gqa", AttnCase("bfloat16", 128, 128, 2, None, "none", 0.0, False, "packed", "packed",
+                                               True, mods="prefix", block_sparse="random"),
+     AttnProblem((300, 0, 150), (520, 64, 200), nheads_kv=2, seed=22)),
 )
 # "========= ERROR SUMMARY: 0 errors" (memcheck and others);
 # "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" (racecheck)
