@@ -263,7 +263,8 @@ def git_commit() -> str:
 
 
 def measurement_doc(rows: list, summary: dict, info, set_name: str, command: Optional[str] = None) -> dict:
-    """The committed-measurement JSON: what ran, where, in which mode, at which commit, and the rows."""
+    """The committed-measurement JSON: what ran, where, in which mode, at which commit, and the rows (dataclass
+    rows, or dicts)."""
     return {
         "command": command or "python " + " ".join(sys.argv),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -274,5 +275,5 @@ def measurement_doc(rows: list, summary: dict, info, set_name: str, command: Opt
         "occupancy_verified": occupancy.all_verified(),
         "occupancy": [r.to_dict() for r in occupancy.records()],
         "unchecked_kernels": occupancy.unchecked(),
-        "summary": summary, "rows": [asdict(r) for r in rows],
+        "summary": summary, "rows": [r if isinstance(r, dict) else asdict(r) for r in rows],
     }

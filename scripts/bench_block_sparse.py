@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_attn_sm120 import bench, harness, occupancy, testing_sparse  # noqa: E402
+from flash_attn_sm120 import bench, harness, testing_sparse  # noqa: E402
 
 PROBLEMS = ((1, 8192, 16, 128), (2, 8192, 16, 64), (2, 8192, 16, 96))  # (batch, seqlen, heads, head_dim)
 BLOCK = (128, 128)
@@ -281,10 +280,7 @@ def main(argv=None) -> int:
                 print(f"    {cname}: {fms:7.3f} ms  ratio {dense_flops * visited / fms / 1e9 / dense_tf:.3f} "
                       f"({sparse_ms / fms:.3f}x the default sparse config)", flush=True)
     if args.json:
-        doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-               "gpu": info.name, "mode": info.mode, "mode_label": info.label(), "commit": harness.git_commit(),
-               "occupancy_verified": occupancy.all_verified(), "reference": "dense shipped table, same process",
-               "rows": rows}
+        doc = harness.measurement_doc(rows, {"reference": "dense shipped table, same process"}, info, "block_sparse")
         args.json.write_text(json.dumps(doc, indent=1))
     return 0
 

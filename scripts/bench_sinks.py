@@ -13,14 +13,13 @@ tile before its epilogue (kernels/sink_fold.py; SplitKV: split 0 only).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_attn_sm120 import bench, harness, occupancy, progress  # noqa: E402
+from flash_attn_sm120 import bench, harness, progress  # noqa: E402
 
 DECODE = ((1, 32768), (8, 8192), (64, 4096))  # (batch, seqlen_k), GQA 32:8 d128
 
@@ -80,10 +79,7 @@ def main(argv=None) -> int:
     worst = {kind: max(r["overhead"] for r in rows if r["kind"] == kind) for kind in {r["kind"] for r in rows}}
     print("worst overhead: " + ", ".join(f"{k} {100 * v:+.1f}%" for k, v in sorted(worst.items())))
     if args.json:
-        doc = {"command": "python " + " ".join(sys.argv), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-               "gpu": info.name, "mode": info.mode,
-               "mode_label": info.label(), "commit": harness.git_commit(),
-               "occupancy_verified": occupancy.all_verified(), "worst_overhead": worst, "rows": rows}
+        doc = harness.measurement_doc(rows, {"worst_overhead": worst}, info, "sinks")
         args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
