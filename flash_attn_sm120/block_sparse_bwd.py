@@ -17,8 +17,9 @@ of two forms:
   mask_mod with q_idx and kv_idx exchanged. A call with varlen q needs cu_block_idx_offsets. Without it, every
   sequence has ceil(seqlen_q / block_q) Q blocks. This form is copied into the per-sequence one on the device
   (no host sync). The copy has ceil(bound / block) rows and columns, where bound is max_seqlen_k / max_seqlen_q
-  where given, else the total rows. A count longer than the copy's width is cut to it; a list cannot name more
-  Q blocks than a sequence of that bound has.
+  where given, else the total rows: without host max_seqlen_q / max_seqlen_k it holds batch x heads x
+  ceil(total_k / block_k) x ceil(total_q / block_q) int32s, so pass them. A count longer than its sequence's Q
+  blocks (or the copy's width) is cut to them: a list cannot name more.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def per_sequence_lists(tensors: BlockSparseTensorsTorch, *, batch: int, bound_q:
             return None
         got = c[:, row_at.clamp(max=max(c.shape[1] - 1, 0))] if c.shape[1] else torch.zeros(
             c.shape[0], batch, rows, dtype=c.dtype, device=c.device)  # (heads, batch, rows)
-        got = torch.where(row_ok, got, torch.zeros_like(got)).clamp(max=width)
+        # a count past the sequence's Q blocks would walk the zero-filled entries: cut to them
+        got = torch.minimum(torch.where(row_ok, got, torch.zeros_like(got)), q_blocks.clamp(max=width).view(batch, 1))
         return got.permute(1, 0, 2).to(torch.int32).contiguous()
 
     def indices(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -92,8 +92,8 @@ def traced_call(args: dict, varlen: bool):
     """What flash_attn_func / flash_attn_varlen_func do while Dynamo traces them: (out, lse or None)."""
     q = args["q"]
     if not _routes_to_sm120(q.device.type, -1 if q.device.index is None else q.device.index):
-        fn = upstream.flash_attn_varlen_func if varlen else upstream.flash_attn_func
-        return fn(**args)
+        name = "flash_attn_varlen_func" if varlen else "flash_attn_func"
+        return getattr(upstream, name)(**validation.upstream_kwargs(name, args))
     mods = [args.get("score_mod"), args.get("mask_mod")]
     if (any(args.get(n) is not None for n in _EAGER_ONLY) or args.get("gather_bwd_recompute_p")
             or any(m is not None and m not in _NAME_OF for m in mods)

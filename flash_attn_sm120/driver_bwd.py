@@ -358,8 +358,10 @@ def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal
             block_size=(c.m_block, c.n_block), q_subtile_factor=bq // c.m_block, kv_subtile_factor=bk // c.n_block)
         # deterministic: each list entry's dQ turn, in upstream's dq_write_order fields (ascending, computed
         # here from the lists: a given order or spt is not needed); otherwise none (the compile key has none)
+        # (Q blocks: a varlen call's compact lists may be narrower than the sequences' blocks)
+        q_blocks = max(-(-seqlen_q // bq), -(-bounds[0] // bq) if varlen else 0)
         turns = (block_sparse.dq_turns(norm.mask_block_cnt, norm.mask_block_idx, norm.full_block_cnt,
-                                       norm.full_block_idx, -(-seqlen_q // bq)) if deterministic else (None, None))
+                                       norm.full_block_idx, q_blocks) if deterministic else (None, None))
         norm = norm._replace(dq_write_order=turns[0], dq_write_order_full=turns[1])
         wrapped = NormalizedBlockSparseConfig(norm, pattern, bq // c.m_block, bk // c.n_block)
         return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern, varlen))

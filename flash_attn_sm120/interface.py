@@ -264,11 +264,8 @@ def flash_attn_varlen_func(
         return compile_ops.traced_call(args, varlen=True)
     target = _sm120_target(q)
     if target is None:
-        if block_sparse_tensors_bwd is not None:
-            raise ValueError("block_sparse_tensors_bwd in flash_attn_varlen_func is this package's, for its SM120 "
-                             "kernels; upstream FA4 (this GPU's path) has no varlen block-sparse backward")
         return upstream.flash_attn_varlen_func(
-            **_locals_without_target(locals(), *OWN_PARAMETERS["flash_attn_varlen_func"]))
+            **validation.upstream_kwargs("flash_attn_varlen_func", _locals_without_target(locals())))
     q, k, v, learnable_sink = _canonical(q, k, v, learnable_sink)
     if isinstance(page_table, torch.Tensor):
         page_table = maybe_contiguous(page_table, align_bytes=4)
@@ -316,9 +313,6 @@ def flash_attn_varlen_func(
     return _forward(q, k, v, fwd_kwargs, bwd_kwargs, return_lse, requires_grad, learnable_sink, want_lse)
 
 
-# this package's parameters beyond upstream's (keyword-only, None by default): refused on the upstream path
-OWN_PARAMETERS = {"flash_attn_varlen_func": ("block_sparse_tensors_bwd",)}
-
 _AUX = "aux_tensors#"  # saved-tensor names of the aux tensors, in order
 
 
@@ -363,6 +357,5 @@ def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _locals_without_target(scope: dict, *own: str) -> dict:
-    """The call's arguments for upstream's function: less `target` and this package's own parameters."""
-    return {name: value for name, value in scope.items() if name != "target" and name not in own}
+def _locals_without_target(scope: dict) -> dict:
+    return {name: value for name, value in scope.items() if name != "target"}

@@ -340,6 +340,21 @@ def _shape_common(q, k, v, *, batch: int, seqlen_q: Optional[int], total_q: int)
     return ProblemShape(batch, seqlen_q, seqlen_k, total_q, num_heads, num_heads_kv, head_dim, head_dim_v, q.dtype)
 
 
+# this package's parameters beyond upstream's (keyword-only, None by default): refused on the upstream path
+OWN_PARAMETERS = {"flash_attn_varlen_func": ("block_sparse_tensors_bwd",)}
+
+
+def upstream_kwargs(name: str, kwargs: dict) -> dict:
+    """kwargs for upstream's `name` on a GPU that runs upstream FA4: ValueError for this package's own parameters
+    when set (upstream has no such feature), and without them otherwise."""
+    own = OWN_PARAMETERS.get(name, ())
+    for n in own:
+        if kwargs.get(n) is not None:
+            raise ValueError(f"{n} in {name} is this package's, for its SM120 kernels; upstream FA4 (this GPU's "
+                             "path) has no such parameter")
+    return {k: v for k, v in kwargs.items() if k not in own}
+
+
 def reject_unsupported(**features) -> None:
     """NotImplementedError for features the SM120 path does not have yet (names in the message)."""
     for feature, used in features.items():

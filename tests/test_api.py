@@ -11,17 +11,17 @@ import flash_attn.cute as upstream
 import flash_attn_sm120
 from flash_attn_sm120.hardware import EmulationHost
 from flash_attn_sm120 import device as devmod
-from flash_attn_sm120 import interface
+from flash_attn_sm120 import interface, validation
 from flash_attn_sm120.device import DeviceInfo, mode_for_capability
 
 
 @pytest.mark.parametrize("name", ["flash_attn_func", "flash_attn_varlen_func"])
 def test_signature_matches_upstream(name):
-    """Upstream's parameters, in order, kinds and defaults; then this package's own ones (interface.OWN_PARAMETERS),
+    """Upstream's parameters, in order, kinds and defaults; then this package's own ones (validation.OWN_PARAMETERS),
     keyword-only and None by default, so that no upstream call reads differently."""
     ours = inspect.signature(getattr(flash_attn_sm120, name))
     theirs = inspect.signature(getattr(upstream, name))
-    own = interface.OWN_PARAMETERS.get(name, ())
+    own = validation.OWN_PARAMETERS.get(name, ())
     assert list(ours.parameters) == list(theirs.parameters) + list(own)
     for p in theirs.parameters.values():
         assert ours.parameters[p.name].default == p.default, p.name
@@ -104,6 +104,31 @@ def test_dispatch_upstream_passes_everything_through(fake_device):
     assert kw["causal"] is True and kw["num_splits"] == 3 and kw["q"] is q
     assert set(kw) == set(inspect.signature(upstream.flash_attn_func).parameters)
     assert "driver" not in calls
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_upstream_route_takes_no_own_parameter(fake_device, monkeypatch, traced):
+    """On a GPU that runs upstream, varlen calls reach upstream's function with upstream's parameters only (this
+    package's own ones, validation.OWN_PARAMETERS, dropped when None), eager or as torch.compile traces them
+    (compile_ops.traced_call); set, they are a ValueError naming them (upstream has no such feature)."""
+    from flash_attn_sm120 import compile_ops
+
+    set_mode, calls = fake_device
+    set_mode("upstream")
+    monkeypatch.setattr(compile_ops, "_routes_to_sm120", lambda *a: False)
+    q, k, v = (t.flatten(0, 1) for t in _cuda_qkv())
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    def call(**kw):
+        if not traced:
+            return flash_attn_sm120.flash_attn_varlen_func(q, k, v, **kw)
+        bound = inspect.signature(flash_attn_sm120.flash_attn_varlen_func).bind(q, k, v, **kw)
+        bound.apply_defaults()  # the interface's traced branch passes every parameter
+        return compile_ops.traced_call(dict(bound.arguments), varlen=True)
+
+    assert call(cu_seqlens_q=cu, cu_seqlens_k=cu) == "upstream-result"
+    assert set(calls["upstream"]) <= set(inspect.signature(upstream.flash_attn_varlen_func).parameters)
+    with pytest.raises(ValueError, match="block_sparse_tensors_bwd in flash_attn_varlen_func is this package's"):
+        call(cu_seqlens_q=cu, cu_seqlens_k=cu, block_sparse_tensors_bwd=object())
 
 
 @pytest.mark.parametrize("mode,pad", [("sm120", None), ("emulated", EmulationHost(233472, 232448, 1024))])

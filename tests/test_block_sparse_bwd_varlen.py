@@ -150,3 +150,43 @@ def test_varlen_walk_compiles_spill_free_for_sm120a(d, det, full, subtiles, gqa)
     assert res["stack"] == 0 and res["local"] == 0, res
     kernel = kernels[0]
     assert kernel.rows_end and not kernel.ordered_tiles and kernel.has_full == full
+
+
+def test_counts_are_cut_to_each_sequence_q_blocks():
+    """A packed count past its sequence's Q blocks (malformed) would walk zero-filled entries (Q tile 0 again):
+    the copy cuts it to the sequence's own Q blocks, not just to the copy's width."""
+    lists, _ = _packed((2, 1), (2, 4), 1, seed=4, with_full=False)
+    lists = lists._replace(mask_block_cnt=torch.full_like(lists.mask_block_cnt, 9))
+    out = block_sparse_bwd.per_sequence_lists(lists, batch=2, bound_q=4 * 128, bound_k=2 * 64, q_varlen=True,
+                                              block_size=(128, 64))
+    assert out.mask_block_cnt.tolist() == [[[2, 2]], [[4, 0]]]
+
+
+def test_deterministic_turns_take_compact_varlen_lists(monkeypatch):
+    """Per-sequence lists narrower than a sequence's Q blocks (upstream allows compact index tensors) name Q
+    blocks past their width: the plan gives the list turns every Q block of the host bound, and with that count
+    the turns of such lists are right (a count of the width alone scattered out of range)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_attn_sm120 import block_sparse, driver_bwd
+    from flash_attn_sm120.config_bwd import bwd_config_from_name
+
+    b, h, d = 2, 2, 128
+    cnt = torch.tensor([[[2, 1, 0]] * h] * b, dtype=torch.int32)
+    idx = torch.tensor([[[[1, 4], [4, 0], [0, 0]]] * h] * b, dtype=torch.int32)  # width 2, Q block 4 named
+    seen = {}
+    monkeypatch.setattr(block_sparse, "dq_turns", lambda *a: seen.setdefault("q_blocks", a[4]) and (None, None))
+    with FakeTensorMode():  # upstream's normalization takes CUDA tensors only: fake ones
+        q = torch.empty(700, h, d, dtype=torch.bfloat16, device="cuda")  # packed: 2 sequences, up to 600 rows
+        k = torch.empty(900, h, d, dtype=torch.bfloat16, device="cuda")
+        lists = BlockSparseTensorsTorch(torch.empty(b, h, 3, dtype=torch.int32, device="cuda"),
+                                        torch.empty(b, h, 3, 2, dtype=torch.int32, device="cuda"),
+                                        block_size=(128, 128))
+        _, (_, key) = driver_bwd._block_sparse_plan(
+            lists, q, k, bwd_config_from_name("bwd-w8-64x64-q1do1-a242"), head_dim_v=d, causal=False, local=False,
+            deterministic=True, varlen=True, config_given=True, batch=b, bounds=(600, 700), q_varlen=True)
+    assert key[4] is True and seen["q_blocks"] == 5  # ceil(600 / 128), not the width 2
+    monkeypatch.undo()
+    turns, _ = block_sparse.dq_turns(cnt, idx, None, None, seen["q_blocks"])
+    # Q block 4 is named by K/V blocks 0 and 1 of each sequence: turns 0 then 1; Q block 1 by block 0 only
+    assert turns[0, 0, 0].tolist() == [0, 0] and turns[0, 0, 1, 0].item() == 1

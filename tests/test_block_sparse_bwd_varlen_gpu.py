@@ -42,13 +42,11 @@ def _run(q, k, v, cu, lens, api_kw, causal=False, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dout = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=q.dtype, generator=g)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with testing.poisoned_outputs():
+    with testing.poisoned_outputs():  # out, and the backward driver's dq/dk/dv, start as NaN: every row written
         out = flash_attn_sm120.flash_attn_varlen_func(
             *leaves, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
             causal=causal, **api_kw)[0]
-    for t in leaves:
-        t.grad = torch.full_like(t, float("nan"))  # poisoned: every row must be written
-    out.backward(dout)
+        out.backward(dout)
     return out.detach(), *(t.grad for t in leaves), dout
 
 
@@ -159,10 +157,11 @@ def test_seqused_k_cache_with_per_sequence_lists():
     bwd = testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), block)
     dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_sm120.flash_attn_varlen_func(*leaves, seqused_k=used, max_seqlen_k=sk,
-                                                  block_sparse_tensors=testing_sparse.lists_from_map(kinds, block),
-                                                  block_sparse_tensors_bwd=bwd)[0]
-    out.backward(dout)
+    with testing.poisoned_outputs():
+        out = flash_attn_sm120.flash_attn_varlen_func(*leaves, seqused_k=used, max_seqlen_k=sk,
+                                                      block_sparse_tensors=testing_sparse.lists_from_map(kinds, block),
+                                                      block_sparse_tensors_bwd=bwd)[0]
+        out.backward(dout)
     for i in range(b):
         n = int(used[i])
         keep = testing_sparse.keep_from_map(kinds[i:i + 1], block, sq, sk)[..., :n].expand(1, h, sq, n)
