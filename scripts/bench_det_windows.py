@@ -3,14 +3,14 @@
 
 A window with a user score_mod (here testing_mods.position_scale and its score_mod_bwd) has no fixed-point
 bound, so its dQ takes turns counted from the window's edges (kernels/bwd_deterministic.dq_turn): descending
-with the shortest-first launch on dense calls, ascending on varlen ones. Without a score_mod the window's dQ
-is added in 64-bit fixed point (kernels/bwd_fixed_point.py). Each problem is timed four ways on this package's
-backward driver (driver_bwd.backward, the forward's out and LSE computed once with the same modifiers):
+with the shortest-first launch on dense calls, ascending on varlen ones. Without a score_mod, dense windows take
+the same descending turns (since session 39: 0.83-0.88x the default backward, fixed point 0.60-0.73x on the same
+calls, w51b) and packed ones add dQ in 64-bit fixed point (kernels/bwd_fixed_point.py). Each problem is timed
+up to four ways on this package's backward driver (driver_bwd.backward, the forward's out and LSE computed once
+with the same modifiers):
 
-  default / deterministic, with the score_mod pair; default / deterministic (the plan: fixed point on windows) /
-  deterministic with the descending turns forced (the order a score_mod's calls take), without it: whether the
-  turns should serve dense windows without a score_mod too (their w49 ratios, 0.76-0.80x with a score_mod against
-  fixed point's 0.58-0.73x without, say so across calls; this times it on the same call).
+  default / deterministic, with the score_mod pair; default / deterministic (the plan) / deterministic in fixed
+  point (forced), without it on a dense call: what the turns win over fixed point on the same call.
 
 Rows: ms and TFLOPS (the band's FLOPs, bench.backward_flops) of each, and deterministic / default per pair.
 Every time is the mean of two CUDA-event medians taken in A B C C B A order (clock drift cancels).
@@ -63,8 +63,7 @@ def main(argv=None) -> int:
 
             def call(i, det, x=sets, p=p, mods=mods):
                 x = x[i]
-                forced = (driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True,
-                                                              fused_turns=True) if det == "turns"
+                forced = (driver_bwd.force_deterministic_plan(dq_fixed_point=True) if det == "fixed"
                           else contextlib.nullcontext())
                 with forced:
                     return driver_bwd.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"],
@@ -72,8 +71,8 @@ def main(argv=None) -> int:
                                                window_size_right=p.window[1], emulate_host_smem=info.emulate_host_smem,
                                                deterministic=bool(det), **mods, **prepare_bwd._varlen_args(x))
 
-            # (the forced turns need a dense call: varlen ones take ascending turns, 0.26x in w49)
-            variants = (False, True) if with_mod or p.is_varlen else (False, True, "turns")
+            # (a packed call's plan is fixed point already; with a score_mod fixed point has no bound)
+            variants = (False, True) if with_mod or p.is_varlen else (False, True, "fixed")
             ms = {v: [] for v in variants}
             for v in variants + variants[::-1]:
                 ms[v].append(bench.time_cuda(lambda i, v=v: call(i, v), rotations=2, reps=args.reps).median_ms)
@@ -81,14 +80,14 @@ def main(argv=None) -> int:
             flops = bench.backward_flops(p)
             row = dict(problem=p.name, score_mod=with_mod, ms=plain, ms_deterministic=det,
                        tflops=flops / plain / 1e9, tflops_deterministic=flops / det / 1e9, ratio=plain / det)
-            if "turns" in ms:
-                turns = sum(ms["turns"]) / 2
-                row.update(ms_turns=turns, tflops_turns=flops / turns / 1e9, ratio_turns=plain / turns)
+            if "fixed" in ms:
+                fixed = sum(ms["fixed"]) / 2
+                row.update(ms_fixed_point=fixed, tflops_fixed_point=flops / fixed / 1e9, ratio_fixed_point=plain / fixed)
             rows.append(row)
             progress.write(f"[{info.mode}] {p.name:36s} {'score_mod' if with_mod else 'plain    '} "
                            f"{row['tflops']:7.1f} -> det {row['tflops_deterministic']:7.1f} TFLOPS  "
-                           f"({row['ratio']:.3f}x)" + (f"  turns forced {row['tflops_turns']:7.1f} "
-                                                       f"({row['ratio_turns']:.3f}x)" if "turns" in ms else ""))
+                           f"({row['ratio']:.3f}x)" + (f"  fixed point forced {row['tflops_fixed_point']:7.1f} "
+                                                       f"({row['ratio_fixed_point']:.3f}x)" if "fixed" in ms else ""))
             if args.json:  # after every row: a run cut short keeps what it timed
                 doc = harness.measurement_doc([], {}, info, "det_windows")
                 doc["rows"] = rows  # (dicts: measurement_doc takes dataclass rows)

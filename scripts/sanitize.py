@@ -97,7 +97,8 @@ BWD_SHAPES = (
      AttnProblem((150,), (150,), nheads_kv=2, seed=16)),
     # deterministic=True, several m_blocks and n_blocks so that the CTAs' additions interleave; the backward
     # runs twice, compared bit for bit. Without a modifier: no mask (d128's 32x128 tile, 10 m_blocks, 3 n_blocks:
-    # fixed point, kernels/bwd_fixed_point.py), causal GQA (descending turns, ordered dK/dV); a window: fixed point.
+    # fixed point, kernels/bwd_fixed_point.py), causal GQA (descending turns, ordered dK/dV); a window: descending
+    # turns from the band's edge.
     ("bwd-d128-det-none", AttnCase("float16", 128, 128, 1, None, "none", 0.0, False, "dense", "dense", True,
                                    deterministic=True),
      AttnProblem((300,), (300,), nheads_kv=2, seed=20)),

@@ -52,17 +52,17 @@ SPARSE = ("", "random", "nofull", "q256")
 SPARSE_HEAD_DIMS = (64, 96, 128)
 # deterministic=True backward cases: (dQ ordering as testing.deterministic_order names it, mask, layouts, GQA
 # ratios, modifier, block-sparse lists); plan.det_cases takes them in this order (cycling), so the fast plan's 4
-# cover fixed point and the three turn orderings, the deep plan's 15 all of them. Fixed point serves sliding
-# windows, varlen calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse
-# lists, without a user score_mod; the turn orderings serve dense causal calls, with a score_mod ("position",
+# cover fixed point and the three turn orderings, the deep plan's 15 all of them. Fixed point serves varlen
+# calls, dense calls without a mask (but those a rotated turns entry serves) and block-sparse lists, without a
+# user score_mod; the turn orderings serve dense causal and windowed calls, with a score_mod ("position",
 # "alibi": testing_mods.MODS) or not, the other dense and the varlen calls with one, the lists with one, the
 # dense calls without a mask that a rotated turns entry serves, and windows with a user score_mod (the last rows).
 DETERMINISTIC = (
-    ("fixed", "local_lr", ("dense", "dense"), (2, 4), "", False),  # GQA sliding window: fixed-point dQ
+    ("fixed", "local_lr", ("packed", "packed"), (2, 4), "", False),  # varlen GQA sliding window: fixed-point dQ
     ("descending+reversed", "causal", ("dense", "dense"), (2, 4), "", False),  # GQA causal: ordered dQ and dK/dV
     ("rotated", "none", ("dense", "dense"), (1, 2), "position", False),  # no mask, dense, n_blocks <= m_blocks
     ("ascending", "causal", ("packed", "packed"), (2, 4), "position", False),  # cu_seqlens_k + score_mod: ascending
-    ("fixed", "local_lr", ("packed", "packed"), (2, 4), "", False),  # varlen sliding window
+    ("descending+reversed", "local_lr", ("dense", "dense"), (2, 4), "", False),  # dense sliding window: turns
     ("fixed", "none", ("padded", "packed"), (1, 2), "", False),  # varlen without a user score_mod: fixed point
     ("ascending", "none", ("dense", "dense"), (1, 3), "position", False),  # more n_blocks than m_blocks
     ("ascending", "causal", ("padded", "padded"), (1, 2), "alibi", False),  # seqused_k, causal: ascending

@@ -172,10 +172,10 @@ def test_compiles_do_not_print_the_dsl_aux_data_warning():
     assert not [w for w in seen if "aux_data" in str(w.message)], [str(w.message)[:100] for w in seen]
 
 
-# Deterministic calls with a window and a user score_mod (session 38: turns from the window's edges, no fixed point)
-# on the entry that serves them (the key's modifier entry, else its regular one), dense (descending turns, the
-# shortest-first launch) and varlen (ascending), MHA and GQA 2:1: stack bytes on sm_120a, pinned like the packed
-# calls above. Every other one is spill-free.
+# Deterministic calls with a window (session 38: turns from the window's edges) on the entry that serves them (the
+# key's modifier entry with a user score_mod, else its regular one): with a score_mod dense (descending turns, the
+# shortest-first launch) and varlen (ascending), without one dense (varlen: fixed point), MHA and GQA 2:1: stack
+# bytes on sm_120a, pinned like the packed calls above. Every other one is spill-free.
 DET_WINDOW_SPILLS = {  # varlen d96: 4 warps 32x64 with V in registers at 254 registers (the ascending turn's offset)
     (96, True, 1): 16,
     (96, True, 2): 8,
@@ -183,35 +183,25 @@ DET_WINDOW_SPILLS = {  # varlen d96: 4 warps 32x64 with V in registers at 254 re
 
 
 def _det_window_cases():
-    return [(d, varlen, g) for d in (64, 96, 128) for varlen in (False, True) for g in (1, 2)]
+    # (without a score_mod only dense calls take turns: varlen ones add in fixed point)
+    return [(d, varlen, g, mods) for d in (64, 96, 128) for varlen in (False, True) for g in (1, 2)
+            for mods in (True, False) if mods or not varlen]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,gqa", [(d, g) for d in (64, 96, 128) for g in (1, 2)])
-def test_dense_windows_without_a_score_mod_compile_spill_free_in_turns(d, gqa):
-    """The descending turns on a dense window without a score_mod (the plan keeps fixed point there until they are
-    measured on the same call: scripts/bench_det_windows.py), on the entry such a call takes."""
-    from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
-
-    cfg = select_bwd_config(load_bwd_table(), d, d, False, True)
-    res, _, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
-        cfg, d, local=True, deterministic=True, qhead_per_kvhead=gqa,
-        ordering=dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True))[0])
-    assert res["stack"] == 0 and res["local"] == 0, (d, gqa, res)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("d,varlen,gqa", _det_window_cases(),
-                         ids=[f"d{d}-{'varlen' if v else 'dense'}-g{g}" for d, v, g in _det_window_cases()])
-def test_deterministic_windows_with_a_score_mod_spill_only_where_pinned(d, varlen, gqa):
+@pytest.mark.parametrize("d,varlen,gqa,mods", _det_window_cases(),
+                         ids=[f"d{d}-{'varlen' if v else 'dense'}-g{g}{'-mods' if m else ''}"
+                              for d, v, g, m in _det_window_cases()])
+def test_deterministic_windows_spill_only_where_pinned(d, varlen, gqa, mods):
     from flash_attn_sm120 import bwd_plans
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
-    cfg = select_bwd_config(load_bwd_table(), d, d, False, True, modifiers=True)
+    cfg = select_bwd_config(load_bwd_table(), d, d, False, True, modifiers=mods)
     index = (object(), object(), None, None) if varlen else (None,) * 4
-    plan = bwd_plans.deterministic_plan(188, cfg, False, 4096, 4096, index_tensors=index, local=True)
+    plan = bwd_plans.deterministic_plan(188, cfg, False, 4096, 4096, index_tensors=index, local=True,
+                                        fixed_point=not mods)
     assert plan["dq_descending"] != varlen and plan["fused_turns"] and not plan["dq_fixed_point"]
     res, _, _ = codegen.inspect_cubin(codegen.compile_bwd_cubin(
-        cfg, d, local=True, mods=codegen.report_mods(), deterministic=True, varlen=varlen, qhead_per_kvhead=gqa,
-        ordering={k: v for k, v in plan.items() if v})[0])
-    assert res["stack"] == DET_WINDOW_SPILLS.get((d, varlen, gqa), 0), (d, varlen, gqa, res)
+        cfg, d, local=True, mods=codegen.report_mods() if mods else None, deterministic=True, varlen=varlen,
+        qhead_per_kvhead=gqa, ordering={k: v for k, v in plan.items() if v})[0])
+    assert res["stack"] == DET_WINDOW_SPILLS.get((d, varlen, gqa), 0), (d, varlen, gqa, mods, res)

@@ -27,11 +27,11 @@ def _grads(fn, q, k, v, g, **kw):
     return torch.autograd.grad(out, (q, k, v), g)
 
 
-def _reference_grads(q, k, v, g, causal, window=(None, None)):
+def _reference_grads(q, k, v, g, causal):
     out = []
     for upcast in (True, False):
         leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_(True) for t in (q, k, v)]
-        o, _ = testing.attention_ref(*leaves, causal=causal, window=window, upcast=upcast, reorder_ops=not upcast)
+        o, _ = testing.attention_ref(*leaves, causal=causal, upcast=upcast, reorder_ops=not upcast)
         out.append(torch.autograd.grad(o, leaves, g.to(o.dtype)))
     return out
 
@@ -251,21 +251,20 @@ def test_windows_with_a_score_mod_take_turns(mask, layouts, d, ratio, mods, prob
     testing.run_case("cpasync-table", "public", case, problem)
 
 
-# Dense windows without a user score_mod add dQ in fixed point; the descending turns from the window's edge (what
-# calls with a score_mod take) ran faster across calls in session 38 (w49). Before the plan gives them these calls,
-# they run here forced: bitwise over runs and against fp32 (scripts/bench_det_windows.py times both on one call).
-WINDOW_TURNS = dict(dq_descending=True, reverse_n_blocks=True, fused_turns=True)
-
-
-@pytest.mark.parametrize("b,sq,sk,h,hk,d,window", [
-    (2, 600, 700, 4, 2, 128, (200, 50)),
-    (1, 900, 900, 3, 3, 96, (128, 0)),
-    (1, 500, 520, 4, 1, 64, (-1, None)),
-    (1, 640, 640, 2, 2, 128, (None, -1)),
-])
-def test_windows_without_a_score_mod_in_forced_turns(b, sq, sk, h, hk, d, window):
-    q, k, v, g = _inputs(b, sq, sk, h, hk, d, seed=sq + d + 3)
-    with driver_bwd.force_deterministic_plan(**WINDOW_TURNS):
-        runs = [_grads(flash_attn_func, q, k, v, g, window_size=window, deterministic=True) for _ in range(3)]
-    _assert_bitwise(runs)
-    _check(runs[0], *_reference_grads(q, k, v, g, False, window))
+# Dense windows without a user score_mod take the same descending turns (session 38: faster than fixed point there);
+# packed ones keep fixed point.
+@pytest.mark.parametrize("mask,layouts,d,ratio,problem,order", [
+    ("local_lr", ("dense", "dense"), 128, 2,
+     testing.AttnProblem((600, 600), (700, 700), nheads_kv=2, window_left=200, window_right=50, seed=11),
+     "descending+reversed"),
+    ("causal_l", ("dense", "dense"), 96, 1,
+     testing.AttnProblem((900,), (900,), nheads_kv=3, window_left=128, seed=12), "descending+reversed"),
+    ("local_l", ("dense", "dense"), 64, 4,
+     testing.AttnProblem((500,), (520,), nheads_kv=1, window_left=-1, seed=13), "descending+reversed"),
+    ("local_lr", ("packed", "packed"), 128, 2,
+     testing.AttnProblem((300, 517), (300, 517), nheads_kv=2, window_left=100, window_right=0, seed=14), "fixed"),
+], ids=["lr-gqa-d128", "causal-left-d96", "left-neg-gqa4-d64", "packed-fixed"])
+def test_windows_without_a_score_mod(mask, layouts, d, ratio, problem, order):
+    case = testing.AttnCase("bfloat16", d, d, ratio, None, mask, 0.0, False, *layouts, True, deterministic=True)
+    assert testing.deterministic_order(case, problem) == order
+    testing.run_case("cpasync-table", "public", case, problem)

@@ -447,13 +447,20 @@ def test_window_turns_never_deadlock(stages, late):
 def test_plan_for_a_window_with_a_user_score_mod():
     """No fixed point (a user score_mod_bwd has no bound), so turns: descending with the reversed launch
     for a dense call, ascending (counted from the window's edge in the kernel) with cu_seqlens_k or
-    seqused_k; dq_split is refused with a window; fixed point keeps every other windowed call."""
+    seqused_k; dq_split is refused with a window. Without a score_mod: dense windows the same descending
+    turns, varlen ones fixed point."""
     plan = driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True)
     assert plan["dq_descending"] and plan["reverse_n_blocks"] and plan["fused_turns"] and not plan["dq_fixed_point"]
     for index in ((object(), object(), None, None), (None, None, None, object())):
         plan = driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, index, local=True)
         assert not (plan["dq_descending"] or plan["reverse_n_blocks"] or plan["dq_rotated"]) and plan["fused_turns"]
-    assert driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True, fixed_point=True)["dq_fixed_point"]
+    # without a user score_mod: dense windows keep the descending turns (faster than fixed point, session 38),
+    # varlen and seqused ones take fixed point
+    plan = driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True, fixed_point=True)
+    assert plan["dq_descending"] and plan["reverse_n_blocks"] and not plan["dq_fixed_point"]
+    for index in ((object(), object(), None, None), (None, None, None, object())):
+        assert driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, index, local=True,
+                                             fixed_point=True)["dq_fixed_point"]
     with driver_bwd.force_deterministic_plan(dq_descending=True, reverse_n_blocks=True, dq_split=True,
                                              fused_turns=True), pytest.raises(ValueError, match="dq_split"):
         driver_bwd.deterministic_plan(132, CFG, False, 4096, 4096, NONE, local=True)

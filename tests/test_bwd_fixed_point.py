@@ -97,13 +97,16 @@ NONE = (None, None, None, None)
 
 
 def test_the_plan_takes_fixed_point_for_all_but_dense_causal_calls_where_allowed():
-    """Fixed point is the plan's choice where its bound holds, except for dense causal calls without a window
+    """Fixed point is the plan's choice where its bound holds, except for dense causal or windowed calls
     (the descending turns measured faster there), which take it only when forced."""
     assert bwd_plans.fixed_point_allowed(False)  # dense, varlen and block-sparse calls alike
     assert not bwd_plans.fixed_point_allowed(True)  # a user's score_mod_bwd: no bound
     for causal, index in itertools.product((False, True), (NONE, (1, 1, None, None), (None, None, 1, 1))):
         plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=True, local=True)
-        assert plan["dq_fixed_point"] and sum(plan.values()) == 1 and plan == bwd_plans.FIXED_POINT_PLAN
+        if index == NONE:  # a dense window: descending turns
+            assert plan["dq_descending"] and plan["reverse_n_blocks"] and not plan["dq_fixed_point"]
+        else:
+            assert plan["dq_fixed_point"] and sum(plan.values()) == 1 and plan == bwd_plans.FIXED_POINT_PLAN
         for allowed in (False, True):  # no window: turns, except where fixed point is allowed and not dense causal
             plan = driver_bwd.deterministic_plan(132, CFG, causal, 4096, 4096, index, fixed_point=allowed)
             if allowed and (index != NONE or not causal):

@@ -619,11 +619,12 @@ def test_deterministic_cases_cover_every_dq_ordering(profile):
         spec = testing_mods.spec(c.case.mods) if c.case.mods else None
         no_score_mod = spec is None or spec.score_mod is None
         causal = c.case.mask == "causal" and (spec is None or spec.mask_mod is None)
-        if c.case.local:  # a window: fixed point, or turns from its edges with a user score_mod (never rotated)
-            assert (c.det_order == "fixed") == no_score_mod and c.det_order != "rotated"
+        if c.case.local and not c.case.block_sparse:  # a window: turns from its edges when dense or with a user
+            # score_mod (never rotated), else fixed point
+            assert (c.det_order == "fixed") == (no_score_mod and not c.case.is_dense) and c.det_order != "rotated"
         entry = fuzz_cases._aims_at_rotated_entry(c.case, testing.bwd_routing(c.case)[3])
         assert (c.det_order == "fixed") == (no_score_mod and not entry and (
-            c.case.local or not c.case.is_dense or not causal or bool(c.case.block_sparse)))
+            not c.case.is_dense or not (causal or c.case.local) or bool(c.case.block_sparse)))
         if entry:  # the entry's row: no mask, no softcap, a head dim with the entry
             assert c.det_order == "rotated" and c.case.mask == "none" and not (c.case.softcap or c.case.mods)
         assert c.path.family == "dispatch" and c.case.head_dim in c.path.supports.backward_head_dims
@@ -700,16 +701,21 @@ def test_bwd_routing_matches_the_drivers_entry_kinds():
     assert kinds(dataclasses.replace(none, qhead_per_kvhead=2)) == k(turns=ROTATED_ENTRIES_SERVE_GQA)
     assert kinds(dataclasses.replace(det, q_layout="packed", k_layout="packed")) == k()  # fixed point
     assert kinds(dataclasses.replace(det, mask="local_r"), window_right=0) == k(turns=True)  # causal
-    assert kinds(dataclasses.replace(det, mask="local_r"), window_right=7) == k()  # a window: fixed point
+    # a window: descending turns (dense), on the key's regular entry (a turns entry serves its exact key only)
+    assert kinds(dataclasses.replace(det, mask="local_r"), window_right=7) == k(turns=True)
     assert kinds(dataclasses.replace(det, block_sparse="random")) == k(modifiers=True)
 
 
 def test_deterministic_order_names_the_plans_choices():
     plain = AttnCase("bfloat16", 128, 128, backward=True, deterministic=True)
     order = lambda c, sq, sk, **kw: testing.deterministic_order(c, AttnProblem((sq,), (sk,), **kw))  # noqa: E731
-    # a window without a user score_mod: fixed point (softcap's score_mod is covered); block-sparse lists too
-    assert order(dataclasses.replace(plain, mask="local_lr"), 4 * 64, 3 * 64) == "fixed"
-    assert order(dataclasses.replace(plain, mask="local_lr", softcap=5.0), 4 * 64, 3 * 64) == "fixed"
+    # a dense window: descending turns (session 38), softcap or not; packed: fixed point; block-sparse lists too
+    w = dict(window_left=64, window_right=16)
+    assert order(dataclasses.replace(plain, mask="local_lr"), 4 * 64, 3 * 64, **w) == "descending+reversed"
+    assert order(dataclasses.replace(plain, mask="local_lr", softcap=5.0), 4 * 64, 3 * 64, **w) == "descending+reversed"
+    assert order(dataclasses.replace(plain, mask="local_lr", q_layout="packed", k_layout="packed"),
+                 4 * 64, 3 * 64, **w) == "fixed"
+    assert order(dataclasses.replace(plain, mask="local_lr"), 4 * 64, 3 * 64) == "fixed"  # no sizes: no window
     assert order(dataclasses.replace(plain, mask="causal", block_sparse="random"), 4 * 128, 3 * 128) == "fixed"
     assert order(dataclasses.replace(plain, mask="causal", block_sparse="random", mods="position"),
                  4 * 128, 3 * 128) == "lists"
@@ -745,7 +751,7 @@ def test_deterministic_order_names_the_plans_choices():
     # a right window of 0 and no left one is a causal mask (upstream's resolution, as the driver's): turns
     right0 = dataclasses.replace(plain, mask="local_r")
     assert order(right0, 4 * 128, 3 * 128, window_right=0) == "descending+reversed"
-    assert order(right0, 4 * 128, 3 * 128, window_right=5) == "fixed"
+    assert order(right0, 4 * 128, 3 * 128, window_right=5) == "descending+reversed"
     # d96 without a mask: the rotated turns entry (64 x 128) where its rotated order fits, else fixed point
     d96 = dataclasses.replace(plain, head_dim=96, head_dim_v=96)
     assert order(d96, 4 * 64, 3 * 128) == "rotated"

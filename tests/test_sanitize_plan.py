@@ -86,7 +86,7 @@ def test_list_runs_without_a_gpu(capsys):
 DET_SHAPES = {  # the deterministic backward's shapes and the dQ ordering each exercises
     "bwd-d128-det-none": "fixed",
     "bwd-d128-det-causal-gqa": "descending+reversed",
-    "bwd-d64-det-local": "fixed",
+    "bwd-d64-det-local": "descending+reversed",
     "bwd-d128-det-causal-turns": "descending+reversed",
     "bwd-d128-det-none-turns": "rotated",
     "bwd-d64-det-varlen": "ascending",

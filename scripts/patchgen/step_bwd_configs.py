@@ -200,14 +200,18 @@ _TURNS_EDITS = (
     ("def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool,\n"
      "                   rotated_entry: bool = False) -> bool:\n",
      "def dq_takes_turns(fixed_point: bool, causal: bool, local: bool, dense: bool) -> bool:\n"),
-    ("    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window,\n"
-     "    and a dense call without a mask that its key's turns entry serves in the rotated order (`rotated_entry`:\n"
-     "    the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no cu_seqlens or seqused.",
-     "    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal call without a window.\n"
-     "    dense: no cu_seqlens or seqused."),
+    ("    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal or windowed call\n"
+     "    (descending turns) and a dense call without a mask that its key's turns entry serves in the rotated order\n"
+     "    (`rotated_entry`: the table has one whose rotated walk fits the call, rotated_entry_fits). dense: no\n"
+     "    cu_seqlens or seqused. Windows, the same dense calls without a score_mod timed both ways in one process\n"
+     "    (session 39, emulated on an H100, gate_2026-12-07_session39/w51b/det_windows.json): the descending turns\n"
+     "    0.875 / 0.867 / 0.831x the default backward, fixed point 0.725 / 0.724 / 0.598x (172 vs 143, 172 vs 143,\n"
+     "    109 vs 78 TFLOPS). Packed windows stay in fixed point (0.72x; ascending turns 0.26x, session 38).",
+     "    rule: fixed point wherever the call allows it (`fixed_point`) but a dense causal or windowed call\n"
+     "    (descending turns). dense: no cu_seqlens or seqused."),
     ("    rotated = rotated_entry and dense and not (causal or local)\n"
-     "    return not (fixed_point and (local or not (causal and dense))) or rotated\n",
-     "    return not (fixed_point and (local or not (causal and dense)))\n"),
+     "    return not fixed_point or (dense and (causal or local)) or rotated\n",
+     "    return not fixed_point or (dense and (causal or local))\n"),
 )
 
 
