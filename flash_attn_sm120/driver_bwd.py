@@ -448,19 +448,19 @@ def backward(
                         user_mods=mods.user, fixed_point=fixed_point, plan_forced=plan_forced(),
                         rotated_entry=rotated_entry)
     cfg = choose_config(head_dim, head_dim_v, causal, local, config, **kinds)
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
         cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
                                          local=local, deterministic=deterministic and not sparse_fixed, varlen=varlen,
-                                         batch=_batch(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                                         batch=batch,
                                          bounds=(seqlen_q, seqlen_k), q_varlen=varlen_q or seqused_q is not None,
                                          config_given=config is not None or bool(_forced_config),
                                          preferred=sparse_preferred_config(
                                              head_dim, head_dim_v, causal, local,
                                              mods.score_mod is not None or mods.aux_tensors is not None,
                                              bool(deterministic), varlen))
-    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     statics = BwdStatics(
         dtype=str(q.dtype).replace("torch.", ""), head_dim=head_dim, head_dim_v=head_dim_v,
         qhead_per_kvhead=qhead_per_kvhead, causal=causal, local=local,
@@ -546,17 +546,6 @@ def backward(
             _bwd_postprocess_convert(accum, grad, scale, cu_seqlens_k, seqused_k, POSTPROCESS_ARCH, cute_dtype, d,
                                      cfg.n_block, cfg.num_threads, cfg.atom_n_dkv, cfg.dkv_swapab, **post)
     return dq, dk, dv
-
-
-def _batch(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> int:
-    """The call's number of sequences, as upstream's kernels count them."""
-    for t in (cu_seqlens_q, cu_seqlens_k):
-        if t is not None:
-            return t.shape[0] - 1
-    for t in (seqused_q, seqused_k):
-        if t is not None:
-            return t.shape[0]
-    return q.shape[0]
 
 
 def _hash(fn) -> object:

@@ -465,11 +465,16 @@ def test_backward_lists_deterministic_turns_with_score_mod():
     call = lambda **kw: _grads(lambda *t: flash_attn_sm120.flash_attn_func(*t, **api, **kw)[0], q, k, v, dout)  # noqa: E731
     with testing.poisoned_outputs():
         runs = [call(deterministic=True) for _ in range(3)]
-    free = call(deterministic=False)
+    check_deterministic_runs(runs, call(deterministic=False))
+
+
+def check_deterministic_runs(runs, free=None):
+    """(out, dq, dk, dv) of deterministic runs: bitwise equal to the first; with `free` (the non-deterministic
+    call's), finite and within a bf16 rounding of it."""
     for later in runs[1:]:
         for name, a, r in zip(("out", "dq", "dk", "dv"), runs[0], later):
             assert torch.equal(a, r), f"{name} differs between deterministic runs"
-    for name, a, r in zip(("out", "dq", "dk", "dv"), runs[0], free):
+    for name, a, r in zip(("out", "dq", "dk", "dv"), runs[0], free or ()):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a.float(), r.float(), atol=2e-2 * r.float().abs().max().item(), rtol=2e-2,
                                    msg=lambda m: f"{name}: {m}")
