@@ -23,7 +23,10 @@ queued back to back can leave the GPU idle and measure the host (seen on 2026-12
 the warm-up calls. With --bwd the forward and the backward are captured together (autograd runs the
 backward on its forward's stream, so a forward kept from outside the capture cannot be used) and the
 backward's time is that graph's minus the forward's own graph (written 2026-12-04, not yet run on a GPU).
-Each row also reports the sparse call's host time per call (bench.host_us_per_call).
+Each row also reports the sparse call's host time per call (bench.host_us_per_call). --seqlens times the
+problems at other sequence lengths: at s8192 a 10% tile walks about 6 of 64 blocks, so its fixed per-tile cost
+(prologue, epilogue, the first loads' latency) weighs about 10x more than in the dense tile; longer rows show how
+much of the gap that is.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -172,6 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="",
                     help="comma list: only the problems of these head dims (default: all of " +
                          ", ".join(str(p[3]) for p in PROBLEMS) + ")")
+    ap.add_argument("--seqlens", default="",
+                    help="comma list: time each problem at these sequence lengths instead of its own (multiples of "
+                         "128), e.g. 8192,16384,32768: how the sparse-to-dense ratio grows as each tile's list gets "
+                         "longer than its fixed per-tile cost")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
@@ -203,7 +210,11 @@ def main(argv=None) -> int:
     head_dims = {int(x) for x in args.head_dims.split(",") if x}
     if head_dims - {p[3] for p in PROBLEMS}:
         raise SystemExit(f"--head-dims {args.head_dims}: the problems have head dims {sorted({p[3] for p in PROBLEMS})}")
-    for b, s, h, d in [p for p in PROBLEMS if not head_dims or p[3] in head_dims]:
+    seqlens = [int(x) for x in args.seqlens.split(",") if x]
+    if any(s <= 0 or s % BLOCK[0] for s in seqlens):
+        raise SystemExit(f"--seqlens {args.seqlens}: each must be a positive multiple of {BLOCK[0]}")
+    problems = [(b, s2, h, d) for b, s, h, d in PROBLEMS if not head_dims or d in head_dims for s2 in seqlens or (s,)]
+    for b, s, h, d in problems:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
         dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
