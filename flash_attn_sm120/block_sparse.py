@@ -233,20 +233,35 @@ _ORDER_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _ORDER_CACHE_SIZE = 16
 # orders a CUDA graph captured from the cache, held until their count tensors die
 _PINNED: dict = {}
-# grid_order()'s switch: a stack, so that nested blocks restore the outer state
-_grid_order_forced = [False]
+# the forced launch order (grid_order(), head_groups()): a stack, so that nested blocks restore the outer state;
+# False: longest first, True: the grid's order, an int: longest first within groups of that many heads
+_order_forced: list = [False]
 
 
 @contextmanager
-def grid_order() -> Iterator[None]:
-    """Within the block, block-sparse calls (the forward, and the backward's non-deterministic walk) launch
-    their tiles in the grid's own order instead of longest first: the A/B of scripts/bench_block_sparse.py
-    --grid-order."""
-    _grid_order_forced.append(True)
+def _forced_order(value) -> Iterator[None]:
+    _order_forced.append(value)
     try:
         yield
     finally:
-        _grid_order_forced.pop()
+        _order_forced.pop()
+
+
+def grid_order():
+    """Within the block, block-sparse calls (the forward, and the backward's non-deterministic walk) launch
+    their tiles in the grid's own order instead of longest first: the A/B of scripts/bench_block_sparse.py
+    --grid-order."""
+    return _forced_order(True)
+
+
+def head_groups(heads: int):
+    """Within the block, block-sparse calls launch their tiles longest first within groups of `heads`
+    consecutive (batch, head) pairs, the groups in grid order: the tiles running at once then read the K/V of
+    few heads, which L2 may hold, where longest first over the whole grid reads every head's at once.
+    scripts/bench_block_sparse.py --head-groups times it beside the default."""
+    if heads < 1:
+        raise ValueError(f"head_groups({heads}): a group holds at least one head")
+    return _forced_order(int(heads))
 
 
 def orders_tiles(config: FwdConfig, *, varlen_q: bool) -> bool:
@@ -259,16 +274,19 @@ def tile_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int
                tiles_per_sparse_row: int) -> torch.Tensor:
     """The launch order of a block-sparse call's tiles (`longest_first_order`; grid order inside
     `grid_order()`)."""
+    forced = _order_forced[-1]
     return longest_first_order(norm, batch=batch, grid_heads=grid_heads, num_block=num_block,
-                               tiles_per_sparse_row=tiles_per_sparse_row, grid=_grid_order_forced[-1])
+                               tiles_per_sparse_row=tiles_per_sparse_row, grid=forced is True,
+                               head_group=0 if isinstance(forced, bool) else forced)
 
 
 def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int, num_block: int,
-                        tiles_per_sparse_row: int, grid: bool = False) -> torch.Tensor:
+                        tiles_per_sparse_row: int, grid: bool = False, head_group: int = 0) -> torch.Tensor:
     """The launch order of a block-sparse kernel's tiles (WorkOrderedTileScheduler): an int32 permutation
     of the linear tile indices m + num_block * (head + grid_heads * batch), by descending work (the tile's
     list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT), ties in grid
-    order; `grid`: the identity (the grid's own order). Tile m reads sparse row m // tiles_per_sparse_row
+    order; `grid`: the identity (the grid's own order); `head_group` > 0: longest first within each group of
+    that many consecutive (batch, head) pairs, the groups in grid order. Tile m reads sparse row m // tiles_per_sparse_row
     (packed GQA rows per position times the subtile factor). Cached per count tensors (the same live tensor
     objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
     once; not cached: fake tensors. Under CUDA-graph capture a cached order is reused (the graph then holds
@@ -287,7 +305,7 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     if cacheable:
         key = tuple((id(o), o._version, c.data_ptr(), tuple(c.shape), c.stride(), str(c.device))
                     for o, (c, _) in zip(owners, counts))
-        key += (batch, grid_heads, num_block, tiles_per_sparse_row, grid)
+        key += (batch, grid_heads, num_block, tiles_per_sparse_row, grid, head_group)
         cached = _ORDER_CACHE.get(key)
         if cached is not None and all(ref() is o for ref, o in zip(cached[1], owners)):
             _ORDER_CACHE.move_to_end(key)
@@ -303,6 +321,12 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     work = work.expand(batch, grid_heads, rows).index_select(2, sparse_row.clamp_(max=rows - 1))
     if grid:
         order = _count(work, work.numel())
+    elif head_group:
+        # group-major, then descending work, as one ascending key: group * (top + 1) + (top - work)
+        flat = work.reshape(-1).to(torch.int64)
+        group = torch.div(_count(work, work.numel()), num_block * head_group, rounding_mode="floor")
+        top = flat.max()
+        order = torch.sort(group.to(torch.int64) * (top + 1) + (top - flat), stable=True).indices.to(torch.int32)
     else:
         order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
     if key is not None and not capturing:

@@ -136,8 +136,12 @@ def _masks(b, s, h, names=("random10", "window+global")):
                 twin = lambda bi, hi, qi, ki, ids=ids: ids[bi, qi] == ids[bi, ki]  # noqa: E731
         else:
             raise SystemExit(f"unknown mask {name!r}; known: random10, window+global, {', '.join(mods)}")
-        bm = create_block_mask(twin, b, h, s, s, device="cuda", BLOCK_SIZE=BLOCK)
-        _, _, kv_cnt, kv_idx, full_cnt, full_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = bm.as_tuple()
+        # every mask here is the same for each batch row and head: build one (1, 1) block mask and broadcast it
+        # (create_block_mask materializes b * h * s * s elements: 128 GiB at s32768 h16)
+        bm = create_block_mask(twin, 1, 1, s, s, device="cuda", BLOCK_SIZE=BLOCK)
+        _, _, kv_cnt, kv_idx, full_cnt, full_idx, q_cnt, q_idx, fq_cnt, fq_idx, *_ = (
+            t.expand(b, h, *t.shape[2:]).contiguous() if isinstance(t, torch.Tensor) else t
+            for t in bm.as_tuple()[:10])
         visited = float((kv_cnt + full_cnt).sum()) / (b * h * n * n)
         out.append((name, BlockSparseTensorsTorch(kv_cnt, kv_idx, full_cnt, full_idx, block_size=BLOCK),
                     BlockSparseTensorsTorch(q_cnt, q_idx, fq_cnt, fq_idx, block_size=BLOCK), mod, aux, visited))
@@ -175,6 +179,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="",
                     help="comma list: only the problems of these head dims (default: all of " +
                          ", ".join(str(p[3]) for p in PROBLEMS) + ")")
+    ap.add_argument("--head-groups", default="",
+                    help="comma list of group sizes: also time each sparse call launched longest first within "
+                         "groups of that many heads (block_sparse.head_groups: fewer heads' K/V at once, for L2), "
+                         "side by side")
     ap.add_argument("--seqlens", default="",
                     help="comma list: time each problem at these sequence lengths instead of its own (multiples of "
                          "128), e.g. 8192,16384,32768: how the sparse-to-dense ratio grows as each tile's list gets "
@@ -210,6 +218,9 @@ def main(argv=None) -> int:
     head_dims = {int(x) for x in args.head_dims.split(",") if x}
     if head_dims - {p[3] for p in PROBLEMS}:
         raise SystemExit(f"--head-dims {args.head_dims}: the problems have head dims {sorted({p[3] for p in PROBLEMS})}")
+    orders = [("", None)] + ([(" grid order", block_sparse.grid_order)] if args.grid_order else []) + [
+        (f" head groups of {g}", lambda g=g: block_sparse.head_groups(g))
+        for g in (int(x) for x in args.head_groups.split(",") if x)]
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     if any(s <= 0 or s % BLOCK[0] for s in seqlens):
         raise SystemExit(f"--seqlens {args.seqlens}: each must be a positive multiple of {BLOCK[0]}")
@@ -253,15 +264,15 @@ def main(argv=None) -> int:
             for cfg in [None] + forced:
                 if cfg is not None and (bwd_config_error(d, d, cfg) if args.bwd else cfg.error(d, d)) is not None:
                     continue
-                for grid in (False, True) if args.grid_order else (False,):
-                    if cfg is None and not grid:
+                for order_label, order_ctx in orders:
+                    if cfg is None and order_ctx is None:
                         continue  # the default config, longest first: the row itself
-                    label = (cfg.name if cfg is not None else "default config") + (" grid order" if grid else "")
+                    label = (cfg.name if cfg is not None else "default config") + order_label
                     with contextlib.ExitStack() as stack:
                         if cfg is not None:
                             stack.enter_context((driver_bwd if args.bwd else driver).force_config(cfg))
-                        if grid:
-                            stack.enter_context(block_sparse.grid_order())
+                        if order_ctx is not None:
+                            stack.enter_context(order_ctx())
                         try:
                             forced_rows[label] = timed(lambda i: call(i, True), lambda i: call(i, True, True))
                         except (ValueError, NotImplementedError) as e:

@@ -137,6 +137,23 @@ def _cell(v) -> str:
 
 
 # ------------------------------------------------------------------------------------ running
+def find_problem(problem: str, causal: bool):
+    """A seed/real problem by name, else a plain dense shape named b<batch>s<seqlen>h<heads>[k<kv heads>]d<dim>
+    (e.g. b1s32768h16d128: a long row for the block-sparse walk)."""
+    import re
+
+    from flash_attn_sm120 import bench
+
+    for p in bench.problem_set("seed") + bench.problem_set("real"):
+        if p.name.split("-")[0] == problem and p.causal == causal:
+            return p
+    m = re.fullmatch(r"b(\d+)s(\d+)h(\d+)(?:k(\d+))?d(\d+)", problem)
+    if m is None:
+        raise SystemExit(f"--problem {problem!r}: not a seed/real problem, nor b<B>s<S>h<H>[k<KV>]d<D>")
+    b, s, h, kv, d = (int(g) if g else None for g in m.groups())
+    return bench.Problem(b, s, s, h, kv or h, d, causal=causal)
+
+
 def run_child(impl: str, problem: str, causal: bool) -> int:
     """Compile and warm up, then one call inside the profiled range."""
     import torch
@@ -145,8 +162,7 @@ def run_child(impl: str, problem: str, causal: bool) -> int:
     from flash_attn_sm120.device import device_info
 
     info = device_info()
-    p = next(p for p in bench.problem_set("seed") + bench.problem_set("real") if p.name.split("-")[0] == problem
-             and p.causal == causal)
+    p = find_problem(problem, causal)
     x = bench.make_inputs(p)
     call = _backward_call(impl, p, x, info) if impl.startswith("bwd:") else _forward_call(impl, p, x, info)
     for _ in range(3):

@@ -372,6 +372,39 @@ def test_tile_order_is_a_longest_first_permutation_of_the_grid():
     assert order[0].item() == 0 + 8 * (3 + 4 * 1)
 
 
+def test_head_groups_order_is_longest_first_within_each_group():
+    """block_sparse.head_groups(g): a permutation whose groups of g consecutive (batch, head) pairs come in grid
+    order, each group's tiles longest first (ties in grid order); grid_order() inside restores the identity and
+    the default returns once the block ends."""
+    g = torch.Generator().manual_seed(1)
+    b, h, rows = 2, 3, 4
+    mask_cnt = torch.randint(0, 7, (b, h, rows), dtype=torch.int32, generator=g)
+    norm = _normalized(mask_cnt)
+    default = block_sparse.tile_order(norm, batch=b, grid_heads=h, num_block=rows, tiles_per_sparse_row=1)
+    for group in (1, 2, 4, 6):
+        with block_sparse.head_groups(group):
+            order = block_sparse.tile_order(norm, batch=b, grid_heads=h, num_block=rows, tiles_per_sparse_row=1)
+            with block_sparse.grid_order():
+                assert block_sparse.tile_order(norm, batch=b, grid_heads=h, num_block=rows,
+                                               tiles_per_sparse_row=1).tolist() == list(range(b * h * rows))
+        assert sorted(order.tolist()) == list(range(b * h * rows))
+        pair = order // rows  # head + h * batch
+        groups = pair // group
+        assert torch.all(groups[:-1] <= groups[1:])  # the groups in grid order
+        work = mask_cnt.reshape(-1, rows)[pair.long(), (order % rows).long()]
+        same = groups[:-1] == groups[1:]
+        assert torch.all(work[:-1][same] >= work[1:][same])  # longest first within a group
+        ties = same & (work[:-1] == work[1:])
+        assert torch.all(order[:-1][ties] < order[1:][ties])
+    assert torch.equal(block_sparse.tile_order(norm, batch=b, grid_heads=h, num_block=rows, tiles_per_sparse_row=1),
+                       default)
+    with block_sparse.head_groups(b * h):  # one group: the default order
+        assert torch.equal(block_sparse.tile_order(norm, batch=b, grid_heads=h, num_block=rows,
+                                                   tiles_per_sparse_row=1), default)
+    with pytest.raises(ValueError, match="at least one head"):
+        block_sparse.head_groups(0)
+
+
 def test_tile_order_packed_gqa_and_broadcast_lists():
     """Lists expanded over the query heads (stride 0) with packed GQA: the grid has the KV heads and
     tiles of packed rows (tile m reads sparse row m // (qhead_per_kvhead * subtiles)); lists with a
