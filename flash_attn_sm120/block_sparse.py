@@ -285,8 +285,9 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     """The launch order of a block-sparse kernel's tiles (WorkOrderedTileScheduler): an int32 permutation
     of the linear tile indices m + num_block * (head + grid_heads * batch), by descending work (the tile's
     list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT), ties in grid
-    order; `grid`: the identity (the grid's own order); `head_group` > 0: longest first within each group of
-    that many consecutive (batch, head) pairs, the groups in grid order. Tile m reads sparse row m // tiles_per_sparse_row
+    order; `grid`: the identity (the grid's own order); `head_group` > 0: longest first within each group
+    of that many consecutive (batch, head) pairs, the groups in grid order. Tile m reads sparse row
+    m // tiles_per_sparse_row
     (packed GQA rows per position times the subtile factor). Cached per count tensors (the same live tensor
     objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
     once; not cached: fake tensors. Under CUDA-graph capture a cached order is reused (the graph then holds

@@ -57,7 +57,6 @@ from flash_attn_sm120.bwd_plans import (  # noqa: F401  (re-exported: the driver
     rotated_entry_fits,
 )
 from flash_attn_sm120.config_bwd import (
-    bwd_config_from_name,
     entry_kinds,
     load_bwd_table,
     rotated_turns_config,
@@ -72,7 +71,7 @@ from flash_attn_sm120.kernels.bwd_deterministic import dq_groups
 from flash_attn_sm120.kernels.bwd_mods import FlashAttentionBackwardSm120Mods
 from flash_attn_sm120.kernels.bwd_postprocess import postprocess_dq_wide
 from flash_attn_sm120.kernels.bwd_sm120 import FlashAttentionBackwardSm120Tuned
-from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, preprocess_multiple, upstream_bwd_config
+from flash_attn_sm120.kernels.bwd_tiling import BwdConfig, bwd_config_error, preprocess_multiple
 from flash_attn_sm120.kernels.fwd_cpasync import _round_up
 from flash_attn_sm120.kernels.ordered_scheduler import with_tile_order
 
@@ -285,90 +284,6 @@ def fixed_point_for(mods: Mods, deterministic: bool) -> bool:
     return deterministic and fixed_point_allowed(user_score)
 
 
-def check_block_sparse(deterministic: bool, varlen: bool, turns_from_lists: bool = False,
-                       per_sequence_lists: bool = False) -> None:
-    """NotImplementedError for what the block-sparse backward walk is not given: deterministic=True unless the
-    caller gives the walk its dQ turns (`turns_from_lists`: block_sparse.dq_turns); varlen unless the caller gives
-    it per-sequence lists and launches it with `rows_end` (`per_sequence_lists`: block_sparse_bwd.py). This
-    package's driver does both. Causal and local windows apply inside the listed tiles."""
-    for what, used in (("deterministic=True", deterministic and not turns_from_lists),
-                       ("varlen", varlen and not per_sequence_lists)):
-        if used:
-            raise NotImplementedError(f"block-sparse backward with {what} is not supported by the SM120 kernels yet")
-
-
-# The block-sparse walk's own config where the table's would serve it at this head dim, for a dense-layout,
-# non-deterministic call without a causal/local mask, a score_mod (softcap's included) or aux tensors (what
-# was measured; a mask_mod is fine): d128 32x128 with 8 warps along N for dK/dV, spill-free in the walk
-# with or without a mask_mod (tests/test_block_sparse.py); 1.05x / 1.06x the table's 64x64 on 10% random and
-# window + global lists, kernel time (2026-12-04_block_sparse_bwd_graph_emulated.json; session 22's eager
-# run: 1.06x on window + global). d64: 0.71-0.73x, not taken.
-SPARSE_BWD_CONFIGS: dict[int, BwdConfig] = {128: bwd_config_from_name("bwd-w8-32x128-q1do1-a282")}
-
-
-def sparse_preferred_config(
-    head_dim: int, head_dim_v: int, causal: bool, local: bool, score_mod_or_aux: bool, deterministic: bool,
-    varlen: bool,
-) -> Optional[BwdConfig]:
-    """The entry of SPARSE_BWD_CONFIGS for a block-sparse backward, or None (the table's serves).
-    score_mod_or_aux: the call has a score_mod (or softcap) or aux tensors."""
-    if causal or local or score_mod_or_aux or deterministic or varlen or head_dim != head_dim_v:
-        return None
-    return SPARSE_BWD_CONFIGS.get(head_dim)
-
-
-def _block_sparse_plan(tensors, q, k, cfg: BwdConfig, *, head_dim_v: int, causal: bool, local: bool,
-                       deterministic: bool, varlen: bool, config_given: bool,
-                       preferred: Optional[BwdConfig] = None, batch: Optional[int] = None,
-                       bounds: Optional[tuple[int, int]] = None, q_varlen: bool = False):
-    """(config, (upstream's normalized lists, compile key)) of a block-sparse backward: the chosen config with
-    one Q and one dO stage (a given config: at most two unless deterministic; kernels/bwd_block_sparse.py),
-    else upstream's SM120 default tile when the chosen one does not divide the sparse block. `preferred`
-    (sparse_preferred_config), when no config is given, goes before the chosen one. A varlen call (`varlen`,
-    with its `batch`, host `bounds` (seqlen_q, seqlen_k) and whether q rows vary, `q_varlen`) takes its lists
-    per sequence, with any number of rows (block_sparse_bwd.py). NotImplementedError names what the walk does not
-    cover."""
-    from flash_attn.cute.block_sparsity import NormalizedBlockSparseConfig, normalize_block_sparse_config_bwd
-
-    check_block_sparse(deterministic, varlen, turns_from_lists=True, per_sequence_lists=True)
-    if tensors.block_size is None:
-        raise ValueError("block_sparse_tensors_bwd needs block_size (the BlockMask's BLOCK_SIZE)")
-    bq, bk = (int(x) for x in tensors.block_size)
-    if bq <= 0 or bk <= 0:
-        raise ValueError(f"block_sparse_tensors_bwd.block_size must be positive, got {tensors.block_size}")
-    if varlen:  # the shapes upstream's normalization checks are the lists' own (rows past them are empty)
-        tensors = block_sparse_bwd.per_sequence_lists(tensors, batch=batch, bound_q=bounds[0], bound_k=bounds[1],
-                                                      q_varlen=q_varlen, block_size=(bq, bk))
-        batch_size, num_head = batch, q.shape[-2]
-        seqlen_q, seqlen_k = tensors.mask_block_idx.shape[-1] * bq, tensors.mask_block_cnt.shape[-1] * bk
-    else:
-        batch_size, num_head, seqlen_q, seqlen_k = q.shape[0], q.shape[2], q.shape[1], k.shape[1]
-    candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [
-        cfg, upstream_bwd_config(q.shape[-1])]
-    for c in candidates:
-        # the walk takes no V in registers and up to two Q / dO stages (one when deterministic); a table
-        # entry runs with one of each, the faster at 10% density (d64: 0.649 vs 0.628 of dense, d128: 0.581
-        # vs 0.533; 2026-12-03_block_sparse_bwd_walk_emulated.json); a given config keeps up to two
-        stages = 2 if config_given and not deterministic else 1
-        c = replace(c, stages_q=min(c.stages_q, stages), stages_do=min(c.stages_do, stages), v_in_regs=False)
-        if bq % c.m_block or bk % c.n_block or bwd_config_error(q.shape[-1], head_dim_v, c) is not None:
-            continue
-        norm, pattern = normalize_block_sparse_config_bwd(
-            tensors, batch_size=batch_size, num_head=num_head, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            block_size=(c.m_block, c.n_block), q_subtile_factor=bq // c.m_block, kv_subtile_factor=bk // c.n_block)
-        # deterministic: each list entry's dQ turn, in upstream's dq_write_order fields (ascending, computed
-        # here from the lists: a given order or spt is not needed); otherwise none (the compile key has none)
-        # (Q blocks: a varlen call's compact lists may be narrower than the sequences' blocks)
-        q_blocks = max(-(-seqlen_q // bq), -(-bounds[0] // bq) if varlen else 0)
-        turns = (block_sparse.dq_turns(norm.mask_block_cnt, norm.mask_block_idx, norm.full_block_cnt,
-                                       norm.full_block_idx, q_blocks) if deterministic else (None, None))
-        norm = norm._replace(dq_write_order=turns[0], dq_write_order_full=turns[1])
-        wrapped = NormalizedBlockSparseConfig(norm, pattern, bq // c.m_block, bk // c.n_block)
-        return c, (wrapped, (bq // c.m_block, bk // c.n_block, norm.full_block_cnt is not None, pattern, varlen))
-    raise ValueError(f"block_sparse_tensors_bwd: sparse block {tensors.block_size} is not a multiple of the backward "
-                     f"tile ({cfg.m_block}, {cfg.n_block}) or of upstream's SM120 default")
-
-
 def _host_bound(max_seqlen, total: int) -> int:
     return total if max_seqlen is None or isinstance(max_seqlen, torch.Tensor) else min(int(max_seqlen), total)
 
@@ -452,12 +367,11 @@ def backward(
     sparse = None  # upstream's normalized lists and their compile key
     if block_sparse_tensors is not None:
         varlen = varlen_q or varlen_k or seqused_q is not None or seqused_k is not None
-        cfg, sparse = _block_sparse_plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
+        cfg, sparse = block_sparse_bwd.plan(block_sparse_tensors, q, k, cfg, head_dim_v=head_dim_v, causal=causal,
                                          local=local, deterministic=deterministic and not sparse_fixed, varlen=varlen,
-                                         batch=batch,
-                                         bounds=(seqlen_q, seqlen_k), q_varlen=varlen_q or seqused_q is not None,
+                                         batch=batch, bounds=(seqlen_q, seqlen_k), q_varlen=varlen_q or seqused_q is not None,
                                          config_given=config is not None or bool(_forced_config),
-                                         preferred=sparse_preferred_config(
+                                         preferred=block_sparse_bwd.sparse_preferred_config(
                                              head_dim, head_dim_v, causal, local,
                                              mods.score_mod is not None or mods.aux_tensors is not None,
                                              bool(deterministic), varlen))

@@ -83,7 +83,7 @@ def bwd_rows(include_upstream: bool = True) -> list[dict]:
 
 def sparse_rows() -> list[dict]:
     """Block sparsity: each forward config of block_sparse.CONFIGS and the backward walk on each head dim's
-    table config (one Q/dO stage, driver_bwd._block_sparse_plan), with mask and full lists of 128 x 128 blocks."""
+    table config (one Q/dO stage, block_sparse_bwd.plan), with mask and full lists of 128 x 128 blocks."""
     from dataclasses import replace
 
     from flash_attn_sm120 import block_sparse

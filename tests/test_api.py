@@ -295,16 +295,16 @@ def test_block_sparse_backward_takes_causal_and_deterministic_and_paged_is_refus
     check without turns
     (patch 0006's interface) still refuses deterministic=True (GPU tests run the backward). Paged KV takes no
     lists."""
-    from flash_attn_sm120 import driver_bwd
+    from flash_attn_sm120 import block_sparse_bwd
 
     set_mode, calls = fake_device
     set_mode("sm120")
-    driver_bwd.check_block_sparse(True, False, turns_from_lists=True)
+    block_sparse_bwd.check_block_sparse(True, False, turns_from_lists=True)
     with pytest.raises(NotImplementedError, match="deterministic=True"):
-        driver_bwd.check_block_sparse(True, False)
+        block_sparse_bwd.check_block_sparse(True, False)
     with pytest.raises(NotImplementedError, match="varlen"):  # patch 0006's interface: no per-sequence lists
-        driver_bwd.check_block_sparse(False, True, turns_from_lists=True)
-    driver_bwd.check_block_sparse(False, True, turns_from_lists=True, per_sequence_lists=True)
+        block_sparse_bwd.check_block_sparse(False, True, turns_from_lists=True)
+    block_sparse_bwd.check_block_sparse(False, True, turns_from_lists=True, per_sequence_lists=True)
     q, k, v = _cuda_qkv()
     for kwargs in (dict(causal=True), dict(deterministic=True, window_size=(8, 0))):
         calls.clear()

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: E402
 
-from flash_attn_sm120 import block_sparse, testing_sparse  # noqa: E402
+from flash_attn_sm120 import block_sparse, block_sparse_bwd, testing_sparse  # noqa: E402
 from flash_attn_sm120.config import FwdConfig  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def test_block_sparse_configs_compile_spill_free_for_sm120a(cfg, d, causal, dtyp
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_block_sparse_backward_walk_compiles_spill_free_for_sm120a(d):
     """The backward walk (kernels/bwd_block_sparse.py) on each head dim's table config with one Q/dO stage, a
-    mask_mod and both lists, as driver_bwd._block_sparse_plan builds it: spill-free on sm_120a."""
+    mask_mod and both lists, as block_sparse_bwd.plan builds it: spill-free on sm_120a."""
     from dataclasses import replace
 
     from flash_attn_sm120 import codegen, driver_bwd
@@ -237,7 +237,6 @@ def test_block_sparse_backward_plan_stages():
     config keeps up to two, except deterministic (one each). Fake CUDA tensors: no GPU needed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import bwd_config_from_name, load_bwd_table, select_bwd_config
 
     table_cfg = select_bwd_config(load_bwd_table(), 64, 64, False, False, modifiers=True)
@@ -247,7 +246,7 @@ def test_block_sparse_backward_plan_stages():
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device="cuda")  # noqa: E731
         q = torch.zeros(1, 512, 2, 64, dtype=torch.bfloat16, device="cuda")
         lists = BlockSparseTensorsTorch(z(1, 2, 4), z(1, 2, 4, 4), None, None, block_size=(128, 128))
-        plan = lambda cfg, given, det: driver_bwd._block_sparse_plan(  # noqa: E731
+        plan = lambda cfg, given, det: block_sparse_bwd.plan(  # noqa: E731
             lists, q, q, cfg, head_dim_v=64, causal=False, local=False, deterministic=det, varlen=False,
             config_given=given)[0]
         assert (plan(table_cfg, False, False).stages_q, plan(table_cfg, False, False).stages_do) == (1, 1)
@@ -261,13 +260,12 @@ def test_block_sparse_backward_prefers_its_own_d128_config():
     sparse block, the table's entry as before. Fake CUDA tensors: no GPU needed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flash_attn_sm120 import driver_bwd
     from flash_attn_sm120.config_bwd import load_bwd_table, select_bwd_config
 
     table_cfg = select_bwd_config(load_bwd_table(), 128, 128, False, False, modifiers=True)
-    preferred = driver_bwd.SPARSE_BWD_CONFIGS[128]
+    preferred = block_sparse_bwd.SPARSE_BWD_CONFIGS[128]
     assert preferred.name == "bwd-w8-32x128-q1do1-a282" and preferred != table_cfg
-    pick = driver_bwd.sparse_preferred_config
+    pick = block_sparse_bwd.sparse_preferred_config
     assert pick(128, 128, False, False, False, False, False) == preferred
     for args in [(128, 128, True, False, False, False, False), (128, 128, False, True, False, False, False),
                  (128, 128, False, False, True, False, False), (128, 128, False, False, False, True, False),
@@ -280,7 +278,7 @@ def test_block_sparse_backward_prefers_its_own_d128_config():
             # Q-direction lists: a count per K/V block, Q block indices
             n_kv, n_q = 512 // block[1], 512 // block[0]
             lists = BlockSparseTensorsTorch(z(1, 2, n_kv), z(1, 2, n_kv, n_q), None, None, block_size=block)
-            cfg = driver_bwd._block_sparse_plan(lists, q, q, table_cfg, head_dim_v=128, causal=False, local=False,
+            cfg = block_sparse_bwd.plan(lists, q, q, table_cfg, head_dim_v=128, causal=False, local=False,
                                                 deterministic=False, varlen=False, config_given=False,
                                                 preferred=preferred)[0]
             assert cfg.name == want, (block, cfg.name)
@@ -292,7 +290,7 @@ def test_block_sparse_backward_preferred_config_compiles_spill_free_for_sm120a()
     from flash_attn_sm120 import codegen, driver_bwd
     from flash_attn_sm120.testing_mods import prefix_lm
 
-    for d, cfg in driver_bwd.SPARSE_BWD_CONFIGS.items():
+    for d, cfg in block_sparse_bwd.SPARSE_BWD_CONFIGS.items():
         cfg = replace(cfg, stages_q=1, stages_do=1, v_in_regs=False)
         for mods in (driver_bwd.Mods(mask_mod=prefix_lm), driver_bwd.Mods()):
             cubin, _ = codegen.compile_bwd_cubin(cfg, d, mods=mods,

@@ -118,12 +118,11 @@ def test_per_sequence_lists_pass_through_and_bad_ranks_are_named():
 def test_check_refuses_varlen_only_without_per_sequence_lists():
     """The walk's check (lifted into patch 0006, whose interface gives no per-sequence lists) refuses varlen
     there; this package's driver converts the lists and passes."""
-    from flash_attn_sm120 import driver_bwd
 
-    driver_bwd.check_block_sparse(False, True, turns_from_lists=True, per_sequence_lists=True)
-    driver_bwd.check_block_sparse(True, True, turns_from_lists=True, per_sequence_lists=True)
+    block_sparse_bwd.check_block_sparse(False, True, turns_from_lists=True, per_sequence_lists=True)
+    block_sparse_bwd.check_block_sparse(True, True, turns_from_lists=True, per_sequence_lists=True)
     with pytest.raises(NotImplementedError, match="varlen"):
-        driver_bwd.check_block_sparse(False, True, turns_from_lists=True)
+        block_sparse_bwd.check_block_sparse(False, True, turns_from_lists=True)
 
 
 @pytest.mark.parametrize("d,det,full,subtiles,gqa", [
@@ -168,7 +167,7 @@ def test_deterministic_turns_take_compact_varlen_lists(monkeypatch):
     the turns of such lists are right (a count of the width alone scattered out of range)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flash_attn_sm120 import block_sparse, driver_bwd
+    from flash_attn_sm120 import block_sparse
     from flash_attn_sm120.config_bwd import bwd_config_from_name
 
     b, h, d = 2, 2, 128
@@ -182,7 +181,7 @@ def test_deterministic_turns_take_compact_varlen_lists(monkeypatch):
         lists = BlockSparseTensorsTorch(torch.empty(b, h, 3, dtype=torch.int32, device="cuda"),
                                         torch.empty(b, h, 3, 2, dtype=torch.int32, device="cuda"),
                                         block_size=(128, 128))
-        _, (_, key) = driver_bwd._block_sparse_plan(
+        _, (_, key) = block_sparse_bwd.plan(
             lists, q, k, bwd_config_from_name("bwd-w8-64x64-q1do1-a242"), head_dim_v=d, causal=False, local=False,
             deterministic=True, varlen=True, config_given=True, batch=b, bounds=(600, 700), q_varlen=True)
     assert key[4] is True and seen["q_blocks"] == 5  # ceil(600 / 128), not the width 2

@@ -12,8 +12,8 @@ Backward: lifts `flash_attn_sm120/kernels/bwd_block_sparse.py` as upstream's
 `flash_bwd_sm120_block_sparse.py` (a subclass of patch 0005's modifier backward that walks the
 Q-direction lists) and makes `_flash_attn_bwd` on SM120 build it for `block_sparse_tensors`, with
 one Q/dO stage on the table's tile or SM120's earlier default tile, whichever divides the sparse
-block, as the package's `driver_bwd._block_sparse_plan` does (varlen refused by
-name: `driver_bwd.check_block_sparse`, lifted, called without per-sequence lists, as upstream's
+block, as the package's `block_sparse_bwd.plan` does (varlen refused by
+name: `block_sparse_bwd.check_block_sparse`, lifted, called without per-sequence lists, as upstream's
 `_flash_attn_bwd` refuses varlen lists on every GPU; the package's varlen lists, block_sparse_bwd.py,
 are not in the patch; deterministic lists take their dQ turns from `block_sparse.dq_turns`, lifted,
 as the package's driver does).
@@ -36,7 +36,7 @@ from typing import Optional
 
 from flash_attn_sm120 import block_sparse as pkg_block_sparse
 from flash_attn_sm120 import config as pkg_config
-from flash_attn_sm120 import driver_bwd as pkg_driver_bwd
+from flash_attn_sm120 import block_sparse_bwd as pkg_block_sparse_bwd
 from flash_attn_sm120.kernels import bwd_block_sparse as pkg_bwd_block_sparse
 from flash_attn_sm120.kernels import bwd_tiling as pkg_bwd_tiling
 
@@ -262,7 +262,7 @@ def patch_fwd_configs(ctx: Context) -> None:
 
 
 # ------------------------------------------------------------ the backward's config (host side)
-_PLAN_RULE = (  # what driver_bwd._block_sparse_plan does, as sm120_bwd_block_sparse_config restates it
+_PLAN_RULE = (  # what block_sparse_bwd.plan does, as sm120_bwd_block_sparse_config restates it
     "check_block_sparse(deterministic, varlen, turns_from_lists=True, per_sequence_lists=True)",
     "if tensors.block_size is None:",
     "candidates = [cfg] if config_given else [c for c in (preferred,) if c is not None] + [",
@@ -293,20 +293,20 @@ def _wrapped_literal(cfg) -> str:
 
 def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
     """The block-sparse section of flash_bwd_sm120_configs.py: the refusals (lifted) and the config rule
-    (`plan_source`: driver_bwd._block_sparse_plan's text, for tests; by default its current source)."""
-    rule = inspect.getsource(pkg_driver_bwd._block_sparse_plan) if plan_source is None else plan_source
+    (`plan_source`: block_sparse_bwd.plan's text, for tests; by default its current source)."""
+    rule = inspect.getsource(pkg_block_sparse_bwd.plan) if plan_source is None else plan_source
     for said in _PLAN_RULE:
         if said not in rule:
-            raise AnchorError(f"flash_attn_sm120/driver_bwd.py: _block_sparse_plan no longer has {said!r}; revisit "
+            raise AnchorError(f"flash_attn_sm120/block_sparse_bwd.py: plan no longer has {said!r}; revisit "
                               "sm120_bwd_block_sparse_config in step_block_sparse.py")
-    check = rename(top_level_source(pkg_driver_bwd, "check_block_sparse"), "check_block_sparse",
-                   "sm120_check_block_sparse_bwd", where="flash_attn_sm120/driver_bwd.py")
+    check = rename(top_level_source(pkg_block_sparse_bwd, "check_block_sparse"), "check_block_sparse",
+                   "sm120_check_block_sparse_bwd", where="flash_attn_sm120/block_sparse_bwd.py")
     turns = _join_defs(top_level_source(pkg_block_sparse, n) for n in ("dq_turns", "_valid_or"))
     for old, new in (("dq_turns", "sm120_bwd_block_sparse_dq_turns"), ("_valid_or", "_sm120_valid_or")):
         turns = re.sub(rf"(?<![\w.]){old}\b", new, turns)
     turns = substitute(turns, "(kernels/bwd_block_sparse.py)", "(flash_bwd_sm120_block_sparse.py)", where=_BS_WHERE)
     check = check.rstrip("\n") + "\n\n\n" + turns.rstrip("\n") + "\n\n"
-    # the walk's own config where the table's would serve (driver_bwd.SPARSE_BWD_CONFIGS and its rule)
+    # the walk's own config where the table's would serve (block_sparse_bwd.SPARSE_BWD_CONFIGS and its rule)
     preferred_map = (
         "# The list walk's own config where the table's would serve: a dense-layout, non-deterministic call\n"
         "# without a causal/local mask, a score_mod (softcap's included) or aux tensors (a mask_mod is fine).\n"
@@ -314,8 +314,8 @@ def render_bwd_block_sparse_configs(plan_source: Optional[str] = None) -> str:
         "# on 10% random and window + global lists (kernel time)\n"
         "SM120_BWD_BLOCK_SPARSE_PREFERRED: dict[int, Sm120BwdConfig] = {\n"
         + "".join(f"    {d}: " + textwrap.indent(_wrapped_literal(c), "    ").lstrip() + ",\n"
-                  for d, c in pkg_driver_bwd.SPARSE_BWD_CONFIGS.items()) + "}\n")
-    preferred_rule = top_level_source(pkg_driver_bwd, "sparse_preferred_config")
+                  for d, c in pkg_block_sparse_bwd.SPARSE_BWD_CONFIGS.items()) + "}\n")
+    preferred_rule = top_level_source(pkg_block_sparse_bwd, "sparse_preferred_config")
     preferred_rule = rename(preferred_rule, "SPARSE_BWD_CONFIGS", "SM120_BWD_BLOCK_SPARSE_PREFERRED", where=_BS_WHERE)
     preferred_rule = rename(preferred_rule, "sparse_preferred_config", "sm120_bwd_block_sparse_preferred",
                             where=_BS_WHERE)
