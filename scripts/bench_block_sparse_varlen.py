@@ -6,7 +6,10 @@ Packed documents (flash_attn_varlen_func with cu_seqlens_q / cu_seqlens_k), each
 lists; the backward (--bwd) takes flash_attn_varlen_func's block_sparse_tensors_bwd, the same maps transposed, in
 the packed form (block_sparse_bwd.py), and times autograd.grad of a kept forward. TFLOPS are counted on the
 computed blocks (4 * h * d * visited blocks * 128 * 128, 2.5x for the backward), against the dense call's TFLOPS
-over every block of every document. CUDA-event medians, dense and sparse timed A B B A (bench.time_cuda). The
+over every block of every document. CUDA-event medians, dense and sparse timed A B B A (bench.time_cuda); --graph
+times each call captured in a CUDA graph instead (the kernels' own time: a 0.2 ms sparse forward is close to its
+host path's time, and the backward's packed lists are copied by a few torch ops each call), the backward's time
+being that of a graph of forward + backward less the forward's own graph, as bench_block_sparse.py --graph does. The
 dense-layout gate's numbers come from bench_block_sparse.py; this one shows what the varlen walk (upstream's
 varlen grid, no longest-first launch order) gives on the same kind of lists.
 
@@ -40,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the rows here (prepare.py-style header)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--bwd", action="store_true", help="time the backward (autograd.grad) instead of the forward")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each call captured in a CUDA graph (the kernels' time, no host path), not eagerly")
     args = ap.parse_args(argv)
     info = device_info()
     if not info.uses_sm120_kernels:
@@ -63,27 +68,41 @@ def main(argv=None) -> int:
         dense_flops = 4 * h * d * sum(n * n for n in lens) * scale
         index = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
         kept = {}
+        graph_leaves = [[t.detach().requires_grad_() for t in x[i]] for i in range(2)]  # --graph --bwd's inputs
 
-        def call(i, use_sparse, x=x, kept=kept, index=index, sparse=sparse, sparse_bwd=sparse_bwd, dout=dout):
+        def call(i, use_sparse, fwd_only=False, x=x, kept=kept, index=index, sparse=sparse, sparse_bwd=sparse_bwd,
+                 dout=dout, graph_leaves=graph_leaves):
+            # fwd_only: the forward of a graph-timed backward
             kw = dict(block_sparse_tensors=sparse, block_sparse_tensors_bwd=sparse_bwd) if use_sparse else {}
             if not args.bwd:
                 return flash_attn_varlen_func(*x[i], **index, **kw)
+            if args.graph:  # forward and backward in the same capture (autograd runs it on the forward's stream)
+                out = flash_attn_varlen_func(*graph_leaves[i], **index, **kw)[0]
+                return out if fwd_only else torch.autograd.grad(out, graph_leaves[i], dout)
             if (i, use_sparse) not in kept:
                 leaves = [t.detach().requires_grad_() for t in x[i]]
                 kept[i, use_sparse] = (leaves, flash_attn_varlen_func(*leaves, **index, **kw)[0])
             leaves, out = kept[i, use_sparse]
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
+        def timed(fn, fwd) -> float:
+            """fn's time; a graph-timed backward (fn: forward + backward) less its forward's (fwd)."""
+            if not args.graph:
+                return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
+            ms = bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
+            return ms - bench.time_cuda_graph(fwd, rotations=2, reps=args.reps).median_ms if args.bwd else ms
+
         ms = {False: [], True: []}
         for use in (False, True, True, False):
-            ms[use].append(bench.time_cuda(lambda i, u=use: call(i, u), rotations=2, reps=args.reps).median_ms)
+            ms[use].append(timed(lambda i, u=use: call(i, u), lambda i, u=use: call(i, u, True)))
         dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
         dense_tf, sparse_tf = dense_flops / dense_ms / 1e9, sparse_flops / sparse_ms / 1e9
         problem = f"varlen{len(lens)}x{total}h{h}d{d}"
         direction = "bwd" if args.bwd else "fwd"
         rows.append(dict(problem=problem, direction=direction, lengths=list(lens), visited=visited_blocks / dense_blocks,
                          dense_ms=dense_ms, sparse_ms=sparse_ms, dense_tflops=dense_tf,
-                         sparse_tflops_on_computed=sparse_tf, ratio=sparse_tf / dense_tf))
+                         sparse_tflops_on_computed=sparse_tf, ratio=sparse_tf / dense_tf,
+                         timer="cuda graph" if args.graph else "eager"))
         print(f"[{info.mode}] {direction} {problem:24s} visited {100 * rows[-1]['visited']:5.1f}%  dense "
               f"{dense_ms:7.3f} ms {dense_tf:6.1f} TF  sparse {sparse_ms:7.3f} ms {sparse_tf:6.1f} TF  "
               f"ratio {sparse_tf / dense_tf:.3f}", flush=True)
