@@ -14,7 +14,8 @@ pre/post-processing or combine kernels) is compared on:
 Implementations: `table` (the shipped config table, what flash_attn_func runs), `upstream` (upstream's
 SM120 kernel with its default tiles, padded like every SM120 kernel in emulation), or `config:<name>`
 for a registry path of flash_attn_sm120/paths.py (e.g. config:cpasync-w8-128x96-s1), `sparse:<density>` (the
-public API with random block-sparse lists: that share of the 128 x 128 blocks, all full). Backward: `bwd:table`,
+public API with random block-sparse lists: that share of the 128 x 128 blocks, all full; `sparse:0.1:grid` or
+`sparse:0.1:hg2` launch the tiles in grid order or longest first within groups of 2 heads). Backward: `bwd:table`,
 `bwd:deterministic` (the same with deterministic=True), `bwd:upstream` (the main backward kernel),
 `bwd:config:<name>` (one backward tile by config_bwd's name, e.g. bwd-w4-64x64-q1do1-a242-vreg) or
 `bwd:sparse:<density>` (autograd.grad of the block-sparse call, with the lists' Q-direction twins).
@@ -187,7 +188,7 @@ def _forward_call(impl: str, p, x, info):
     elif impl.startswith("config:"):
         config = get_path(impl.split(":", 1)[1]).config_for(p.head_dim, p.dv)
     elif impl.startswith("sparse:"):
-        return _sparse_call(float(impl.split(":", 1)[1]), p, x)
+        return _sparse_call(impl.split(":", 1)[1], p, x)
     else:
         raise SystemExit(f"unknown implementation {impl!r} (table, upstream, config:<registry path>, sparse:<density>, "
                          "bwd:table, bwd:deterministic, bwd:upstream)")
@@ -211,16 +212,37 @@ def _random_kinds(density: float, p):
                                            density=density, full_share=1.0, generator=g)
 
 
-def _sparse_call(density: float, p, x):
+def _sparse_order(spec: str):
+    """`<density>[:grid|:hg<heads>]` -> (density, the launch order's context: None (longest first),
+    block_sparse.grid_order() or block_sparse.head_groups(heads))."""
+    from flash_attn_sm120 import block_sparse
+
+    density, _, order = spec.partition(":")
+    if not order:
+        return float(density), None
+    if order == "grid":
+        return float(density), block_sparse.grid_order
+    if order.startswith("hg") and order[2:].isdigit():
+        return float(density), lambda: block_sparse.head_groups(int(order[2:]))
+    raise SystemExit(f"sparse:{spec}: the order is ':grid' or ':hg<heads>' (block_sparse.head_groups)")
+
+
+def _sparse_call(spec: str, p, x):
     """The public API with block-sparse lists: a random `density` of the 128 x 128 blocks, all full (no
-    mask_mod), the dispatcher's sparse config (scripts/bench_block_sparse.py's random10 at 0.1)."""
+    mask_mod), the dispatcher's sparse config (scripts/bench_block_sparse.py's random10 at 0.1); `spec` is
+    `<density>[:grid|:hg<heads>]`, the suffix a launch order other than longest first."""
+    import contextlib
+
     import flash_attn_sm120
     from flash_attn_sm120 import testing_sparse
 
+    density, order = _sparse_order(spec)
     lists = testing_sparse.lists_from_map(_random_kinds(density, p), (128, 128))
 
     def call():
-        return flash_attn_sm120.flash_attn_func(x["q"], x["k"], x["v"], causal=p.causal, block_sparse_tensors=lists)
+        with order() if order is not None else contextlib.nullcontext():
+            return flash_attn_sm120.flash_attn_func(x["q"], x["k"], x["v"], causal=p.causal,
+                                                    block_sparse_tensors=lists)
 
     return call
 

@@ -54,3 +54,25 @@ def test_table_ranks_stalls_by_the_candidate_and_shows_every_metric():
     stall_lines = text.split("top warp stalls")[1].splitlines()[1:]
     assert stall_lines[0].split()[0] == "long_scoreboard" and stall_lines[1].split()[0] == "barrier"
     assert "2.00" in text and "3.00" in text  # durations in us
+
+
+def test_problems_by_shape_and_sparse_orders():
+    """--problem takes a plain shape beside the seed/real names; sparse:<density> takes a launch order suffix."""
+    import pytest
+
+    p = ncu_compare.find_problem("b1s32768h16d128", False)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.head_dim, p.causal) == (
+        1, 32768, 32768, 16, 16, 128, False)
+    assert ncu_compare.find_problem("b2s8192h64k8d128", True).nheads_kv == 8
+    assert ncu_compare.find_problem("b4s2048h32d64", True).name == "b4s2048h32d64-causal"  # a seed problem
+    with pytest.raises(SystemExit, match="not a seed/real problem"):
+        ncu_compare.find_problem("s8192d128", False)
+    assert ncu_compare._sparse_order("0.1") == (0.1, None)
+    assert ncu_compare._sparse_order("0.25:grid")[0] == 0.25
+    density, order = ncu_compare._sparse_order("0.1:hg2")
+    with order():
+        from flash_attn_sm120 import block_sparse
+        assert block_sparse._order_forced[-1] == 2
+    assert block_sparse._order_forced[-1] is False
+    with pytest.raises(SystemExit, match="the order is"):
+        ncu_compare._sparse_order("0.1:lpt")
