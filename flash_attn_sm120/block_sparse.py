@@ -256,7 +256,8 @@ def grid_order():
 
 def head_groups(heads: int):
     """Within the block, block-sparse calls launch their tiles longest first within groups of `heads`
-    consecutive (batch, head) pairs, the groups in grid order: the tiles running at once then read the K/V of
+    consecutive (batch, grid head) pairs, the groups in grid order (grid heads: the KV heads of a packed-GQA
+    forward, the query heads of the backward walk): the tiles running at once then read the K/V of
     few heads, which L2 may hold, where longest first over the whole grid reads every head's at once.
     scripts/bench_block_sparse.py --head-groups times it beside the default."""
     if heads < 1:
@@ -273,7 +274,7 @@ def orders_tiles(config: FwdConfig, *, varlen_q: bool) -> bool:
 def tile_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_heads: int, num_block: int,
                tiles_per_sparse_row: int) -> torch.Tensor:
     """The launch order of a block-sparse call's tiles (`longest_first_order`; grid order inside
-    `grid_order()`)."""
+    `grid_order()`, head groups inside `head_groups()`)."""
     forced = _order_forced[-1]
     return longest_first_order(norm, batch=batch, grid_heads=grid_heads, num_block=num_block,
                                tiles_per_sparse_row=tiles_per_sparse_row, grid=forced is True,
@@ -287,12 +288,11 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     list lengths, mask blocks weighted MASK_BLOCK_WEIGHT, full ones FULL_BLOCK_WEIGHT), ties in grid
     order; `grid`: the identity (the grid's own order); `head_group` > 0: longest first within each group
     of that many consecutive (batch, head) pairs, the groups in grid order. Tile m reads sparse row
-    m // tiles_per_sparse_row
-    (packed GQA rows per position times the subtile factor). Cached per count tensors (the same live tensor
-    objects at the same version and layout) and grid, so that a mask reused across layers and steps sorts
-    once; not cached: fake tensors. Under CUDA-graph capture a cached order is reused (the graph then holds
-    no sort: its replays run the attention kernel alone) and kept alive as long as the count tensors the
-    graph also reads; replays after an in-place change of the counts keep that order (any order
+    m // tiles_per_sparse_row (packed GQA rows per position times the subtile factor). Cached per count
+    tensors (the same live tensor objects at the same version and layout), grid and head_group, so that a
+    mask reused across layers and steps sorts once; not cached: fake tensors. Under CUDA-graph capture a
+    cached order is reused (the graph then holds no sort: its replays run the attention kernel alone) and
+    kept alive as long as the count tensors the graph also reads; replays after an in-place change of the counts keep that order (any order
     computes the same result). An order first computed during capture is only recorded in the graph, not
     cached (its values exist only at replay)."""
     t = norm.tensors
@@ -323,11 +323,10 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     if grid:
         order = _count(work, work.numel())
     elif head_group:
-        # group-major, then descending work, as one ascending key: group * (top + 1) + (top - work)
-        flat = work.reshape(-1).to(torch.int64)
+        # longest first, then (stable) by group: group-major, descending work inside a group, ties in grid order
+        by_work = torch.sort(work.reshape(-1), descending=True, stable=True).indices
         group = torch.div(_count(work, work.numel()), num_block * head_group, rounding_mode="floor")
-        top = flat.max()
-        order = torch.sort(group.to(torch.int64) * (top + 1) + (top - flat), stable=True).indices.to(torch.int32)
+        order = by_work[torch.sort(group[by_work], stable=True).indices].to(torch.int32)
     else:
         order = torch.sort(work.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
     if key is not None and not capturing:

@@ -218,9 +218,11 @@ def main(argv=None) -> int:
     head_dims = {int(x) for x in args.head_dims.split(",") if x}
     if head_dims - {p[3] for p in PROBLEMS}:
         raise SystemExit(f"--head-dims {args.head_dims}: the problems have head dims {sorted({p[3] for p in PROBLEMS})}")
+    groups = [int(x) for x in args.head_groups.split(",") if x]
+    if any(g < 1 for g in groups):
+        raise SystemExit(f"--head-groups {args.head_groups}: a group holds at least one head")
     orders = [("", None)] + ([(" grid order", block_sparse.grid_order)] if args.grid_order else []) + [
-        (f" head groups of {g}", lambda g=g: block_sparse.head_groups(g))
-        for g in (int(x) for x in args.head_groups.split(",") if x)]
+        (f" head groups of {g}", lambda g=g: block_sparse.head_groups(g)) for g in groups]
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     if any(s <= 0 or s % BLOCK[0] for s in seqlens):
         raise SystemExit(f"--seqlens {args.seqlens}: each must be a positive multiple of {BLOCK[0]}")

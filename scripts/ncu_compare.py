@@ -222,9 +222,9 @@ def _sparse_order(spec: str):
         return float(density), None
     if order == "grid":
         return float(density), block_sparse.grid_order
-    if order.startswith("hg") and order[2:].isdigit():
+    if order.startswith("hg") and order[2:].isdigit() and int(order[2:]) >= 1:
         return float(density), lambda: block_sparse.head_groups(int(order[2:]))
-    raise SystemExit(f"sparse:{spec}: the order is ':grid' or ':hg<heads>' (block_sparse.head_groups)")
+    raise SystemExit(f"sparse:{spec}: the order is ':grid' or ':hg<heads>', heads >= 1 (block_sparse.head_groups)")
 
 
 def _sparse_call(spec: str, p, x):
@@ -259,7 +259,10 @@ def _backward_call(impl: str, p, x, info):
 
     kind = impl.split(":", 1)[1]
     if kind.startswith("sparse:"):
-        return _sparse_backward_call(float(kind.split(":", 1)[1]), p, x)
+        density = kind.split(":", 1)[1]
+        if ":" in density:
+            raise SystemExit(f"{impl}: a launch order suffix is the forward's (sparse:<density>:grid|:hg<heads>)")
+        return _sparse_backward_call(float(density), p, x)
     if kind not in ("table", "deterministic", "upstream") and not kind.startswith("config:"):
         raise SystemExit(f"unknown backward implementation {impl!r} (bwd:table, bwd:deterministic, bwd:upstream, "
                          "bwd:config:<config name>, bwd:sparse:<density>)")
@@ -313,7 +316,7 @@ def profile(impl: str, problem: str, causal: bool, ncu: str) -> tuple[Optional[d
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--problem", default="b4s2048h32d64", help="a seed/real problem name without '-causal'")
+    ap.add_argument("--problem", default="b4s2048h32d64", help="a seed/real problem name without '-causal', or a dense shape b<B>s<S>h<H>[k<KV>]d<D>")
     ap.add_argument("--causal", action="store_true", help="the causal variant of the problem")
     ap.add_argument("--candidate", default="table", help="table | upstream | config:<registry path> (default table)")
     ap.add_argument("--reference", default="upstream", help="the same choices (default upstream)")

@@ -247,7 +247,6 @@ def test_refusals():
     q, k, v, _ = _inputs(1, 256, 256, 2, 2, 128, seed=1)
     kinds = _map_case(1, 2, 256, 256, (128, 128), seed=1)
     sparse = testing_sparse.lists_from_map(kinds, (128, 128))
-    bwd = testing_sparse.lists_from_map(kinds.transpose(2, 3).contiguous(), (128, 128))
     with pytest.raises(ValueError, match="not a multiple"):
         flash_attn_sm120.flash_attn_func(q, k, v, block_sparse_tensors=sparse._replace(block_size=(96, 128)))
     with pytest.raises(NotImplementedError, match="head dims"):

@@ -74,5 +74,6 @@ def test_problems_by_shape_and_sparse_orders():
         from flash_attn_sm120 import block_sparse
         assert block_sparse._order_forced[-1] == 2
     assert block_sparse._order_forced[-1] is False
-    with pytest.raises(SystemExit, match="the order is"):
-        ncu_compare._sparse_order("0.1:lpt")
+    for bad in ("0.1:lpt", "0.1:hg0"):
+        with pytest.raises(SystemExit, match="the order is"):
+            ncu_compare._sparse_order(bad)
