@@ -292,9 +292,9 @@ def longest_first_order(norm: NormalizedBlockSparseConfig, *, batch: int, grid_h
     tensors (the same live tensor objects at the same version and layout), grid and head_group, so that a
     mask reused across layers and steps sorts once; not cached: fake tensors. Under CUDA-graph capture a
     cached order is reused (the graph then holds no sort: its replays run the attention kernel alone) and
-    kept alive as long as the count tensors the graph also reads; replays after an in-place change of the counts keep that order (any order
-    computes the same result). An order first computed during capture is only recorded in the graph, not
-    cached (its values exist only at replay)."""
+    kept alive as long as the count tensors the graph also reads; replays after an in-place change of the
+    counts keep that order (any order computes the same result). An order first computed during capture is
+    only recorded in the graph, not cached (its values exist only at replay)."""
     t = norm.tensors
     counts = [(c, w) for c, w in ((t.mask_block_cnt, MASK_BLOCK_WEIGHT), (t.full_block_cnt, FULL_BLOCK_WEIGHT))
               if c is not None]

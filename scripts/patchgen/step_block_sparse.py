@@ -161,6 +161,19 @@ _FWD_LIFTED = (
 _FWD_LIFT_EDITS = (
     ("(upstream's rule for Q; KV from a full-width index tensor)",
      "(get_sparse_q_block_size's rule for Q; KV from a full-width index tensor)"),
+    # the head-group order is the package's benchmark switch (block_sparse.head_groups): not lifted
+    (", grid: bool = False, head_group: int = 0) -> torch.Tensor:", ", grid: bool = False) -> torch.Tensor:"),
+    ("(the grid's own order); `head_group` > 0: longest first within each group\n"
+     "    of that many consecutive (batch, head) pairs, the groups in grid order. Tile m",
+     "(the grid's own order). Tile m"),
+    ("and layout), grid and head_group, so that a", "and layout) and grid, so that a"),
+    ("tiles_per_sparse_row, grid, head_group)", "tiles_per_sparse_row, grid)"),
+    ("elif head_group:\n"
+     "        # longest first, then (stable) by group: group-major, descending work inside a group, ties in grid order\n"
+     "        by_work = torch.sort(work.reshape(-1), descending=True, stable=True).indices\n"
+     "        group = torch.div(_count(work, work.numel()), num_block * head_group, rounding_mode=\"floor\")\n"
+     "        order = by_work[torch.sort(group[by_work], stable=True).indices].to(torch.int32)\n"
+     "    else:", "else:"),
 )
 _FWD_CONFIG_FIELDS = ("num_threads", "tile_m", "tile_n", "num_stages", "q_in_regs", "family")  # Sm120FwdConfig's
 _FWD_SELECT = '''
