@@ -415,6 +415,17 @@ def time_cuda_graph(
     return summarize_times([t / calls for t in times])
 
 
+def time_direction_ms(fn: Callable[[int], object], fwd: Callable[[int], object], *, graph: bool, bwd: bool,
+                      reps: int, rotations: int = 2) -> float:
+    """Median ms of fn(i): eagerly (`time_cuda`), or captured in a CUDA graph (`time_cuda_graph`). A graph-timed
+    backward (`bwd`: fn runs forward and backward in one capture, since autograd runs the backward on its
+    forward's stream) is that graph's time less the graph of its forward alone, `fwd`."""
+    if not graph:
+        return time_cuda(fn, rotations=rotations, reps=reps).median_ms
+    ms = time_cuda_graph(fn, rotations=rotations, reps=reps).median_ms
+    return ms - time_cuda_graph(fwd, rotations=rotations, reps=reps).median_ms if bwd else ms
+
+
 def rotations_for(p: Problem, l2_bytes: int = 60 * 2**20) -> int:
     """How many input copies make the rotated working set at least 3x the L2."""
     elem = 2

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from functools import partial
 import json
 import sys
 from pathlib import Path
@@ -207,12 +208,7 @@ def main(argv=None) -> int:
     info = device_info()
     if not info.uses_sm120_kernels:
         raise SystemExit(f"{info.label()}: set FLASH_ATTN_SM120_EMULATE=1 to time the SM120 kernels here")
-    def timed(fn, fwd) -> float:
-        """fn's time; a graph-timed backward (fn: forward + backward) less its forward's (fwd)."""
-        if not args.graph:
-            return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
-        ms = bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
-        return ms - bench.time_cuda_graph(fwd, rotations=2, reps=args.reps).median_ms if args.bwd else ms
+    timed = partial(bench.time_direction_ms, graph=args.graph, bwd=args.bwd, reps=args.reps)
 
     rows = []
     head_dims = {int(x) for x in args.head_dims.split(",") if x}

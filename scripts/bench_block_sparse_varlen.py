@@ -85,16 +85,10 @@ def main(argv=None) -> int:
             leaves, out = kept[i, use_sparse]
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
-        def timed(fn, fwd) -> float:
-            """fn's time; a graph-timed backward (fn: forward + backward) less its forward's (fwd)."""
-            if not args.graph:
-                return bench.time_cuda(fn, rotations=2, reps=args.reps).median_ms
-            ms = bench.time_cuda_graph(fn, rotations=2, reps=args.reps).median_ms
-            return ms - bench.time_cuda_graph(fwd, rotations=2, reps=args.reps).median_ms if args.bwd else ms
-
         ms = {False: [], True: []}
         for use in (False, True, True, False):
-            ms[use].append(timed(lambda i, u=use: call(i, u), lambda i, u=use: call(i, u, True)))
+            ms[use].append(bench.time_direction_ms(lambda i, u=use: call(i, u), lambda i, u=use: call(i, u, True),
+                                                   graph=args.graph, bwd=args.bwd, reps=args.reps))
         dense_ms, sparse_ms = (sum(ms[u]) / 2 for u in (False, True))
         dense_tf, sparse_tf = dense_flops / dense_ms / 1e9, sparse_flops / sparse_ms / 1e9
         problem = f"varlen{len(lens)}x{total}h{h}d{d}"

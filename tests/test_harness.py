@@ -293,3 +293,22 @@ def test_bwd_write_merges_and_keeps_an_entry_the_table_wins(tmp_path):
     assert {k: v for k, v in after.items() if k != (128, "none", False)} == {
         k: v for k, v in before.items() if k != (128, "none", False)}
     assert list(after) == list(before)  # the table's order is kept
+
+
+def test_time_direction_ms_composes_the_timers(monkeypatch):
+    """Eager: time_cuda of fn; graph: time_cuda_graph of fn, less that of fwd only for a backward."""
+    seen = []
+
+    def fake(kind, ms):
+        def timer(fn, rotations, reps):
+            seen.append((kind, fn, rotations, reps))
+            return bench.Timing(median_ms=ms[fn], p10_ms=ms[fn], p90_ms=ms[fn], reps=reps)
+        return timer
+
+    ms = {"fn": 5.0, "fwd": 2.0}
+    monkeypatch.setattr(bench, "time_cuda", fake("eager", ms))
+    monkeypatch.setattr(bench, "time_cuda_graph", fake("graph", ms))
+    assert bench.time_direction_ms("fn", "fwd", graph=False, bwd=True, reps=7) == 5.0
+    assert bench.time_direction_ms("fn", "fwd", graph=True, bwd=False, reps=7) == 5.0
+    assert bench.time_direction_ms("fn", "fwd", graph=True, bwd=True, reps=7) == 3.0
+    assert seen == [("eager", "fn", 2, 7), ("graph", "fn", 2, 7), ("graph", "fn", 2, 7), ("graph", "fwd", 2, 7)]
