@@ -26,7 +26,9 @@ backward's time is that graph's minus the forward's own graph (written 2026-12-0
 Each row also reports the sparse call's host time per call (bench.host_us_per_call). --seqlens times the
 problems at other sequence lengths: at s8192 a 10% tile walks about 6 of 64 blocks, so its fixed per-tile cost
 (prologue, epilogue, the first loads' latency) weighs about 10x more than in the dense tile; longer rows show how
-much of the gap that is.
+much of the gap that is. --heads does the same with head counts: at b1 s8192 d128 a head's K and V are 4 MB, so 4
+heads fit an H100's 50 MB L2 whole and 16 do not (an RTX PRO 6000 has 128 MB), while a random 10% list uses each
+K/V block in only ~6 of a head's 64 Q tiles: the ratio against --heads shows how much of the gap is L2 misses.
 
   FLASH_ATTN_SM120_EMULATE=1 python scripts/bench_block_sparse.py --json bs.json
 """
@@ -188,6 +190,10 @@ def main(argv=None) -> int:
                     help="comma list: time each problem at these sequence lengths instead of its own (multiples of "
                          "128), e.g. 8192,16384,32768: how the sparse-to-dense ratio grows as each tile's list gets "
                          "longer than its fixed per-tile cost")
+    ap.add_argument("--heads", default="",
+                    help="comma list: time each problem with these head counts instead of its own, e.g. 4,8,16: "
+                         "fewer heads' K/V fit the L2 whole (H100 50 MB, RTX PRO 6000 128 MB), which shows how much of "
+                         "the sparse-to-dense gap is the L2 (a random list reuses each K/V block across few Q tiles)")
     ap.add_argument("--grid-order", action="store_true",
                     help="also time each sparse call with its tiles launched in grid order instead of longest "
                          "first (block_sparse.grid_order), side by side (the backward's non-deterministic walk too)")
@@ -222,7 +228,11 @@ def main(argv=None) -> int:
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     if any(s <= 0 or s % BLOCK[0] for s in seqlens):
         raise SystemExit(f"--seqlens {args.seqlens}: each must be a positive multiple of {BLOCK[0]}")
-    problems = [(b, s2, h, d) for b, s, h, d in PROBLEMS if not head_dims or d in head_dims for s2 in seqlens or (s,)]
+    heads = [int(x) for x in args.heads.split(",") if x]
+    if any(h < 1 for h in heads):
+        raise SystemExit(f"--heads {args.heads}: each must be at least 1")
+    problems = [(b, s2, h2, d) for b, s, h, d in PROBLEMS if not head_dims or d in head_dims
+                for s2 in seqlens or (s,) for h2 in heads or (h,)]
     for b, s, h, d in problems:
         x = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         dense_flops = 4 * b * h * s * s * d * (2.5 if args.bwd else 1.0)
