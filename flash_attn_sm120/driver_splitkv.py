@@ -27,7 +27,7 @@ import torch
 
 import cutlass.cute as cute
 from flash_attn.cute.cache_utils import JITCache, JITPersistentCache
-from flash_attn.cute.cute_dsl_utils import get_aux_tensor_metadata, get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
+from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, to_cute_aux_tensor, to_cute_tensor
 from cutlass import Float32
 from flash_attn.cute.interface import (
     _compile_fwd_combine,

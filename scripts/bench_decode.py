@@ -87,7 +87,6 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     t = bench.time_cuda(lambda i: dst.copy_(src), rotations=1, warmup=3, reps=20)
-    del src, dst
     return 2 * nbytes / (t.median_ms * 1e-3)
 
 
