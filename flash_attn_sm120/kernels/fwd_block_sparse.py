@@ -96,18 +96,9 @@ def _nth_tile(block_idx: cute.Tensor, tiles: Int32, i, kv_subtile_factor: cutlas
 def load_list(block_idx: cute.Tensor, tiles: Int32, kv_state, load_K: Callable, load_V: Callable,
               pipeline_k, pipeline_v, kv_subtile_factor: cutlass.Constexpr[int], start=0, stop=None):
     """Producer warp: K then V of the list's visited tiles `start` to `stop` (default: all) into the
-    rings; returns the advanced state.
-
-    Each tile's block index is read one tile ahead, before the wait for the previous tile's slots: the
-    read (a global load) then overlaps that wait instead of delaying the tile's TMA issue after it."""
-    end = tiles if const_expr(stop is None) else stop
-    n_next = Int32(0)
-    if start < end:
-        n_next = _nth_tile(block_idx, tiles, start, kv_subtile_factor)
-    for i in cutlass.range(start, end, unroll=1):
-        n_block = n_next
-        if i + 1 < end:
-            n_next = _nth_tile(block_idx, tiles, i + 1, kv_subtile_factor)
+    rings; returns the advanced state."""
+    for i in cutlass.range(start, tiles if const_expr(stop is None) else stop, unroll=1):
+        n_block = _nth_tile(block_idx, tiles, i, kv_subtile_factor)
         pipeline_k.producer_acquire(kv_state)
         load_K(src_idx=n_block, producer_state=kv_state)
         pipeline_v.producer_acquire(kv_state)
