@@ -15,16 +15,12 @@ tile_m Q tiles and kv_subtile_factor = sparse_block_kv / tile_n K/V tiles. With 
 kernel's M tiles hold tile_m / qhead_per_kvhead positions of every query head of a group (the
 sparse tensors then broadcast over heads, as upstream requires).
 
-Order: the producer warp and the MMA warps walk the same sequence of K/V tiles: each list's first
-tile (the mask list's, then the full list's), then the rest of the mask list, then the rest of the
-full list. Each list goes from its last block down, and within a sparse block its tiles from the
-last down (FA2's high-to-low order, so a list's first tile holds the seqlen_k boundary). Tiles of
-the last sparse block that lie wholly past seqlen_k are dropped from the count, so only the first
-tile of each list needs the seqlen_k mask; with both first tiles up front, the rest of both lists
-runs unmasked. Without a mask_mod the two lists' steps are the same code, and the rest runs as one
-loop: ptxas keeps O in one set of registers through it, where two loops in a row cost ~64-81
-register copies of O per K/V tile (sm_120a SASS: 693 -> 606 instructions per tile at d128). A Q
-tile with no tiles writes O = 0 and LSE = -inf (the sink's logit with a learnable sink), upstream's
+Order: the producer warp and the MMA warps walk the same sequence of K/V tiles, the mask list
+from its last block down, then the full list from its last block down, and within a sparse block
+its tiles from the last down (FA2's high-to-low order, so the first tile visited holds the
+seqlen_k boundary). Tiles of the last sparse block that lie wholly past seqlen_k are dropped from
+the count, so only the first tile visited of each list needs the seqlen_k mask. A Q tile with no
+tiles writes O = 0 and LSE = -inf (the sink's logit with a learnable sink), upstream's
 convention for fully masked rows.
 """
 
@@ -114,40 +110,30 @@ def load_list(block_idx: cute.Tensor, tiles: Int32, kv_state, load_K: Callable, 
 @cute.jit
 def load_tiles(sparse: SparseTiles, kv_state, load_K: Callable, load_V: Callable, pipeline_k, pipeline_v,
                kv_subtile_factor: cutlass.Constexpr[int], load_q: Optional[Callable] = None, q_state=None):
-    """Producer warp: each list's first tile, then the rest of the mask list, then the rest of the full list
-    (the module docstring's order).
+    """Producer warp: the mask list's tiles, then the full list's.
 
     `load_q(q_state)` (the persistent kernel): Q goes after the first tile visited instead of before
     every tile (the producer's docstring says why); called once, also for a tile with no lists."""
-    mask_first = cutlass.min(sparse.mask_tiles, 1)
-    full_first = Int32(0)
-    if const_expr(sparse.full_idx is not None):
-        full_first = cutlass.min(sparse.full_tiles, 1)
+    mask_start = 0
+    full_start = 0
     if const_expr(load_q is not None):
-        # the first tile visited, then Q, then the full list's first tile after a mask list's
+        mask_start = cutlass.min(sparse.mask_tiles, 1)
         if sparse.mask_tiles > 0:
             kv_state = load_list(sparse.mask_idx, sparse.mask_tiles, kv_state, load_K, load_V, pipeline_k,
                                  pipeline_v, kv_subtile_factor, stop=1)
-        else:
-            if const_expr(sparse.full_idx is not None):
-                kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V, pipeline_k,
-                                     pipeline_v, kv_subtile_factor, stop=full_first)
+        if const_expr(sparse.full_idx is not None):
+            full_start = Int32(0)
+            if sparse.mask_tiles == 0:
+                full_start = cutlass.min(sparse.full_tiles, 1)
+                if sparse.full_tiles > 0:
+                    kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V,
+                                         pipeline_k, pipeline_v, kv_subtile_factor, stop=1)
         load_q(q_state)
-        if const_expr(sparse.full_idx is not None):
-            if sparse.mask_tiles > 0:
-                kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V, pipeline_k,
-                                     pipeline_v, kv_subtile_factor, stop=full_first)
-    else:
-        kv_state = load_list(sparse.mask_idx, sparse.mask_tiles, kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                             kv_subtile_factor, stop=mask_first)
-        if const_expr(sparse.full_idx is not None):
-            kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V, pipeline_k,
-                                 pipeline_v, kv_subtile_factor, stop=full_first)
     kv_state = load_list(sparse.mask_idx, sparse.mask_tiles, kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                         kv_subtile_factor, start=mask_first)
+                         kv_subtile_factor, start=mask_start)
     if const_expr(sparse.full_idx is not None):
         kv_state = load_list(sparse.full_idx, sparse.full_tiles, kv_state, load_K, load_V, pipeline_k, pipeline_v,
-                             kv_subtile_factor, start=full_first)
+                             kv_subtile_factor, start=full_start)
     return kv_state
 
 
@@ -160,14 +146,13 @@ def total_tiles(sparse: SparseTiles) -> Int32:
 
 @cute.jit
 def consume_tiles(sparse: SparseTiles, block: Callable, kv_k, kv_v, overlap: cutlass.Constexpr[bool],
-                  kv_subtile_factor: cutlass.Constexpr[int], one_step: cutlass.Constexpr[bool] = False):
+                  kv_subtile_factor: cutlass.Constexpr[int]):
     """MMA warps: the producer's sequence of tiles through `block` (TMA's mma_one_n_block).
 
     `block(kv_k, kv_v, n_block, is_first=, mask_seqlen=, use_mask_mod=)`. The first tile visited
-    starts the online softmax (is_first); each list's first tile takes the seqlen_k mask; mask-list
-    tiles take the mask_mod, full-list tiles do not. `one_step` (no mask_mod: both lists' steps are
-    the same code) walks the rest of both lists in one loop. Returns the advanced (kv_k, kv_v); with the
-    intra-warp overlap the last tile's PV product is still due (the caller's).
+    starts the online softmax (is_first); the first tile of each list takes the seqlen_k mask;
+    mask-list tiles take the mask_mod, full-list tiles do not. Returns the advanced (kv_k, kv_v);
+    with the intra-warp overlap the last tile's PV product is still due (the caller's).
     """
     F = kv_subtile_factor
     has_full = const_expr(sparse.full_idx is not None)
@@ -182,40 +167,21 @@ def consume_tiles(sparse: SparseTiles, block: Callable, kv_k, kv_v, overlap: cut
         kv_k.advance()
         if const_expr(not overlap):
             kv_v.advance()
+        for i in cutlass.range(1, sparse.mask_tiles, unroll=1):
+            block(kv_k, kv_v, _nth_tile(sparse.mask_idx, sparse.mask_tiles, i, F), is_first=False,
+                  mask_seqlen=False, use_mask_mod=True)
+            kv_k.advance()
+            kv_v.advance()
         if const_expr(has_full):
             if sparse.mask_tiles > 0 and sparse.full_tiles > 0:
-                # the full list's first tile, after the mask list's: it may hold the seqlen_k boundary
+                # the full list's first tile, after the mask list: it may hold the seqlen_k boundary
                 block(kv_k, kv_v, _nth_tile(sparse.full_idx, sparse.full_tiles, 0, F), is_first=False,
                       mask_seqlen=True, use_mask_mod=False)
                 kv_k.advance()
                 kv_v.advance()
-            if const_expr(one_step):
-                mask_rest = sparse.mask_tiles - cutlass.min(sparse.mask_tiles, 1)
-                full_rest = sparse.full_tiles - cutlass.min(sparse.full_tiles, 1)
-                for j in cutlass.range(mask_rest + full_rest, unroll=1):
-                    n_block = Int32(0)
-                    if j < mask_rest:
-                        n_block = _nth_tile(sparse.mask_idx, sparse.mask_tiles, 1 + j, F)
-                    else:
-                        n_block = _nth_tile(sparse.full_idx, sparse.full_tiles, 1 + j - mask_rest, F)
-                    block(kv_k, kv_v, n_block, is_first=False, mask_seqlen=False, use_mask_mod=False)
-                    kv_k.advance()
-                    kv_v.advance()
-            else:
-                kv_k, kv_v = _walk_rest(sparse.mask_idx, sparse.mask_tiles, block, kv_k, kv_v, F, True)
-                kv_k, kv_v = _walk_rest(sparse.full_idx, sparse.full_tiles, block, kv_k, kv_v, F, False)
-        else:
-            kv_k, kv_v = _walk_rest(sparse.mask_idx, sparse.mask_tiles, block, kv_k, kv_v, F, True)
-    return kv_k, kv_v
-
-
-@cute.jit
-def _walk_rest(block_idx: cute.Tensor, tiles: Int32, block: Callable, kv_k, kv_v,
-               kv_subtile_factor: cutlass.Constexpr[int], use_mask_mod: cutlass.Constexpr[bool]):
-    """A list's tiles after its first, through `block`."""
-    for i in cutlass.range(1, tiles, unroll=1):
-        block(kv_k, kv_v, _nth_tile(block_idx, tiles, i, kv_subtile_factor), is_first=False, mask_seqlen=False,
-              use_mask_mod=use_mask_mod)
-        kv_k.advance()
-        kv_v.advance()
+            for i in cutlass.range(1, sparse.full_tiles, unroll=1):
+                block(kv_k, kv_v, _nth_tile(sparse.full_idx, sparse.full_tiles, i, F), is_first=False,
+                      mask_seqlen=False, use_mask_mod=False)
+                kv_k.advance()
+                kv_v.advance()
     return kv_k, kv_v

@@ -151,13 +151,11 @@ class TmaMainloopMixin:
         if const_expr(lists is not None):
             sparse = lists()
             # causal/local masks (when the call has them) apply to every visited tile
-            # one `if` around the walk and the last PV product: with two, ptxas copies O between registers
-            # on every K/V tile
+            kv_k, kv_v = fwd_block_sparse.consume_tiles(
+                sparse, partial(block, mask_causal_local=True), kv_k, kv_v, self.intra_warp_overlap,
+                self.kv_subtile_factor,
+            )
             if fwd_block_sparse.total_tiles(sparse) > 0:
-                kv_k, kv_v = fwd_block_sparse.consume_tiles(
-                    sparse, partial(block, mask_causal_local=True), kv_k, kv_v, self.intra_warp_overlap,
-                    self.kv_subtile_factor, one_step=self.mask_mod is None,
-                )
                 if const_expr(self.intra_warp_overlap):
                     self.mma_pv(kv_v, pipeline_v, tiled_mma_pv, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
                     kv_v.advance()
