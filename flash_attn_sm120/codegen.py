@@ -109,19 +109,32 @@ _BACK_BRANCH_RE = re.compile(r"(?:^|\s)(?:U?P\w+,\s*)?0x([0-9a-f]+)")
 _LDSM_BYTES = {"4": 512, "2": 256}  # ldmatrix .x4 / .x2 per warp; .x1 reads 128 B
 
 
+def sass_instructions(text: str) -> list[tuple[int, Optional[str], str, str]]:
+    """(address, predicate or None, opcode, operands) of each instruction in `cuobjdump --dump-sass` text."""
+    return [(int(m.group(1), 16), m.group(2) and m.group(2).strip(), m.group(3), m.group(4))
+            for m in _SASS_LINE_RE.finditer(text)]
+
+
+def backward_branches(lines: list[tuple[int, Optional[str], str, str]]) -> list[tuple[int, int]]:
+    """(target, address) of each branch to a lower address, in address order: the loops of sass_instructions'
+    lines (and the returns from out-of-line code, which callers that care tell apart)."""
+    spans = []
+    for addr, _, op, args in lines:
+        target = _BACK_BRANCH_RE.search(args) if op.split(".")[0] == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            spans.append((int(target.group(1), 16), addr))
+    return spans
+
+
 def main_loop_ldsm_bytes(text: str) -> int:
     """ldmatrix bytes one warp reads per pass of a kernel's longest loop (the span of its longest backward
     branch in `cuobjdump --dump-sass`): the mainloop's shared-memory operand traffic, without the prologue's."""
-    lines = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _SASS_LINE_RE.finditer(text)]
-    loops = []
-    for addr, op, args in lines:
-        target = _BACK_BRANCH_RE.search(args) if op.split(".")[0] == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
+    lines = sass_instructions(text)
+    loops = backward_branches(lines)
     if not loops:
         raise ValueError("no loop (backward branch) in this SASS")
     lo, hi = max(loops, key=lambda span: span[1] - span[0])
-    return sum(_LDSM_BYTES.get(op.rsplit(".", 1)[-1], 128) for addr, op, _ in lines
+    return sum(_LDSM_BYTES.get(op.rsplit(".", 1)[-1], 128) for addr, _, op, _ in lines
                if lo <= addr <= hi and op.startswith("LDSM"))
 
 

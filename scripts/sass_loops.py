@@ -17,13 +17,7 @@ unless --all.
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass
-
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
-_BRANCH_TARGET = re.compile(r"\bBRA\S*\s.*?0x([0-9a-f]+)\s*$")
-_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
-
 
 @dataclass(frozen=True)
 class Loop:
@@ -34,30 +28,23 @@ class Loop:
     mov: int
 
 
-def _opcode(text: str) -> str:
-    return _PREDICATE.sub("", text).split()[0] if text.strip() else ""
-
-
 def loops(sass: str) -> list[Loop]:
-    """Every backward branch of `cuobjdump --dump-sass` text, as the loop it closes (head to branch, both in),
-    but those whose span holds an unconditional EXIT (returns from out-of-line code)."""
-    instructions = [(int(m.group(1), 16), m.group(2).strip()) for m in _INSTRUCTION.finditer(sass)]
-    position = {address: i for i, (address, _) in enumerate(instructions)}
+    """Every backward branch of `cuobjdump --dump-sass` text (codegen.backward_branches), as the loop it closes
+    (head to branch, both in), but those whose span holds an unconditional EXIT (returns from out-of-line code)."""
+    from flash_attn_sm120 import codegen
+
+    lines = codegen.sass_instructions(sass)
+    position = {addr: i for i, (addr, *_) in enumerate(lines)}
     found = []
-    for i, (address, text) in enumerate(instructions):
-        m = _BRANCH_TARGET.search(text)
-        if m is None:
+    for target, addr in codegen.backward_branches(lines):
+        if target not in position:
             continue
-        target = int(m.group(1), 16)
-        if target >= address or target not in position:
-            continue
-        span = instructions[position[target]:i + 1]
-        if any(t == "EXIT" for _, t in span):
+        span = lines[position[target]:position[addr] + 1]
+        if any(op == "EXIT" and predicate is None for _, predicate, op, _ in span):
             # the return from out-of-line code placed after the kernel's end (a pipeline wait's retry), not a loop
             continue
-        body = [_opcode(t) for _, t in span]
-        found.append(Loop(target, address, len(body), sum(op.startswith("HMMA") for op in body),
-                          sum(op == "MOV" or op.startswith("MOV.") for op in body)))
+        found.append(Loop(target, addr, len(span), sum(op.startswith("HMMA") for _, _, op, _ in span),
+                          sum(op == "MOV" or op.startswith("MOV.") for _, _, op, _ in span)))
     return found
 
 
